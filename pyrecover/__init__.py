@@ -1,0 +1,3 @@
+"""pyrecover: training that survives time limits, preemption and crashes on SLURM clusters."""
+
+__version__ = "0.1.0"

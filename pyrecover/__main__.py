@@ -1,0 +1,3 @@
+from pyrecover.cli import main
+
+main()

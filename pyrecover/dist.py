@@ -1,0 +1,319 @@
+"""Where this process sits in the job: detection, process groups, devices, local workers.
+
+`detect(environ)` is pure: it reads a mapping and says which launcher started us (torchrun or
+pyrecover's own `--nproc`, an `srun` task, or nothing) and what rank we are. Setting up the
+process group, binding a device and spawning local workers are separate functions, so tests
+can check detection over a table of environments without starting anything.
+This module imports nothing else from the project (torch is imported only where needed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+
+class DistError(ValueError):
+    """The environment describes an impossible layout (bad nodelist, rank >= world size, ...)."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    launcher: str  # "torchrun", "slurm" or "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+PORT_BASE, PORT_SPAN = 10000, 20000  # unprivileged and below Linux's ephemeral range
+
+
+def detect(environ: Mapping[str, str]) -> DistEnv:
+    """detect returns the layout from torchrun-style, SLURM-task or no variables, in that order.
+
+    torchrun-style variables win because `torchrun` inside an `srun` step sees both.
+    """
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return _from_torchrun(environ)
+    if "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ and "SLURM_NTASKS" in environ:
+        return _from_slurm(environ)
+    return DistEnv("single", 0, 1, 0, 1, 0, "127.0.0.1", _int(environ, "MASTER_PORT", 29500))
+
+
+def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
+    world = _int(env, "WORLD_SIZE")
+    local_world = _int(env, "LOCAL_WORLD_SIZE", world)
+    return _checked(DistEnv(
+        launcher="torchrun",
+        rank=_int(env, "RANK"),
+        world_size=world,
+        local_rank=_int(env, "LOCAL_RANK", 0),
+        local_world_size=local_world,
+        node_rank=_int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0)),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_int(env, "MASTER_PORT", 29500),
+    ))
+
+
+def _from_slurm(env: Mapping[str, str]) -> DistEnv:
+    node_rank = _int(env, "SLURM_NODEID", 0)
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts = expand_tasks_per_node(per_node) if per_node else [_int(env, "SLURM_NTASKS")]
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
+    master = env.get("MASTER_ADDR") or (expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1")
+    if "MASTER_PORT" in env:
+        port = _int(env, "MASTER_PORT")
+    else:
+        port = port_for_job(_int(env, "SLURM_JOB_ID", 0))
+    return _checked(DistEnv(
+        launcher="slurm",
+        rank=_int(env, "SLURM_PROCID"),
+        world_size=_int(env, "SLURM_STEP_NUM_TASKS", _int(env, "SLURM_NTASKS")),
+        local_rank=_int(env, "SLURM_LOCALID", 0),
+        local_world_size=counts[node_rank] if node_rank < len(counts) else counts[-1],
+        node_rank=node_rank,
+        master_addr=master,
+        master_port=port,
+    ))
+
+
+def port_for_job(job_id: int) -> int:
+    """port_for_job maps a SLURM job id to a port that two concurrent jobs rarely share."""
+    return PORT_BASE + job_id % PORT_SPAN
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """expand_hostlist turns `gpu[001-003,010],login1` into its host names, in order.
+
+    Zero padding follows the lower bound (`[001-010]` gives `001` ... `010`), as SLURM does.
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(hostlist.strip()):
+        hosts.extend(_expand_one(item))
+    if not hosts:
+        raise DistError(f"empty SLURM nodelist {hostlist!r}")
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise DistError(f"unbalanced ']' in SLURM nodelist {text!r}")
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    if depth:
+        raise DistError(f"unbalanced '[' in SLURM nodelist {text!r}")
+    parts.append(current)
+    return [p for p in parts if p]
+
+
+def _expand_one(item: str) -> list[str]:
+    match = re.search(r"\[([^\[\]]*)\]", item)
+    if not match:
+        return [item]
+    head, tail = item[: match.start()], item[match.end():]
+    out = []
+    for rng in match.group(1).split(","):
+        lo, sep, hi = rng.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise DistError(f"bad range {rng!r} in SLURM nodelist {item!r}")
+        width = len(lo)
+        for n in range(int(lo), int(hi if sep else lo) + 1):
+            out.extend(_expand_one(f"{head}{n:0{width}d}{tail}"))
+    return out
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """expand_tasks_per_node turns SLURM's `4(x2),3` into `[4, 4, 3]`."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise DistError(f"bad SLURM tasks-per-node value {spec!r}")
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts
+
+
+def device_index(local_rank: int, visible_gpus: int) -> int:
+    """device_index picks this rank's GPU among the visible ones.
+
+    SLURM either shows every GPU of the node to every task (pick by local rank) or one GPU per
+    task through CUDA_VISIBLE_DEVICES (then that one is device 0).
+    """
+    if visible_gpus < 1:
+        raise DistError("no visible GPU")
+    if visible_gpus == 1:
+        return 0
+    if local_rank >= visible_gpus:
+        raise DistError(f"local rank {local_rank} but only {visible_gpus} GPUs are visible")
+    return local_rank
+
+
+def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
+    value = env.get(key)
+    if value is None or value == "":
+        if default is None:
+            raise DistError(f"environment variable {key} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise DistError(f"environment variable {key}={value!r} is not an integer") from None
+
+
+def _checked(env: DistEnv) -> DistEnv:
+    if not 0 <= env.rank < env.world_size:
+        raise DistError(f"rank {env.rank} is outside world size {env.world_size}")
+    if not 0 <= env.local_rank < max(env.local_world_size, 1):
+        raise DistError(
+            f"local rank {env.local_rank} is outside {env.local_world_size} local tasks")
+    return env
+
+
+# --- process group ------------------------------------------------------------------------
+
+
+def setup(env: DistEnv, device_kind: str, timeout_s: float = 600.0):
+    """setup binds this rank's device and joins the process group; returns the torch device.
+
+    Pair every call with `teardown()` in a `finally`.
+    """
+    import torch
+    import torch.distributed as tdist
+
+    if device_kind == "cuda":
+        device = torch.device("cuda", device_index(env.local_rank, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # Share the cores between the local ranks instead of oversubscribing them.
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(max(1, cores // max(env.local_world_size, 1)))
+    if env.is_distributed:
+        tdist.init_process_group(
+            backend="nccl" if device_kind == "cuda" else "gloo",
+            init_method=f"tcp://{_bracket(env.master_addr)}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device_kind == "cuda" else None,
+        )
+    return device
+
+
+def teardown() -> None:
+    """teardown leaves the process group if one was joined; safe to call more than once."""
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def gather_objects(obj: Any, world_size: int) -> list[Any]:
+    """gather_objects returns every rank's `obj` on every rank ([obj] without a process group)."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * world_size
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def _bracket(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr else addr
+
+
+# --- local workers (`pyrecover train --nproc N`) -------------------------------------------
+
+
+def free_port() -> int:
+    """free_port asks the kernel for a TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str]) -> int:
+    """spawn_local runs `argv` as `nproc` local workers with torchrun-style variables.
+
+    Waits for all of them. When one fails, the others are terminated (then killed), and the
+    first failure's exit code is returned, so the caller exits like the job did.
+    """
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        env = dict(environ)
+        env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(list(argv), env=env))
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
+                                                  signal.SIGINT)}
+    try:
+        failed = 0
+        while any(p.poll() is None for p in procs):
+            bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if bad and not failed:
+                failed = bad[0]
+                _stop_all(procs)
+            time.sleep(0.05)
+        codes = [p.returncode for p in procs]
+        return failed or next((c for c in codes if c != 0), 0)
+    finally:
+        _stop_all(procs)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def python_argv() -> list[str]:
+    """python_argv is the command that runs this package's CLI with the current interpreter."""
+    return [sys.executable, "-m", "pyrecover"]
