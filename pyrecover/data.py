@@ -1,0 +1,185 @@
+"""The training corpus: parquet in, fixed-length token windows out, in a resumable order.
+
+Tokens are bytes (0-255) with 256 ending each document, or the integers of an already
+tokenized list column. The token stream is cut into windows of `block_size + 1` tokens. The
+global order of windows is an endless stream: epoch e is a permutation of all windows drawn
+from a generator seeded with (seed, e). A global batch is the next `global_batch_size`
+windows of that stream and rank r takes its contiguous share, so the only position to save
+is how many windows were consumed, and it means the same thing at every world size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+EOD = 256  # end-of-document token for byte-level text
+
+
+class DataError(ValueError):
+    """The corpus cannot be used: missing, unreadable, empty or without the configured column."""
+
+
+def check_source(path: str | Path, column: str) -> pa.Schema:
+    """check_source raises DataError unless `path` is a readable parquet with `column`.
+
+    Reads only the footer, so a launcher can check before it starts any worker.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"data file {str(p)!r} does not exist; build one with "
+                        "`pyrecover data prepare SRC_DIR OUT.parquet`")
+    try:
+        schema = pq.read_schema(p)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{p}: not a readable parquet file ({_first_line(exc)})") from None
+    if column not in schema.names:
+        raise DataError(f"{p}: no column {column!r} (data.column); it has: "
+                        + ", ".join(schema.names))
+    return schema
+
+
+def load_tokens(path: str | Path, column: str) -> torch.Tensor:
+    """load_tokens reads the column and returns the whole corpus as one int64 token tensor."""
+    check_source(path, column)
+    p = Path(path)
+    try:
+        col = pq.read_table(p, columns=[column]).column(column).combine_chunks()
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{p}: cannot read column {column!r} ({_first_line(exc)})") from None
+    kind = col.type
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        tokens = _bytes_tokens(col)
+    elif (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(
+            kind.value_type):
+        tokens = torch.from_numpy(col.flatten().to_numpy(zero_copy_only=False).astype("int64"))
+    else:
+        raise DataError(f"{p}: column {column!r} has type {kind}; expected a string or a list "
+                        "of integers")
+    if tokens.numel() == 0:
+        raise DataError(f"{p}: column {column!r} holds no tokens")
+    return tokens
+
+
+def _bytes_tokens(col: pa.Array) -> torch.Tensor:
+    docs = [s.encode("utf-8") for s in col.to_pylist() if s]
+    raw = bytearray()
+    for doc in docs:
+        raw += doc
+        raw.append(0)  # placeholder, replaced by EOD below
+    tokens = torch.frombuffer(raw, dtype=torch.uint8).to(torch.int64) if raw else torch.empty(
+        0, dtype=torch.int64)
+    ends = torch.tensor(_doc_ends(docs), dtype=torch.int64)
+    if ends.numel():
+        tokens[ends] = EOD
+    return tokens
+
+
+def _doc_ends(docs: list[bytes]) -> list[int]:
+    ends, pos = [], 0
+    for doc in docs:
+        pos += len(doc) + 1
+        ends.append(pos - 1)
+    return ends
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+@dataclass
+class Batches:
+    """Global batches of windows in a deterministic, resumable order.
+
+    `position` counts windows consumed by all ranks together since the start of training.
+    """
+
+    tokens: torch.Tensor
+    block_size: int
+    seed: int
+    position: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_windows = (self.tokens.numel() - 1) // self.block_size
+        if self.num_windows < 1:
+            raise DataError(f"corpus has {self.tokens.numel()} tokens, fewer than one window of "
+                            f"model.block_size + 1 = {self.block_size + 1}")
+        self._epoch = -1
+        self._perm = torch.empty(0, dtype=torch.int64)
+
+    def window_ids(self, start: int, count: int) -> list[int]:
+        """window_ids returns the ids at stream positions [start, start + count)."""
+        ids = []
+        for pos in range(start, start + count):
+            epoch, index = divmod(pos, self.num_windows)
+            ids.append(int(self._permutation(epoch)[index]))
+        return ids
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(self.num_windows, generator=g)
+            self._epoch = epoch
+        return self._perm
+
+    def windows(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """windows returns inputs and next-token targets for the given window ids."""
+        starts = torch.tensor(ids, dtype=torch.int64) * self.block_size
+        offsets = torch.arange(self.block_size + 1, dtype=torch.int64)
+        chunk = self.tokens[starts[:, None] + offsets[None, :]]
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    def next_global(self, global_batch: int, rank: int, world_size: int,
+                    micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """next_global takes this rank's share of the next global batch, as micro-batches.
+
+        Every rank advances `position` by the whole global batch, so positions agree.
+        """
+        share = global_batch // world_size
+        ids = self.window_ids(self.position + rank * share, share)
+        self.position += global_batch
+        return [self.windows(ids[i:i + micro_batch]) for i in range(0, share, micro_batch)]
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.num_windows
+
+
+def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = (".py",),
+            max_bytes: int | None = None) -> tuple[int, int]:
+    """prepare writes one row per text file under src_dir into a parquet `text` column.
+
+    Files are taken in sorted path order, so the corpus is the same on every machine with the
+    same sources; undecodable files are skipped. Returns (files, bytes) written.
+    """
+    src = Path(src_dir)
+    if not src.is_dir():
+        raise DataError(f"source folder {str(src)!r} does not exist")
+    paths, texts, total = [], [], 0
+    for path in sorted(src.rglob("*")):
+        if not path.is_file() or (suffixes and path.suffix not in suffixes):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not text:
+            continue
+        if max_bytes is not None and total + len(text) > max_bytes:
+            break
+        paths.append(str(path.relative_to(src)))
+        texts.append(text)
+        total += len(text)
+    if not texts:
+        raise DataError(f"no readable {'/'.join(suffixes) or ''} files under {src}")
+    out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    pq.write_table(pa.table({"path": paths, "text": texts}), tmp)
+    os.replace(tmp, out_path)
+    return len(texts), total

@@ -1,0 +1,146 @@
+"""The training loop: one optimizer step at a time, asking the checkpoint manager at each boundary.
+
+It takes every collaborator as an argument (model, optimizer, data, manager, run directory),
+so tests and other commands can drive it with real parts of any size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from pyrecover import faults
+from pyrecover.checkpoint import CheckpointManager
+from pyrecover.config import Config
+from pyrecover.data import Batches
+from pyrecover.rundir import RunDir
+
+log = logging.getLogger("pyrecover")
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (for example, too many consecutive non-finite steps)."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    """Optimizer steps completed."""
+    tokens_seen: int = 0
+    data_position: int = 0
+    """Windows of the global data stream consumed by all ranks together."""
+    bad_steps: int = 0
+    """Consecutive steps skipped for a non-finite loss or gradient."""
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def lr_factor(step: int, cfg: Config) -> float:
+    """lr_factor is the multiplier of train.lr at `step`: linear warmup, then cosine to min_lr."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    span = max(1, t.max_steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    floor = t.min_lr / t.lr
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Loop:
+    cfg: Config
+    model: torch.nn.Module  # DDP-wrapped when world size > 1
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batches: Batches
+    manager: CheckpointManager
+    run: RunDir
+    rank: int
+    world_size: int
+    device: torch.device
+    state: TrainState
+    checkpoint_state: Callable[[], dict[str, Any]]
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+    def run_steps(self) -> TrainState:
+        t = self.cfg.train
+        tokens_per_step = t.global_batch_size * self.cfg.model.block_size
+        window_start, window_steps = time.perf_counter(), 0
+        while self.state.step < t.max_steps:
+            loss, grad_norm = self.one_step()
+            self.state.step += 1
+            self.state.tokens_seen += tokens_per_step
+            self.state.data_position = self.batches.position
+            window_steps += 1
+            step = self.state.step
+            if self.rank == 0 and (step % t.log_interval == 0 or step == t.max_steps):
+                elapsed = time.perf_counter() - window_start
+                self._log(step, loss, grad_norm, tokens_per_step * window_steps / elapsed,
+                          elapsed / window_steps)
+                window_start, window_steps = time.perf_counter(), 0
+            if self.manager.should_save(step, t.max_steps):
+                self.manager.save(step, self.checkpoint_state())
+                window_start, window_steps = time.perf_counter(), 0
+            faults.maybe_kill(step, self.rank)
+        return self.state
+
+    def one_step(self) -> tuple[float, float]:
+        t = self.cfg.train
+        micro = self.batches.next_global(t.global_batch_size, self.rank, self.world_size,
+                                         t.micro_batch_size)
+        self.model.train()
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro):
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            last = i == len(micro) - 1
+            # Gradients are averaged across ranks only on the last micro-step.
+            skip_sync = not last and self.world_size > 1
+            with self.model.no_sync() if skip_sync else contextlib.nullcontext():
+                with self.autocast():
+                    _, loss = self.model(x, y)
+                (loss / len(micro)).backward()
+            total += loss.detach().float()
+        total /= len(micro)
+        if self.world_size > 1:
+            tdist.all_reduce(total)
+            total /= self.world_size
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        loss_value, norm_value = float(total), float(grad_norm)
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            self.state.bad_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            if self.rank == 0:
+                log.warning("step %d: non-finite loss %s or gradient norm %s; update skipped "
+                            "(%d in a row)", self.state.step + 1, loss_value, norm_value,
+                            self.state.bad_steps)
+                self.run.event("bad_step", step=self.state.step + 1, loss=str(loss_value))
+            if self.state.bad_steps >= t.max_bad_steps:
+                raise TrainingError(
+                    f"{self.state.bad_steps} consecutive steps had a non-finite loss or gradient "
+                    f"(train.max_bad_steps={t.max_bad_steps}); lower train.lr or check the data")
+            return loss_value, norm_value
+        self.state.bad_steps = 0
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss_value, norm_value
+
+    def _log(self, step: int, loss: float, grad_norm: float, tok_s: float, step_s: float) -> None:
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.run.metric(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
+                        tokens_per_s=round(tok_s, 1), step_time=round(step_s, 5),
+                        tokens_seen=self.state.tokens_seen,
+                        checkpoint_stall=round(self.manager.last_save_seconds, 5))
+        log.info("step %d/%d  loss %.4f  lr %.2e  %.0f tok/s  %.1f ms/step", step,
+                 self.cfg.train.max_steps, loss, lr, tok_s, step_s * 1e3)

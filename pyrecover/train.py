@@ -1,0 +1,213 @@
+"""`pyrecover train`: parse -> build -> train, resuming from the run directory by itself.
+
+Every rank runs `main`. The process group is joined in one place and always left again in
+`finally`, whatever the loop raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from pyrecover import config as config_mod
+from pyrecover import dist
+from pyrecover.checkpoint import CheckpointManager
+from pyrecover.config import Config, ConfigError
+from pyrecover.data import Batches, load_tokens
+from pyrecover.experiment import prepare_run_dir
+from pyrecover.loop import Loop, TrainState, lr_factor
+from pyrecover.model import GPT, GPTConfig
+from pyrecover.rundir import RunDir, read_jsonl
+
+log = logging.getLogger("pyrecover")
+
+
+def setup_logging(rank: int) -> None:
+    """setup_logging sends rank 0's progress to stderr; other ranks report warnings only."""
+    handler = logging.StreamHandler(sys.stderr)
+    fmt = "%(asctime)s [pyrecover] %(message)s" if rank == 0 else \
+        f"%(asctime)s [pyrecover rank {rank}] %(levelname)s %(message)s"
+    handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.propagate = False
+
+
+def device_kind(cfg: Config) -> str:
+    if cfg.train.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' but no CUDA device is available; use auto or cpu")
+    return cfg.train.device
+
+
+def main(cfg: Config, run_dir: Path) -> None:
+    """main trains one rank of the job until train.max_steps, resuming where a checkpoint is."""
+    env = dist.detect(os.environ)
+    setup_logging(env.rank)
+    config_mod.check_world_size(cfg, env.world_size)
+    run = RunDir(run_dir)
+    tokens = load_tokens(cfg.data.path, cfg.data.column)  # data errors before any collective
+    kind = device_kind(cfg)
+    if env.rank == 0:
+        prepare_run_dir(cfg, run)
+    else:
+        run.create()
+    device = dist.setup(env, kind)
+    try:
+        _train(cfg, run, env, device, tokens)
+    finally:
+        dist.teardown()
+
+
+def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
+           tokens: torch.Tensor) -> None:
+    t = cfg.train
+    torch.manual_seed(t.seed)  # same initial weights on every rank
+    model = GPT(GPTConfig(**config_mod.to_dict(cfg)["model"])).to(device)
+    optimizer = build_optimizer(model, cfg, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    batches = Batches(tokens, cfg.model.block_size, t.seed)
+    state = TrainState()
+    manager = CheckpointManager(run, cfg.checkpoint.mode, cfg.checkpoint.interval,
+                                cfg.checkpoint.keep, env.rank, env.world_size)
+    if env.rank == 0:
+        log.info("run %s: %s, world size %d (%s), %.2fM parameters, %d windows of %d tokens",
+                 run.root, kind_name(device), env.world_size, env.launcher,
+                 model.num_params() / 1e6, batches.num_windows, cfg.model.block_size)
+    ckpt = manager.find_resume()
+    if ckpt is None:
+        seed_rank_rngs(t.seed, env.rank)
+        if env.rank == 0:
+            run.event("start", step=0, world_size=env.world_size, mode=cfg.checkpoint.mode)
+    else:
+        loaded = manager.load(ckpt)
+        model.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["scheduler"])
+        state = TrainState(**loaded["train"])
+        batches.position = state.data_position
+        restore_rngs(loaded["rng"], env.rank, t.seed, state.step)
+        if env.rank == 0:
+            lost = max(0, last_logged_step(run) - state.step)
+            log.info("resumed from %s (step %d, %d steps redone)", ckpt.path, state.step, lost)
+            run.event("resume", step=state.step, path=str(ckpt.path), steps_lost=lost,
+                      world_size=env.world_size, saved_world_size=ckpt.manifest["world_size"])
+        del loaded
+    raw_model = model
+    if env.world_size > 1:
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        settle_ddp_buckets(model, batches, t.micro_batch_size, device)
+
+    def checkpoint_state() -> dict[str, Any]:
+        rngs = gather_rngs(env.world_size)
+        return {
+            "model": raw_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "train": state.to_dict(),
+            "rng": rngs,
+            "config": config_mod.to_dict(cfg),
+        }
+
+    loop = Loop(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
+                manager=manager, run=run, rank=env.rank, world_size=env.world_size,
+                device=device, state=state, checkpoint_state=checkpoint_state,
+                autocast=autocast_for(cfg, device))
+    if state.step >= t.max_steps:
+        log.info("nothing to do: step %d already reached train.max_steps=%d", state.step,
+                 t.max_steps)
+    loop.run_steps()
+    if manager.last_saved_step != state.step and state.step > 0:
+        manager.save(state.step, checkpoint_state())
+    if env.rank == 0:
+        run.event("finish", step=state.step, tokens_seen=state.tokens_seen)
+        log.info("finished at step %d; run directory %s", state.step, run.root)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
+    """build_optimizer is AdamW with weight decay on matrices only (not norms or biases)."""
+    t = cfg.train
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2),
+                             fused=device.type == "cuda" or None)
+
+
+def autocast_for(cfg: Config, device: torch.device):
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    if precision == "bf16":
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def settle_ddp_buckets(model: DDP, batches: Batches, micro_batch: int,
+                       device: torch.device) -> None:
+    """settle_ddp_buckets runs one throw-away forward/backward before the first real step.
+
+    DDP lays out its gradient buckets one way on the first iteration after it is built and
+    rebuilds them after that; with 3+ ranks the ring all-reduce then sums in another order.
+    A run that resumed would otherwise take its first step in the first layout while the
+    uninterrupted run took that step in the second, and differ in the last bits. After this
+    call every real step of every run uses the settled layout. Weights, optimizer, RNG and the
+    data position are untouched.
+    """
+    x, y = batches.windows(batches.window_ids(0, micro_batch))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        _, loss = model(x.to(device), y.to(device))
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def seed_rank_rngs(seed: int, rank: int) -> None:
+    """seed_rank_rngs gives each rank its own dropout stream after the shared weight init."""
+    random.seed(seed + rank)
+    torch.manual_seed(seed + 7919 * (rank + 1))
+
+
+def gather_rngs(world_size: int) -> list[dict[str, Any]]:
+    mine = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    return dist.gather_objects(mine, world_size)
+
+
+def restore_rngs(rngs: list[dict[str, Any]], rank: int, seed: int, step: int) -> None:
+    """restore_rngs puts back this rank's generators; on another world size, derive new ones."""
+    if rank < len(rngs):
+        mine = rngs[rank]
+        random.setstate(_as_tuple(mine["python"]))
+        torch.set_rng_state(mine["torch"])
+        if mine["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(mine["cuda"])
+    else:
+        seed_rank_rngs(seed + step, rank)
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def last_logged_step(run: RunDir) -> int:
+    return max((int(m.get("step", 0)) for m in read_jsonl(run.metrics)), default=0)
+
+
+def kind_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"CUDA {torch.cuda.get_device_name(device)}"
+    return f"CPU ({torch.get_num_threads()} threads)"
+
