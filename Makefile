@@ -4,15 +4,31 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench image gpu-test clean
+.PHONY: venv system-deps demo test lint bench image gpu-test clean
 
 venv: $(STAMP)
+
+# What the tests need from the OS: a real SLURM (slurm-wlm, munge), bubblewrap for the
+# apptainer stand-in, shellcheck for rendered scripts. Installed with apt-get when missing
+# and we are root; otherwise the command to run is printed.
+SYSTEM_PKGS := slurm-wlm slurmctld slurmd slurm-client munge bubblewrap shellcheck
+system-deps:
+	@missing=""; for c in sbatch slurmctld slurmd munged bwrap shellcheck; do \
+	  command -v $$c >/dev/null 2>&1 || missing="$$missing $$c"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing$$missing (apt-get: $(SYSTEM_PKGS))"; \
+	    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	      --no-install-recommends $(SYSTEM_PKGS) >/dev/null; \
+	  else \
+	    echo "missing:$$missing; run: sudo apt-get install $(SYSTEM_PKGS)"; exit 1; \
+	  fi; \
+	fi
 
 # torch is pinned to the CPU build that is on disk first, so the package's torch range is
 # already met and pip never downloads a CUDA build. The container gets torch from its base.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
@@ -20,7 +36,7 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/pyrecover demo
 
-test: venv
+test: venv system-deps
 	$(PY) -m pytest
 
 lint: venv

@@ -9,6 +9,7 @@ This module imports nothing else from the project.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -273,6 +274,13 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads `2e-3` (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} is not allowed: expected a finite number")
     if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):

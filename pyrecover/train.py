@@ -20,10 +20,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pyrecover import config as config_mod
 from pyrecover import dist
 from pyrecover.checkpoint import CheckpointManager
+from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
-from pyrecover.data import Batches, load_tokens
+from pyrecover.data import Batches, DataError, load_tokens
 from pyrecover.experiment import prepare_run_dir
-from pyrecover.loop import Loop, TrainState, lr_factor
+from pyrecover.loop import Loop, TrainingError, TrainState, lr_factor
 from pyrecover.model import GPT, GPTConfig
 from pyrecover.rundir import RunDir, read_jsonl
 
@@ -64,6 +65,11 @@ def main(cfg: Config, run_dir: Path) -> None:
     device = dist.setup(env, kind)
     try:
         _train(cfg, run, env, device, tokens)
+    except Exception as exc:
+        if env.rank == 0:
+            user_error = isinstance(exc, (ConfigError, DataError, CheckpointError, TrainingError))
+            run.event("error" if user_error else "crash", error=f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         dist.teardown()
 

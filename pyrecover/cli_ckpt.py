@@ -1,0 +1,75 @@
+"""`pyrecover ckpt ...`: list, verify and export a run's checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ckpt_app = typer.Typer(help="List, verify and export checkpoints.", no_args_is_help=True)
+
+RunArg = Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")]
+StepOpt = Annotated[int | None, typer.Option(help="Checkpoint step; default: the newest valid.")]
+
+
+@ckpt_app.command("ls")
+def ls(
+    run_dir: RunArg,
+    fast: Annotated[bool, typer.Option(help="Check sizes only, not checksums.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+) -> None:
+    """Show every checkpoint: step, mode, world size, size, age and whether it verifies."""
+    from pyrecover.checkpoint import tools
+
+    rows = tools.list_checkpoints(tools.open_run(run_dir), checksums=not fast)
+    if as_json:
+        for r in rows:
+            typer.echo(json.dumps({"step": r.step, "mode": r.mode, "world_size": r.world_size,
+                                   "bytes": r.size, "age_s": r.age_s, "valid": r.valid,
+                                   "problem": r.problem}))
+        return
+    if not rows:
+        typer.echo(f"{run_dir}: no checkpoints yet")
+        return
+    typer.echo(f"{'step':>8}  {'mode':<8} {'world':>5} {'size':>10} {'age':>7}  status")
+    for r in rows:
+        status = "ok" if r.valid else f"INVALID: {r.problem}"
+        typer.echo(f"{r.step:>8}  {r.mode:<8} {r.world_size!s:>5} {tools.human_bytes(r.size):>10}"
+                   f" {tools.human_age(r.age_s):>7}  {status}")
+
+
+@ckpt_app.command("verify")
+def verify(run_dir: RunArg, step: StepOpt = None) -> None:
+    """Check sizes and sha256 of every file; exit 0 only if the checkpoint(s) verify.
+
+    Without --step, every checkpoint of the run is checked.
+    """
+    from pyrecover.checkpoint import tools
+
+    run = tools.open_run(run_dir)
+    rows = tools.list_checkpoints(run, steps={step} if step is not None else None)
+    if step is not None and not rows:
+        tools.pick(run, step)  # raises the "no such step" error
+    if not rows:
+        typer.echo(f"error: {run_dir} has no checkpoints", err=True)
+        raise typer.Exit(1)
+    for r in rows:
+        typer.echo(f"step {r.step}: " + ("ok" if r.valid else f"INVALID: {r.problem}"))
+    if not all(r.valid for r in rows):
+        raise typer.Exit(1)
+
+
+@ckpt_app.command("export")
+def export(
+    run_dir: RunArg,
+    out: Annotated[Path, typer.Option(help="File to write: a plain model state_dict.")],
+    step: StepOpt = None,
+) -> None:
+    """Write the model weights for inference: `torch.load(OUT, weights_only=True)` reads them."""
+    from pyrecover.checkpoint import tools
+
+    ckpt = tools.pick(tools.open_run(run_dir), step)
+    size = tools.export_model(ckpt, out)
+    typer.echo(f"exported step {ckpt.step} ({ckpt.mode}) to {out} ({tools.human_bytes(size)})")

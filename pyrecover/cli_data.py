@@ -1,0 +1,28 @@
+"""`pyrecover data ...`: build a training corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+data_app = typer.Typer(help="Build and inspect training corpora.", no_args_is_help=True)
+
+
+@data_app.command("prepare")
+def prepare(
+    src_dir: Annotated[Path, typer.Argument(help="Folder of text files, searched recursively.")],
+    out: Annotated[Path, typer.Argument(help="Parquet file to write (a `text` column).")],
+    suffix: Annotated[list[str] | None, typer.Option(
+        help="File endings to take; repeatable. Default: .py")] = None,
+    max_mb: Annotated[float | None, typer.Option(
+        min=0.001, help="Stop after this many megabytes of text.")] = None,
+) -> None:
+    """Build a parquet corpus, one row per file, in sorted path order (reproducible)."""
+    from pyrecover import data
+
+    suffixes = tuple(suffix) if suffix else (".py",)
+    max_bytes = int(max_mb * 1e6) if max_mb is not None else None
+    files, size = data.prepare(src_dir, out, suffixes, max_bytes)
+    typer.echo(f"wrote {out}: {files} files, {size / 1e6:.1f} MB of text")

@@ -1,0 +1,48 @@
+"""Small helpers the tests share: a real corpus and a real `pyrecover` subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from pyrecover import data
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "launch" / "experiments" / "tiny.yaml"
+
+
+def build_corpus(out: Path, max_bytes: int = 400_000) -> Path:
+    """build_corpus writes a parquet of real text: the start of Python's own stdlib sources."""
+    data.prepare(sysconfig.get_paths()["stdlib"], out, (".py",), max_bytes=max_bytes)
+    return out
+
+
+def pyrecover(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess:
+    """pyrecover runs the CLI in a fresh interpreter, in its own session (process group)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PYRECOVER_")}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
+              "SLURM_PROCID", "SLURM_STEP_ID"):
+        full_env.pop(k, None)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "pyrecover", *args], env=full_env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout,
+                          start_new_session=True)
+
+
+def tiny_args(storage: Path, corpus: Path, name: str, *extra: str) -> list[str]:
+    """tiny_args is `--config tiny.yaml` pointed at a storage folder and corpus."""
+    args = ["--config", str(TINY), "--set", f"run.storage={storage}",
+            "--set", f"data.path={corpus}", "--set", f"run.exp_name={name}"]
+    for item in extra:
+        args += ["--set", item]
+    return args
+
+
+def load_export(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)

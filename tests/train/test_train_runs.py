@@ -1,0 +1,49 @@
+"""Single-process training runs: the guard rails a user relies on between resumes."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import pyrecover, tiny_args
+
+from pyrecover.rundir import read_jsonl
+
+
+def train(tmp_path, corpus, *extra, name="run"):
+    return pyrecover("train", *tiny_args(tmp_path, corpus, name, *extra))
+
+
+def test_a_diverging_run_stops_with_one_clear_line_and_records_it(tmp_path, corpus):
+    done = train(tmp_path, corpus, "train.lr=1e12", "train.min_lr=0", "train.warmup_steps=0",
+                 "train.max_bad_steps=3")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "error: 3 consecutive steps had a non-finite loss")
+    events = [e["event"] for e in read_jsonl(tmp_path / "run" / "events.jsonl")]
+    assert events.count("bad_step") == 3 and events[-1] == "error"
+
+
+def test_restarting_with_a_different_model_is_refused_and_changes_nothing(tmp_path, corpus):
+    assert train(tmp_path, corpus, "train.max_steps=10").returncode == 0
+    recorded = (tmp_path / "run" / "run.yaml").read_text()
+    done = train(tmp_path, corpus, "model.n_layer=3")
+    assert done.returncode == 2
+    assert "was started with another config (model.n_layer: 2 -> 3)" in done.stderr
+    assert (tmp_path / "run" / "run.yaml").read_text() == recorded
+
+
+def test_raising_max_steps_continues_the_finished_run(tmp_path, corpus):
+    assert train(tmp_path, corpus, "train.max_steps=10").returncode == 0
+    done = train(tmp_path, corpus, "train.max_steps=20")
+    assert done.returncode == 0, done.stderr
+    assert "resumed from" in done.stderr and "(step 10," in done.stderr
+    steps = [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert steps == list(range(1, 21))
+
+
+@pytest.mark.parametrize("keep", [2, 3])
+def test_only_the_newest_keep_checkpoints_stay_on_disk(tmp_path, corpus, keep):
+    done = train(tmp_path, corpus, "train.max_steps=25", "checkpoint.interval=5",
+                 f"checkpoint.keep={keep}")
+    assert done.returncode == 0, done.stderr
+    kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert kept == sorted(f"step-{s}" for s in (25, 20, 15)[:keep])

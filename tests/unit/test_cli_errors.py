@@ -1,0 +1,49 @@
+"""Bad input: one line saying what is wrong, exit code 2, and nothing written anywhere."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import TINY, pyrecover
+
+
+def files_under(path):
+    return sorted(p.relative_to(path) for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
+    (["--config", str(TINY), "--set", "train.nope=1"], "unknown key 'train.nope'"),
+    (["--config", str(TINY), "--set", "run.exp_name=../../etc"], "run.exp_name='../../etc'"),
+    (["--config", str(TINY), "--set", "run.exp_name=a/b"], "run.exp_name='a/b'"),
+    (["--config", str(TINY), "--set", "run.exp_name=.."], "run.exp_name='..'"),
+    (["--config", str(TINY), "--set", "data.path=no-such.parquet"],
+     "data file 'no-such.parquet' does not exist"),
+    (["--config", str(TINY), "--set", "data.path=wrong.parquet"],
+     "wrong.parquet: no column 'text' (data.column); it has: body"),
+    (["--config", str(TINY), "--nproc", "3"], "train.global_batch_size=8 is not allowed"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message):
+    pq.write_table(pa.table({"body": ["some text"]}), tmp_path / "wrong.parquet")
+    before = files_under(tmp_path)
+    done = pyrecover("train", *args, "--set", f"run.storage={tmp_path / 'store'}", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert "Traceback" not in done.stderr
+    assert files_under(tmp_path) == before
+
+
+def test_ckpt_commands_on_a_folder_that_is_not_a_run_say_so(tmp_path):
+    for args in (["ls", str(tmp_path)], ["verify", str(tmp_path / "nope")],
+                 ["export", str(tmp_path), "--out", str(tmp_path / "m.pt")]):
+        done = pyrecover("ckpt", *args)
+        assert done.returncode == 2
+        assert done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1
+
+
+def test_data_prepare_without_sources_is_a_clear_error(tmp_path):
+    done = pyrecover("data", "prepare", str(tmp_path / "none"), str(tmp_path / "o.parquet"))
+    assert done.returncode == 2
+    assert "source folder" in done.stderr and "does not exist" in done.stderr

@@ -1,0 +1,102 @@
+"""Configuration: YAML < --set, and one clear line for every mistake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pyrecover import config
+from pyrecover.config import ConfigError
+
+EXPERIMENTS = sorted((Path(__file__).parents[2] / "launch" / "experiments").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.name)
+def test_every_shipped_experiment_config_is_valid(path):
+    config.load(path)
+
+
+def test_the_shipped_experiments_include_the_ones_users_are_promised():
+    assert {"tiny.yaml", "demo.yaml", "gpt-125m.yaml", "gpt-1b.yaml"} <= {p.name for p in
+                                                                          EXPERIMENTS}
+
+
+def test_demo_yaml_spells_out_the_embedded_defaults():
+    demo = next(p for p in EXPERIMENTS if p.name == "demo.yaml")
+    assert config.load(demo) == config.load(None)
+
+
+def test_set_overrides_the_file_and_the_file_overrides_the_defaults(tmp_path):
+    f = tmp_path / "exp.yaml"
+    f.write_text("train:\n  max_steps: 7\n  lr: 0.01\n")
+    cfg = config.load(f, ["train.lr=2e-3", "model.dropout=0.1", "run.exp_name=x1"])
+    assert (cfg.train.max_steps, cfg.train.lr, cfg.model.dropout) == (7, 2e-3, 0.1)
+    assert cfg.run.exp_name == "x1"
+    assert cfg.train.seed == config.TrainConfig().seed
+
+
+def test_a_dumped_config_loads_back_equal(tmp_path):
+    cfg = config.load(None, ["train.max_steps=11", "run.storage=/some where/with space"])
+    f = tmp_path / "run.yaml"
+    f.write_text(config.dump(cfg))
+    assert config.load(f) == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.max_stepz=3"], "unknown key 'train.max_stepz'"),
+    (["trian.max_steps=3"], "unknown key 'trian'"),
+    (["train.max_steps=three"], "train.max_steps='three' is not allowed: expected a value of "
+                                "type int"),
+    (["train.max_steps=0"], "train.max_steps=0 is not allowed: expected an integer >= 1"),
+    (["checkpoint.keep=1"], "checkpoint.keep=1 is not allowed: expected at least 2"),
+    (["checkpoint.mode=zip"], "checkpoint.mode='zip' is not allowed: expected one of vanilla"),
+    (["model.n_embd=100", "model.n_head=3"], "model.n_embd=100 is not allowed"),
+    (["train.global_batch_size=10", "train.micro_batch_size=4"], "train.global_batch_size=10"),
+    (["train.max_steps"], "expected section.key=value"),
+    (["train.lr=true"], "train.lr=True is not allowed: expected a value of type float"),
+])
+def test_each_mistake_is_one_line_naming_the_key_and_what_is_allowed(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        config.load(None, overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "..", ".hidden", "has space", "a;b",
+                                  "$(id)", "x\ny", "quo'te", ""])
+def test_experiment_names_that_could_leave_the_storage_root_are_refused(name):
+    with pytest.raises(ConfigError, match="run.exp_name"):
+        config.load(None, [f"run.exp_name={name}"]) if "\n" not in name else config.from_dict(
+            {"run": {"exp_name": name}})
+
+
+def test_a_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(tmp_path / "nope.yaml")
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train:\n  max_steps: 3\n  lr: [1,\n")
+    with pytest.raises(ConfigError, match="bad.yaml line"):
+        config.load(f)
+
+
+def test_the_global_batch_must_split_over_the_world():
+    cfg = config.load(None, ["train.global_batch_size=16", "train.micro_batch_size=8"])
+    config.check_world_size(cfg, 2)
+    with pytest.raises(ConfigError, match="world size x train.micro_batch_size"):
+        config.check_world_size(cfg, 4)
+
+
+def test_identity_changes_are_listed_and_limits_are_not():
+    old = config.load(None)
+    new = config.load(None, ["train.max_steps=999", "model.n_layer=6", "train.seed=1"])
+    assert config.diff_identity(old, new) == ["model.n_layer: 4 -> 6", "train.seed: 1337 -> 1"]
+
+
+@pytest.mark.parametrize("value", ["nan", ".inf", "-inf"])
+def test_non_finite_numbers_are_refused(value):
+    with pytest.raises(ConfigError, match="expected a finite number"):
+        config.load(None, [f"train.lr={value}"])

@@ -1,0 +1,123 @@
+"""The corpus and its order: deterministic, sharded without loss, resumable, world-size free."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pyrecover.data import EOD, Batches, DataError, load_tokens, prepare
+
+
+def batches(n_windows=37, block=8, seed=3) -> Batches:
+    tokens = torch.arange(n_windows * block + 1) % 256
+    return Batches(tokens, block, seed)
+
+
+def ids_of(step_batches) -> list[int]:
+    """The window ids a rank received, recovered from the inputs' first token."""
+    return [int(w) for x, _ in step_batches for w in x[:, 0]]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_one_epoch_over_all_ranks_covers_every_window_exactly_once(world):
+    per_step, b = 4, batches(n_windows=40)
+    ranks = [batches(n_windows=40) for _ in range(world)]
+    seen = []
+    for _ in range(b.num_windows // per_step):
+        for r, rb in enumerate(ranks):
+            ids = rb.window_ids(rb.position + r * (per_step // world), per_step // world)
+            rb.position += per_step
+            seen += ids
+    assert sorted(seen) == list(range(40))
+
+
+def test_the_same_seed_gives_the_same_order_and_another_seed_another():
+    a, b, c = batches(seed=1), batches(seed=1), batches(seed=2)
+    assert a.window_ids(0, 100) == b.window_ids(0, 100)
+    assert a.window_ids(0, 37) != c.window_ids(0, 37)
+
+
+def test_each_epoch_is_a_new_permutation_of_all_windows():
+    b = batches(n_windows=37)
+    first, second = b.window_ids(0, 37), b.window_ids(37, 37)
+    assert sorted(first) == sorted(second) == list(range(37))
+    assert first != second
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ranks_together_see_exactly_the_global_batch_of_one_process(world):
+    ref = batches()
+    ranks = [batches() for _ in range(world)]
+    for _ in range(5):
+        whole = ids_of(ref.next_global(8, 0, 1, 2))
+        parts = [ids_of(rb.next_global(8, r, world, 2)) for r, rb in enumerate(ranks)]
+        assert [i for p in parts for i in p] == whole
+    assert {rb.position for rb in ranks} == {ref.position}
+
+
+def test_a_resumed_iterator_continues_with_exactly_the_next_batches():
+    run = batches()
+    for _ in range(7):
+        run.next_global(8, 1, 2, 2)
+    resumed = batches()
+    resumed.position = run.position
+    for _ in range(9):
+        assert ids_of(resumed.next_global(8, 1, 2, 2)) == ids_of(run.next_global(8, 1, 2, 2))
+
+
+def test_targets_are_the_inputs_shifted_by_one_token():
+    x, y = batches().windows([3, 5])
+    assert x.shape == y.shape == (2, 8)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def write(path, table):
+    pq.write_table(table, path)
+    return path
+
+
+def test_text_becomes_utf8_bytes_with_an_end_of_document_token(tmp_path):
+    f = write(tmp_path / "t.parquet", pa.table({"text": ["hé", "", "ab"]}))
+    assert load_tokens(f, "text").tolist() == [104, 0xC3, 0xA9, EOD, 97, 98, EOD]
+
+
+def test_an_already_tokenized_list_column_is_used_as_is(tmp_path):
+    f = write(tmp_path / "t.parquet", pa.table({"ids": [[1, 2, 3], [40000]]}))
+    assert load_tokens(f, "ids").tolist() == [1, 2, 3, 40000]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: None, "does not exist"),
+    (lambda p: p.write_bytes(b"not parquet at all"), "not a readable parquet file"),
+    (lambda p: write(p, pa.table({"body": ["x"]})), "no column 'text' (data.column); it has: "
+                                                    "body"),
+    (lambda p: write(p, pa.table({"text": pa.array([], pa.string())})), "holds no tokens"),
+    (lambda p: write(p, pa.table({"text": [1.5]})), "expected a string or a list of integers"),
+])
+def test_unusable_corpora_get_one_clear_error(tmp_path, make, message):
+    path = tmp_path / "c.parquet"
+    make(path)
+    with pytest.raises(DataError) as err:
+        load_tokens(path, "text")
+    assert message in str(err.value)
+
+
+def test_a_corpus_shorter_than_one_window_is_refused():
+    with pytest.raises(DataError, match="fewer than one window"):
+        Batches(torch.arange(5), 8, 0)
+
+
+def test_prepare_is_reproducible_and_keeps_sorted_file_order(tmp_path):
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "b.py").write_text("b = 2\n")
+    (src / "pkg" / "a.py").write_text("a = 1\n")
+    (src / "notes.txt").write_text("skipped\n")
+    (src / "bad.py").write_bytes(b"\xff\xfe not utf-8")
+    assert prepare(src, tmp_path / "one.parquet") == (2, 12)
+    prepare(src, tmp_path / "two.parquet")
+    one, two = pq.read_table(tmp_path / "one.parquet"), pq.read_table(tmp_path / "two.parquet")
+    assert one.equals(two)
+    assert one.column("path").to_pylist() == ["b.py", "pkg/a.py"]

@@ -1,0 +1,104 @@
+"""Where a process sits in the job, read from its environment alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyrecover.dist import (
+    DistError,
+    detect,
+    device_index,
+    expand_hostlist,
+    expand_tasks_per_node,
+    port_for_job,
+)
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node1", ["node1"]),
+    ("node[1-2]", ["node1", "node2"]),
+    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+    ("gpu[001-004,010]", ["gpu001", "gpu002", "gpu003", "gpu004", "gpu010"]),
+    ("a1,b[2-3]", ["a1", "b2", "b3"]),
+    ("node[1-2],gpu[01-03,7]", ["node1", "node2", "gpu01", "gpu02", "gpu03", "gpu7"]),
+    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+    ("nid[098-101]", ["nid098", "nid099", "nid100", "nid101"]),
+])
+def test_slurm_nodelists_expand_like_scontrol_show_hostnames(nodelist, hosts):
+    assert expand_hostlist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["", "node[1-", "node1-2]", "node[a-b]"])
+def test_a_malformed_nodelist_is_an_error_naming_it(bad):
+    with pytest.raises(DistError):
+        expand_hostlist(bad)
+
+
+def test_tasks_per_node_expands_slurms_repeat_notation():
+    assert expand_tasks_per_node("4(x2),3") == [4, 4, 3]
+    assert expand_tasks_per_node("2") == [2]
+
+
+SRUN_TASK = {
+    "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[007-008]",
+    "SLURM_TASKS_PER_NODE": "4(x2)",
+}
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, ("single", 0, 1, 0, 1, 0, "127.0.0.1")),
+    ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4",
+      "GROUP_RANK": "0", "MASTER_ADDR": "gpu007", "MASTER_PORT": "29400"},
+     ("torchrun", 3, 8, 3, 4, 0, "gpu007")),
+    (SRUN_TASK, ("slurm", 5, 8, 1, 4, 1, "gpu007")),
+    ({**SRUN_TASK, "MASTER_ADDR": "10.0.0.7"}, ("slurm", 5, 8, 1, 4, 1, "10.0.0.7")),
+    # torchrun started by srun sees both; torchrun's variables describe this process.
+    ({**SRUN_TASK, "RANK": "2", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4",
+      "GROUP_RANK": "0", "MASTER_ADDR": "gpu007"}, ("torchrun", 2, 8, 2, 4, 0, "gpu007")),
+    # The batch shell has SLURM_PROCID but no step: not a task of a distributed step.
+    ({k: v for k, v in SRUN_TASK.items() if k != "SLURM_STEP_ID"},
+     ("single", 0, 1, 0, 1, 0, "127.0.0.1")),
+])
+def test_detect_reads_the_layout_from_each_launchers_variables(environ, expected):
+    env = detect(environ)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size,
+            env.node_rank, env.master_addr) == expected
+
+
+def test_under_srun_the_port_comes_from_the_job_id_unless_master_port_is_set():
+    assert detect(SRUN_TASK).master_port == port_for_job(4242)
+    assert detect({**SRUN_TASK, "MASTER_PORT": "23456"}).master_port == 23456
+
+
+@pytest.mark.parametrize("job", [0, 1, 4242, 19999, 20000, 10**7 + 3])
+def test_job_ports_are_unprivileged_and_below_the_ephemeral_range(job):
+    assert 1024 < port_for_job(job) < 32768
+
+
+def test_two_consecutive_jobs_get_different_ports():
+    assert port_for_job(100) != port_for_job(101)
+
+
+@pytest.mark.parametrize("environ", [
+    {"RANK": "2", "WORLD_SIZE": "2"},
+    {"RANK": "x", "WORLD_SIZE": "2"},
+    {**SRUN_TASK, "SLURM_PROCID": "8"},
+])
+def test_an_impossible_layout_is_an_error(environ):
+    with pytest.raises(DistError):
+        detect(environ)
+
+
+@pytest.mark.parametrize("local_rank, visible, index", [
+    (0, 1, 0), (3, 1, 0),       # SLURM gave each task its own GPU (--gpus-per-task=1)
+    (0, 4, 0), (3, 4, 3),       # every task sees all GPUs of the node
+])
+def test_each_local_rank_gets_its_own_gpu_either_way_slurm_exposes_them(local_rank, visible,
+                                                                         index):
+    assert device_index(local_rank, visible) == index
+
+
+def test_more_local_ranks_than_visible_gpus_is_an_error():
+    with pytest.raises(DistError, match="local rank 2"):
+        device_index(2, 2)

@@ -1,0 +1,68 @@
+"""The commit protocol: a checkpoint exists only once its manifest and every file verify."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyrecover.checkpoint import store
+from pyrecover.checkpoint.store import CheckpointError
+
+
+def commit(root, step, payload=b"x" * 1000):
+    pending = store.begin(root, step)
+    with pending.open("state.pt") as f:
+        f.write(payload)
+    return pending.commit("vanilla", 2, {"step": step})
+
+
+def test_a_committed_checkpoint_verifies_with_sizes_and_checksums(tmp_path):
+    folder = commit(tmp_path, 10)
+    ckpt = store.verify(folder)
+    assert (ckpt.step, ckpt.mode, ckpt.size) == (10, "vanilla", 1000)
+    assert folder.name == "step-10"
+
+
+def test_a_save_killed_before_its_manifest_leaves_no_checkpoint(tmp_path):
+    commit(tmp_path, 10)
+    pending = store.begin(tmp_path, 20)
+    with pending.open("state.pt") as f:
+        f.write(b"half")
+    # No commit: the process died here.
+    assert [s for s, *_ in store.scan(tmp_path)] == [10]
+    assert store.clean_uncommitted(tmp_path) == [pending.tmp]
+    assert not pending.tmp.exists()
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda p: p.write_bytes(p.read_bytes()[:500]), "truncated"),
+    (lambda p: p.write_bytes(b"y" + p.read_bytes()[1:]), "sha256 does not match"),
+    (lambda p: p.unlink(), "missing"),
+    (lambda p: (p.parent / "manifest.json").write_text("{"), "not valid JSON"),
+    (lambda p: (p.parent / "manifest.json").unlink(), "never committed"),
+])
+def test_damage_to_the_newest_checkpoint_is_named_and_the_older_one_is_chosen(tmp_path, damage,
+                                                                                problem):
+    commit(tmp_path, 10)
+    newest = commit(tmp_path, 20)
+    damage(newest / "state.pt")
+    rows = list(store.scan(tmp_path))
+    assert [(step, ckpt is not None) for step, _, ckpt, _ in rows] == [(20, False), (10, True)]
+    assert problem in rows[0][3]
+    with pytest.raises(CheckpointError, match=problem):
+        store.verify(newest)
+
+
+def test_a_size_only_check_misses_a_flipped_byte_but_the_full_check_does_not(tmp_path):
+    folder = commit(tmp_path, 10)
+    path = folder / "state.pt"
+    path.write_bytes(b"y" + path.read_bytes()[1:])
+    store.verify(folder, checksums=False)
+    with pytest.raises(CheckpointError):
+        store.verify(folder)
+
+
+def test_recommitting_a_step_replaces_it_whole(tmp_path):
+    commit(tmp_path, 10, b"old" * 10)
+    folder = commit(tmp_path, 10, b"new" * 10)
+    assert (folder / "state.pt").read_bytes() == b"new" * 10
+    assert [p.name for p in tmp_path.iterdir()] == ["step-10"]
