@@ -24,7 +24,7 @@ class ConfigError(ValueError):
     """A user mistake in the configuration: one line naming the key and what is allowed."""
 
 
-CHECKPOINT_MODES = ("vanilla",)
+CHECKPOINT_MODES = ("vanilla", "dcp")
 WANDB_MODES = ("offline", "online", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -91,6 +91,8 @@ class CheckpointConfig:
     """Save every this many optimizer steps (and always at the last step)."""
     keep: int = 3
     """Committed checkpoints kept on disk; at least 2, so one bad save never leaves nothing."""
+    async_save: bool = True
+    """dcp: write in the background; the loop waits only for the copy into CPU memory."""
 
 
 @dataclass

@@ -12,7 +12,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -68,7 +67,6 @@ class Loop:
     world_size: int
     device: torch.device
     state: TrainState
-    checkpoint_state: Callable[[], dict[str, Any]]
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def run_steps(self) -> TrainState:
@@ -87,9 +85,7 @@ class Loop:
                 self._log(step, loss, grad_norm, tokens_per_step * window_steps / elapsed,
                           elapsed / window_steps)
                 window_start, window_steps = time.perf_counter(), 0
-            if self.manager.should_save(step, t.max_steps):
-                self.manager.save(step, self.checkpoint_state())
-                window_start, window_steps = time.perf_counter(), 0
+            self.manager.at_step(step, final=step == t.max_steps)
             faults.maybe_kill(step, self.rank)
         return self.state
 
@@ -141,6 +137,6 @@ class Loop:
         self.run.metric(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
                         tokens_per_s=round(tok_s, 1), step_time=round(step_s, 5),
                         tokens_seen=self.state.tokens_seen,
-                        checkpoint_stall=round(self.manager.last_save_seconds, 5))
+                        checkpoint_stall_total=round(self.manager.stall_seconds, 5))
         log.info("step %d/%d  loss %.4f  lr %.2e  %.0f tok/s  %.1f ms/step", step,
                  self.cfg.train.max_steps, loss, lr, tok_s, step_s * 1e3)

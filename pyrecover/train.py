@@ -9,17 +9,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pyrecover import config as config_mod
 from pyrecover import dist
-from pyrecover.checkpoint import CheckpointManager
+from pyrecover.checkpoint import CheckpointManager, rng
+from pyrecover.checkpoint.manager import Parts
 from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
 from pyrecover.data import Batches, DataError, load_tokens
@@ -83,57 +82,46 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     batches = Batches(tokens, cfg.model.block_size, t.seed)
     state = TrainState()
+    parts = Parts(model=model, optimizer=optimizer, scheduler=scheduler,
+                  config=config_mod.to_dict(cfg), train_state=lambda: state.to_dict())
     manager = CheckpointManager(run, cfg.checkpoint.mode, cfg.checkpoint.interval,
-                                cfg.checkpoint.keep, env.rank, env.world_size)
+                                cfg.checkpoint.keep, env.rank, env.world_size, parts, device,
+                                cfg.checkpoint.async_save)
     if env.rank == 0:
         log.info("run %s: %s, world size %d (%s), %.2fM parameters, %d windows of %d tokens",
                  run.root, kind_name(device), env.world_size, env.launcher,
                  model.num_params() / 1e6, batches.num_windows, cfg.model.block_size)
     ckpt = manager.find_resume()
     if ckpt is None:
-        seed_rank_rngs(t.seed, env.rank)
+        rng.seed_rank(t.seed, env.rank)
         if env.rank == 0:
             run.event("start", step=0, world_size=env.world_size, mode=cfg.checkpoint.mode)
     else:
-        loaded = manager.load(ckpt)
-        model.load_state_dict(loaded["model"])
-        optimizer.load_state_dict(loaded["optimizer"])
-        scheduler.load_state_dict(loaded["scheduler"])
-        state = TrainState(**loaded["train"])
+        restored = manager.restore(ckpt)
+        state = TrainState(**restored.train)
         batches.position = state.data_position
-        restore_rngs(loaded["rng"], env.rank, t.seed, state.step)
+        if restored.rng is not None and ckpt.manifest["world_size"] == env.world_size:
+            rng.restore(restored.rng)
+        else:  # another world size: the old ranks' streams do not map onto the new ones
+            rng.seed_rank(t.seed + state.step, env.rank)
         if env.rank == 0:
             lost = max(0, last_logged_step(run) - state.step)
             log.info("resumed from %s (step %d, %d steps redone)", ckpt.path, state.step, lost)
             run.event("resume", step=state.step, path=str(ckpt.path), steps_lost=lost,
-                      world_size=env.world_size, saved_world_size=ckpt.manifest["world_size"])
-        del loaded
-    raw_model = model
+                      world_size=env.world_size, saved_world_size=ckpt.manifest["world_size"],
+                      mode=ckpt.mode)
     if env.world_size > 1:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         settle_ddp_buckets(model, batches, t.micro_batch_size, device)
 
-    def checkpoint_state() -> dict[str, Any]:
-        rngs = gather_rngs(env.world_size)
-        return {
-            "model": raw_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "train": state.to_dict(),
-            "rng": rngs,
-            "config": config_mod.to_dict(cfg),
-        }
-
     loop = Loop(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
                 manager=manager, run=run, rank=env.rank, world_size=env.world_size,
-                device=device, state=state, checkpoint_state=checkpoint_state,
-                autocast=autocast_for(cfg, device))
+                device=device, state=state, autocast=autocast_for(cfg, device))
     if state.step >= t.max_steps:
         log.info("nothing to do: step %d already reached train.max_steps=%d", state.step,
                  t.max_steps)
     loop.run_steps()
-    if manager.last_saved_step != state.step and state.step > 0:
-        manager.save(state.step, checkpoint_state())
+    manager.finish(state.step)
     if env.rank == 0:
         run.event("finish", step=state.step, tokens_seen=state.tokens_seen)
         log.info("finished at step %d; run directory %s", state.step, run.root)
@@ -175,37 +163,6 @@ def settle_ddp_buckets(model: DDP, batches: Batches, micro_batch: int,
         _, loss = model(x.to(device), y.to(device))
         loss.backward()
     model.zero_grad(set_to_none=True)
-
-
-def seed_rank_rngs(seed: int, rank: int) -> None:
-    """seed_rank_rngs gives each rank its own dropout stream after the shared weight init."""
-    random.seed(seed + rank)
-    torch.manual_seed(seed + 7919 * (rank + 1))
-
-
-def gather_rngs(world_size: int) -> list[dict[str, Any]]:
-    mine = {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-    return dist.gather_objects(mine, world_size)
-
-
-def restore_rngs(rngs: list[dict[str, Any]], rank: int, seed: int, step: int) -> None:
-    """restore_rngs puts back this rank's generators; on another world size, derive new ones."""
-    if rank < len(rngs):
-        mine = rngs[rank]
-        random.setstate(_as_tuple(mine["python"]))
-        torch.set_rng_state(mine["torch"])
-        if mine["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(mine["cuda"])
-    else:
-        seed_rank_rngs(seed + step, rank)
-
-
-def _as_tuple(value: Any) -> Any:
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def last_logged_step(run: RunDir) -> int:

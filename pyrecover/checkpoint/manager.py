@@ -1,9 +1,14 @@
 """The checkpoint manager: when to save, the commit, retention, and which checkpoint to resume.
 
-Rank 0 decides which checkpoint to resume from (verifying checksums once, not on every rank)
-and tells the others; every rank then loads that same step. Saves run at step boundaries
-that every rank reaches together; the manager returns only after the checkpoint is committed,
-so a `checkpoint` event always names a folder that exists.
+Every rank calls `at_step` at every step boundary, so the few collectives it needs (agreeing
+on the temporary folder, on whether a background write has finished everywhere, gathering
+each rank's file checksums) always line up. A checkpoint is committed by rank 0 only after
+every rank reported its files durable and hashed; a `checkpoint` event therefore always names
+a folder that exists and verifies. A save that fails on any rank is discarded as a whole and
+the previous checkpoint stays the newest.
+
+Rank 0 alone decides which checkpoint to resume from (verifying checksums once, not on every
+rank) and tells the others.
 """
 
 from __future__ import annotations
@@ -11,64 +16,168 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as tdist
 
-from pyrecover.checkpoint import store, vanilla
-from pyrecover.checkpoint.store import Checkpoint
+from pyrecover.checkpoint import store
+from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
 from pyrecover.rundir import RunDir
 
 log = logging.getLogger("pyrecover")
 
-MODES = {vanilla.NAME: vanilla}
+
+@dataclass
+class Parts:
+    """The live objects a checkpoint captures and restores (the model unwrapped from DDP)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    config: dict[str, Any]
+    train_state: Callable[[], dict[str, Any]]
+
+
+@dataclass
+class Restored:
+    train: dict[str, Any]
+    rng: dict[str, Any] | None  # this rank's generators, None when it had no saved rank
+
+
+def make_mode(name: str, rank: int, world_size: int, device: torch.device,
+              async_save: bool = True):
+    """make_mode returns the writer/reader of one checkpoint format."""
+    if name == "vanilla":
+        from pyrecover.checkpoint.vanilla import VanillaMode
+
+        return VanillaMode(rank, world_size)
+    if name == "dcp":
+        from pyrecover.checkpoint.dcp import DcpMode
+
+        return DcpMode(rank, world_size, device, async_save)
+    raise CheckpointError(f"checkpoint mode {name!r} is not supported here")
+
+
+@dataclass
+class _InFlight:
+    pending: Pending
+    train: dict[str, Any]
+    started: float
+    blocked: float
 
 
 class CheckpointManager:
     def __init__(self, run: RunDir, mode: str, interval: int, keep: int, rank: int,
-                 world_size: int) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown checkpoint mode {mode!r}")
-        self.run, self.mode, self.interval, self.keep = run, mode, interval, keep
-        self.rank, self.world_size = rank, world_size
+                 world_size: int, parts: Parts, device: torch.device | None = None,
+                 async_save: bool = True) -> None:
+        self.run, self.mode_name, self.interval, self.keep = run, mode, interval, keep
+        self.rank, self.world_size, self.parts = rank, world_size, parts
         self.root = run.checkpoints
-        self.last_save_seconds = 0.0
+        self.mode = make_mode(mode, rank, world_size, device or torch.device("cpu"), async_save)
+        self.inflight: _InFlight | None = None
         self.last_saved_step: int | None = None
+        self.stall_seconds = 0.0  # time the loop was blocked by saves, summed
 
-    def should_save(self, step: int, max_steps: int) -> bool:
-        return step % self.interval == 0 or step == max_steps
+    # --- saving --------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any]) -> Path | None:
-        """save commits the checkpoint of `step` and returns its folder (on rank 0; None elsewhere).
+    def at_step(self, step: int, final: bool = False) -> float:
+        """at_step commits finished background saves and starts the one due at `step`.
 
-        `state` is complete on rank 0; other ranks pass what they have and only wait.
+        Returns the seconds this call blocked the training loop.
         """
         started = time.perf_counter()
-        folder = None
+        if self.inflight is not None:
+            self._try_commit(wait=False)
+        if step % self.interval == 0 or final:
+            if self.inflight is not None:
+                if self.rank == 0:
+                    log.warning("checkpoint of step %d is still being written; waiting for it "
+                                "before saving step %d", self.inflight.pending.step, step)
+                self._commit_now()
+            self._start(step)
+            if final or not self.mode.asynchronous:
+                self._commit_now()
+        blocked = time.perf_counter() - started
+        self.stall_seconds += blocked
+        return blocked
+
+    def finish(self, step: int) -> None:
+        """finish makes sure the checkpoint of `step` is committed before the process exits."""
+        if self.last_saved_step != step and step > 0 and (
+                self.inflight is None or self.inflight.pending.step != step):
+            self._start(step)
+        if self.inflight is not None:
+            self._commit_now()
+        self.mode.close()
+
+    def _start(self, step: int) -> None:
+        started = time.perf_counter()
+        pending = self._begin(step)
+        train = self.parts.train_state()
+        self.mode.start(pending, self.parts, train)
+        self.inflight = _InFlight(pending, train, started, time.perf_counter() - started)
+
+    def _begin(self, step: int) -> Pending:
+        path: list[Any] = [None]
         if self.rank == 0:
-            pending = store.begin(self.root, step)
-            try:
-                MODES[self.mode].save(pending, state)
-                folder = pending.commit(self.mode, self.world_size, state["train"])
-            except BaseException:
-                pending.abort()
-                raise
-        _barrier()
-        self.last_save_seconds = time.perf_counter() - started
-        self.last_saved_step = step
-        if self.rank == 0 and folder is not None:
-            size = sum(f["size"] for f in store.read_manifest(folder)["files"].values())
-            self.run.event("checkpoint", step=step, mode=self.mode, path=str(folder),
-                           bytes=size, seconds=round(self.last_save_seconds, 4))
-            log.info("checkpoint step %d committed: %s (%.1f MB, %.2fs)", step, folder,
-                     size / 1e6, self.last_save_seconds)
-            self._retain()
-        return folder
+            path = [str(store.begin(self.root, step).tmp)]
+        if tdist.is_initialized() and self.world_size > 1:
+            tdist.broadcast_object_list(path, src=0)
+        return Pending(root=self.root, step=step, tmp=Path(path[0]))
+
+    def _commit_now(self) -> None:
+        if not self._try_commit(wait=True):
+            raise RuntimeError("a checkpoint write reported no result after it was waited for")
+
+    def _try_commit(self, wait: bool) -> bool:
+        assert self.inflight is not None
+        local = self.mode.result(wait)  # None while still writing; else (files, error)
+        if self.world_size > 1 and tdist.is_initialized():
+            flag = torch.tensor([0 if local is None else 1], dtype=torch.int32)
+            tdist.all_reduce(flag, op=tdist.ReduceOp.MIN)
+            if not flag.item():
+                return False
+            results = [None] * self.world_size
+            tdist.all_gather_object(results, local)
+        else:
+            if local is None:
+                return False
+            results = [local]
+        flight, self.inflight = self.inflight, None
+        if self.rank == 0:
+            self._commit_or_abort(flight, results)
+        self.last_saved_step = flight.pending.step
+        return True
+
+    def _commit_or_abort(self, flight: _InFlight, results: list[Any]) -> None:
+        pending = flight.pending
+        errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(results) if err]
+        if errors:
+            pending.abort()
+            log.warning("checkpoint of step %d failed and was discarded: %s", pending.step,
+                        "; ".join(errors))
+            self.run.event("checkpoint_failed", step=pending.step, reason="; ".join(errors))
+            return
+        for files, _ in results:
+            pending.files.update(files)
+        folder = pending.commit(self.mode_name, self.world_size, flight.train)
+        seconds = time.perf_counter() - flight.started
+        size = sum(f["size"] for f in pending.files.values())
+        self.run.event("checkpoint", step=pending.step, mode=self.mode_name, path=str(folder),
+                       bytes=size, seconds=round(seconds, 4), blocked=round(flight.blocked, 4))
+        log.info("checkpoint step %d committed: %s (%.1f MB, loop blocked %.3fs, %.2fs in all)",
+                 pending.step, folder, size / 1e6, flight.blocked, seconds)
+        self._retain()
 
     def _retain(self) -> None:
         for _, folder in store.committed_steps(self.root)[self.keep:]:
             shutil.rmtree(folder, ignore_errors=True)
+
+    # --- resuming ------------------------------------------------------------------------
 
     def find_resume(self) -> Checkpoint | None:
         """find_resume picks the newest checkpoint that verifies (rank 0) and agrees on it.
@@ -87,20 +196,16 @@ class CheckpointManager:
                     break
                 log.warning("skipping checkpoint step %d: %s", step, problem)
                 self.run.event("checkpoint_invalid", step=step, path=str(folder), reason=problem)
-        if tdist.is_initialized():
+        if tdist.is_initialized() and self.world_size > 1:
             tdist.broadcast_object_list(choice, src=0)
         if choice[0] is None or found is not None:
             return found
         # Other ranks trust rank 0's checksum pass; the sizes are cheap to check again.
         return store.verify(Path(choice[0]), checksums=False)
 
-    def load(self, ckpt: Checkpoint) -> dict[str, Any]:
-        if ckpt.mode not in MODES:
-            raise store.CheckpointError(f"{ckpt.path}: mode {ckpt.mode!r} is not supported here")
-        return MODES[ckpt.mode].load(ckpt)
-
-
-def _barrier() -> None:
-    if tdist.is_initialized():
-        tdist.barrier()
+    def restore(self, ckpt: Checkpoint) -> Restored:
+        """restore loads `ckpt` (of any mode) into the live parts and returns the train state."""
+        mode = self.mode if ckpt.mode == self.mode_name else make_mode(
+            ckpt.mode, self.rank, self.world_size, torch.device("cpu"), False)
+        return mode.restore(ckpt, self.parts)
 

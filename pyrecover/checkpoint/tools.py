@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from pyrecover.checkpoint import store
-from pyrecover.checkpoint.manager import MODES
+from pyrecover.checkpoint import dcp as dcp_mode
+from pyrecover.checkpoint import store, vanilla
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 from pyrecover.rundir import RunDir
 
@@ -73,18 +74,34 @@ def pick(run: RunDir, step: int | None) -> Checkpoint:
     raise CheckpointError(f"{run.root} has no valid checkpoint")
 
 
+def model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """model_state reads the model weights of a checkpoint of any mode, in one process."""
+    if ckpt.mode == vanilla.NAME:
+        return dict(vanilla.load_file(ckpt)["model"])
+    if ckpt.mode == dcp_mode.NAME:
+        import torch.distributed.checkpoint as dcp
+
+        from pyrecover.model import GPT, GPTConfig
+
+        extra = json.loads((ckpt.path / dcp_mode.EXTRA_FILE).read_text())
+        model = GPT(GPTConfig(**extra["config"]["model"]))
+        state = {"model": model.state_dict()}
+        with dcp_mode.quiet_single_process():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt.path)), no_dist=True)
+        return state["model"]
+    raise CheckpointError(f"{ckpt.path}: mode {ckpt.mode!r} cannot be read here")
+
+
 def export_model(ckpt: Checkpoint, out: Path) -> int:
     """export_model writes the plain model state_dict of `ckpt` to `out`; returns its bytes.
 
     The file holds tensors only, so `torch.load(out, weights_only=True)` reads it with no
     pyrecover code. Written to a temporary name and renamed, so `out` is never half-written.
     """
-    if ckpt.mode not in MODES:
-        raise CheckpointError(f"{ckpt.path}: mode {ckpt.mode!r} cannot be exported here")
-    state = MODES[ckpt.mode].load(ckpt)["model"]
+    state = model_state(ckpt)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    torch.save(dict(state), tmp)
+    torch.save(state, tmp)
     os.replace(tmp, out)
     return out.stat().st_size
 

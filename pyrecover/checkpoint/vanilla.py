@@ -11,18 +11,64 @@ from typing import Any
 
 import torch
 
+from pyrecover import dist
+from pyrecover.checkpoint import rng
 from pyrecover.checkpoint.store import Checkpoint, Pending
 
 NAME = "vanilla"
 STATE_FILE = "state.pt"
 
 
-def save(pending: Pending, state: dict[str, Any]) -> None:
-    """save writes `state` into the pending checkpoint; call on rank 0 only."""
-    with pending.open(STATE_FILE) as f:
-        torch.save(state, f)
+def full_state(parts, train: dict[str, Any], rngs: list[dict[str, Any]]) -> dict[str, Any]:
+    """full_state is everything a vanilla file holds, as plain tensors and data."""
+    return {
+        "model": parts.model.state_dict(),
+        "optimizer": parts.optimizer.state_dict(),
+        "scheduler": parts.scheduler.state_dict(),
+        "train": train,
+        "rng": rngs,
+        "config": parts.config,
+    }
 
 
-def load(ckpt: Checkpoint) -> dict[str, Any]:
-    """load maps the state file into memory; never unpickles anything but tensors and plain data."""
+def load_file(ckpt: Checkpoint) -> dict[str, Any]:
+    """load_file maps the state file into memory; only tensors and plain data are unpickled."""
     return torch.load(ckpt.path / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+
+
+class VanillaMode:
+    name = NAME
+    asynchronous = False
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._result: tuple[dict[str, Any], str] | None = None
+
+    def start(self, pending: Pending, parts, train: dict[str, Any]) -> None:
+        rngs = dist.gather_objects(rng.capture(), self.world_size)  # every rank takes part
+        files, error = {}, ""
+        if self.rank == 0:
+            try:
+                with pending.open(STATE_FILE) as f:
+                    torch.save(full_state(parts, train, rngs), f)
+                files = dict(pending.files)
+            except OSError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        self._result = (files, error)
+
+    def result(self, wait: bool) -> tuple[dict[str, Any], str] | None:
+        return self._result  # written synchronously in start()
+
+    def restore(self, ckpt: Checkpoint, parts):
+        from pyrecover.checkpoint.manager import Restored
+
+        state = load_file(ckpt)
+        parts.model.load_state_dict(state["model"])
+        parts.optimizer.load_state_dict(state["optimizer"])
+        parts.scheduler.load_state_dict(state["scheduler"])
+        rngs = state["rng"]
+        return Restored(train=dict(state["train"]),
+                        rng=rngs[self.rank] if self.rank < len(rngs) else None)
+
+    def close(self) -> None:
+        pass

@@ -53,17 +53,25 @@ def unbroken(tmp_path_factory, corpus):
     return run_dir, export(run_dir, storage / "ref.pt")
 
 
-@pytest.mark.parametrize("kill_at", [15, 27])
+def committed(run_dir: Path) -> list[int]:
+    return [e["step"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "checkpoint"]
+
+
+# dcp writes in the background and commits at a later step boundary, so its kill comes a few
+# steps after the save started; the test then requires that save to have been committed.
+@pytest.mark.parametrize("mode, kill_at", [("vanilla", 15), ("vanilla", 27), ("dcp", 18)])
 def test_a_run_killed_between_checkpoints_resumes_bit_for_bit(tmp_path, corpus, unbroken,
-                                                              kill_at):
+                                                              mode, kill_at):
     ref_dir, ref_model = unbroken
-    killed = train(tmp_path, corpus, "run", 2, env={"PYRECOVER_KILL_AT_STEP": str(kill_at)})
+    killed = train(tmp_path, corpus, "run", 2, f"checkpoint.mode={mode}",
+                   env={"PYRECOVER_KILL_AT_STEP": str(kill_at)})
     assert killed.returncode == -9, killed.stderr
     run_dir = tmp_path / "run"
     last_ckpt = kill_at // 10 * 10
     assert max(losses(run_dir)) == kill_at, "the kill landed at another step"
+    assert committed(run_dir)[-1] == last_ckpt
 
-    resumed = train(tmp_path, corpus, "run", 2)
+    resumed = train(tmp_path, corpus, "run", 2, f"checkpoint.mode={mode}")
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {run_dir}/checkpoints/step-{last_ckpt}" in resumed.stderr
     resume = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
@@ -131,16 +139,18 @@ def test_a_truncated_checkpoint_fails_verify_naming_the_file(tmp_path, corpus):
     assert starts.count("start") == 2 and "resume" not in starts
 
 
-def test_at_world_size_4_a_resumed_run_is_still_bit_for_bit(tmp_path, corpus):
+@pytest.mark.parametrize("mode", ["vanilla", "dcp"])
+def test_at_world_size_4_a_resumed_run_is_still_bit_for_bit(tmp_path, corpus, mode):
     # With 3+ ranks the gradient all-reduce's summation order depends on DDP's bucket layout,
     # which changes after DDP's first iteration; pyrecover settles it before the first step.
-    extra = ("train.max_steps=20", "train.global_batch_size=16")
+    extra = ("train.max_steps=20", "train.global_batch_size=16", f"checkpoint.mode={mode}")
     ref = train(tmp_path, corpus, "ref", 4, *extra)
     assert ref.returncode == 0, ref.stderr
-    killed = train(tmp_path, corpus, "run", 4, *extra, env={"PYRECOVER_KILL_AT_STEP": "13"})
+    killed = train(tmp_path, corpus, "run", 4, *extra, env={"PYRECOVER_KILL_AT_STEP": "18"})
     assert killed.returncode == -9, killed.stderr
+    assert committed(tmp_path / "run") == [10]
     resumed = train(tmp_path, corpus, "run", 4, *extra)
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stderr
+    assert "(step 10, 8 steps redone)" in resumed.stderr
     assert_same_model(export(tmp_path / "run", tmp_path / "run.pt"),
                       export(tmp_path / "ref", tmp_path / "ref.pt"))

@@ -1,0 +1,154 @@
+"""DCP mode: `torch.distributed.checkpoint`, written by all ranks, in the background.
+
+Layout of a step folder: DCP's own files (`.metadata`, `__<rank>_<n>.distcp`) holding the
+model and optimizer under the keys `model.<fqn>` and `optim.<...>`, so plain
+`torch.distributed.checkpoint.load({"model": model.state_dict()}, checkpoint_id=folder)` reads
+the weights without pyrecover; plus `extra.json` (scheduler, config) and `rng-<rank>.pt`.
+
+With DDP every rank holds every tensor; DCP's planner then gives each replicated tensor to
+one rank, picking the least loaded by bytes, so writes spread over all ranks.
+
+Saving blocks the loop only while the state is copied into CPU buffers that are allocated
+once and reused (pinned when CUDA is present). Planning, writing and fsync then run in a
+background thread over a dedicated gloo process group, so they never interleave with the
+training's own collectives. When this rank's write is durable, the same thread hashes the
+files this rank wrote; the manager commits once every rank has reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from pyrecover import faults
+from pyrecover.checkpoint import rng
+from pyrecover.checkpoint.store import Checkpoint, Pending, sha256_file
+
+NAME = "dcp"
+EXTRA_FILE = "extra.json"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-{rank}.pt"
+
+
+def own_files(folder: Path, rank: int) -> list[str]:
+    """own_files lists what `rank` wrote into a DCP step folder."""
+    names = [p.name for p in folder.glob(f"__{rank}_*.distcp")] + [rng_file(rank)]
+    if rank == 0:
+        names += [".metadata", EXTRA_FILE]
+    return sorted(n for n in names if (folder / n).is_file())
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """quiet_single_process hides DCP's warning that it runs without a process group (on
+    purpose, in a one-process run or a tool)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+class DcpMode:
+    name = NAME
+    asynchronous = True
+
+    def __init__(self, rank: int, world_size: int, device: torch.device,
+                 async_save: bool = True) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.asynchronous = async_save
+        # Checkpoint collectives run in a background thread: give them their own group so they
+        # never interleave with the training's all-reduces on the default one.
+        self.group = tdist.new_group(backend="gloo") if tdist.is_initialized() else None
+        cuda = device.type == "cuda"
+        self.stager = DefaultStager(StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+            use_non_blocking_copy=cuda))
+        self._thread: threading.Thread | None = None
+        self._result: tuple[dict[str, Any], str] | None = None
+
+    def start(self, pending: Pending, parts, train: dict[str, Any]) -> None:
+        folder = pending.tmp
+        torch.save(rng.capture(), folder / rng_file(self.rank))
+        if self.rank == 0:
+            extra = {"scheduler": parts.scheduler.state_dict(), "config": parts.config,
+                     "train": train}
+            (folder / EXTRA_FILE).write_text(json.dumps(extra))
+        model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        writer = dcp.FileSystemWriter(str(folder), sync_files=True)
+        if self.asynchronous:
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+                                    async_stager=self.stager)
+        else:
+            with quiet_single_process():
+                dcp.save(state, storage_writer=writer, process_group=self.group,
+                         no_dist=self.group is None)
+            future = None
+        self._result = None
+        self._thread = threading.Thread(target=self._finish, args=(future, pending),
+                                        name="pyrecover-dcp-save", daemon=True)
+        self._thread.start()
+        if not self.asynchronous:
+            self._thread.join()
+
+    def _finish(self, future, pending: Pending) -> None:
+        folder = pending.tmp
+        try:
+            faults.maybe_kill(pending.step, self.rank, point="save")
+            if future is not None:
+                future.result()
+            files = {}
+            for name in own_files(folder, self.rank):
+                path = folder / name
+                with path.open("rb") as f:
+                    os.fsync(f.fileno())
+                files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+            self._result = (files, "")
+        except Exception as exc:  # reported to the manager, which discards the whole save
+            self._result = ({}, f"{type(exc).__name__}: {exc}")
+
+    def result(self, wait: bool) -> tuple[dict[str, Any], str] | None:
+        """result is (files, error) once this rank's write is durable and hashed, else None.
+
+        Asking again returns the same answer until the next `start`, because the manager
+        commits only when every rank has answered.
+        """
+        if self._thread is None:
+            return None
+        if wait:
+            self._thread.join()
+        return None if self._thread.is_alive() else self._result
+
+    def restore(self, ckpt: Checkpoint, parts):
+        from pyrecover.checkpoint.manager import Restored
+
+        model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        with quiet_single_process():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt.path)),
+                     process_group=self.group, no_dist=self.group is None)
+        set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        extra = json.loads((ckpt.path / EXTRA_FILE).read_text())
+        parts.scheduler.load_state_dict(extra["scheduler"])
+        mine = ckpt.path / rng_file(self.rank)
+        saved_rng = torch.load(mine, weights_only=True) if (
+            self.rank < ckpt.manifest["world_size"] and mine.is_file()) else None
+        return Restored(train=dict(ckpt.manifest["train_state"]), rng=saved_rng)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        self.stager.close()
