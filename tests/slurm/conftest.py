@@ -1,0 +1,41 @@
+"""The `local_slurm` fixture: one real local SLURM cluster for the whole test session.
+
+It stands up tests/localslurm.py's cluster (2 nodes x 4 CPUs x 4 fake GPUs) in a temporary
+directory. Where SLURM cannot be started the slurm tests skip with the reason, except in CI
+(CI=true), where that is a failure: CI must run them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for localslurm
+from localslurm import LocalSlurm  # noqa: E402
+
+
+def cannot_run(reason: str) -> None:
+    """Fail in CI, skip elsewhere."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"local SLURM cluster unavailable in CI: {reason}", pytrace=False)
+    pytest.skip(f"local SLURM cluster unavailable: {reason}")
+
+
+@pytest.fixture(scope="session")
+def local_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
+    """A started LocalSlurm; `local_slurm.env` points sbatch/squeue/scontrol at it."""
+    cluster = LocalSlurm(
+        tmp_path_factory.mktemp("slurm"), nodes=2, cpus_per_node=4, gpus_per_node=4
+    )
+    try:
+        cluster.start()
+    except Exception as exc:  # any reason at all: report it, do not crash the session
+        cannot_run(f"{type(exc).__name__}: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

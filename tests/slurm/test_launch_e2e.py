@@ -1,0 +1,151 @@
+"""`pyrecover launch` on a real local SLURM cluster: the rendered job runs 4 ranks on 2 nodes
+as one gloo process group, trains on CPU, checkpoints into the run directory and completes,
+with each launcher (srun in a container, torchrun in a container, none).
+
+The container is tests/bin/apptainer, a bubblewrap stand-in for apptainer (no apptainer can
+be installed here). It honours `--bind`: the corpus is bound at a path that exists only
+inside the container, so a job that did not run in the container cannot find its data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from localslurm import LocalSlurm
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL = REPO / "launch" / "clusters" / "local.yaml"
+TINY = REPO / "launch" / "experiments" / "tiny.yaml"
+IN_CONTAINER_DATA = "/pyrecover-e2e-data"  # exists only inside the stand-in container
+SECRET = "e2e-wandb-secret-5f0c1d"
+JOB_TIMEOUT = 150
+TINY_SETS = ("model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.block_size=64",
+             "train.max_steps=20", "train.global_batch_size=8", "train.micro_batch_size=2",
+             "train.log_interval=5", "checkpoint.interval=10")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small parquet of Python-like text in a `text` column, in its own folder."""
+    folder = tmp_path_factory.mktemp("corpus")
+    docs = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 12 for i in range(60)]
+    pq.write_table(pa.table({"text": docs}), folder / "corpus.parquet")
+    return folder / "corpus.parquet"
+
+
+def launch_env(cluster: LocalSlurm) -> dict[str, str]:
+    """What the launch sees, and so what sbatch exports to the job: tests/bin (the apptainer
+    stand-in) and the venv first on PATH, SLURM_CONF, and a secret that must not be written."""
+    env = cluster.client_env({"WANDB_API_KEY": SECRET})
+    env["PATH"] = os.pathsep.join([str(REPO / "tests" / "bin"), str(Path(sys.executable).parent),
+                                   env["PATH"]])
+    return env
+
+
+def launch(cluster: LocalSlurm, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "pyrecover", "launch", "--config", str(TINY),
+            "--cluster", str(LOCAL), "--nodes", "2", "--gpus-per-node", "2"]
+    for item in TINY_SETS:
+        argv += ["--set", item]
+    return subprocess.run([*argv, *args], env=launch_env(cluster), cwd=cwd, capture_output=True,
+                          text=True, timeout=60)
+
+
+def submitted_job(done: subprocess.CompletedProcess) -> int:
+    assert done.returncode == 0, done.stderr
+    match = re.search(r"^submitted job (\d+)$", done.stdout, re.M)
+    assert match, done.stdout
+    return int(match.group(1))
+
+
+def run_job(cluster: LocalSlurm, tmp_path: Path, name: str, storage: Path, *args: str):
+    """Launch, wait for the job to end; return (job id, run dir, scontrol record, log text)."""
+    done = launch(cluster, tmp_path, "--exp-name", name, "--set", f"run.storage={storage}",
+                  *args)
+    job_id = submitted_job(done)
+    run_dir = storage / name
+    assert f"run directory: {run_dir}" in done.stdout
+    assert "follow the log: tail -F " in done.stdout and f"{job_id}.out" in done.stdout
+    log = run_dir / "logs" / f"{job_id}.out"
+    try:
+        state = cluster.wait_job(job_id, timeout=JOB_TIMEOUT)
+    finally:
+        text = log.read_text() if log.exists() else "(no log)"
+    assert state == "COMPLETED", text
+    return job_id, run_dir, cluster.job_info(job_id), text
+
+
+def check_trained_run(run_dir: Path, job_id: int, info: dict[str, str], log: str,
+                      launcher: str) -> None:
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0")
+    assert (info["NumNodes"], info["NumTasks"], info["NodeList"]) == ("2", "4", "node[1-2]")
+    assert info["Partition"] == "debug" and info["Requeue"] == "1"
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    start = next(e for e in events if e["event"] == "start")
+    assert start["world_size"] == 4 and start["job_id"] == str(job_id)
+    assert [e["step"] for e in events if e["event"] == "finish"] == [20]
+    for step in (10, 20):
+        assert (run_dir / "checkpoints" / f"step-{step}" / "manifest.json").is_file()
+    assert f"world size 4 ({launcher})" in log
+    assert "finished at step 20" in log
+    assert "training exited with code 0" in log
+    script = (run_dir / "job.sbatch").read_text()
+    assert script.startswith("#!/bin/bash\n") and "#SBATCH --requeue" in script
+    assert SECRET not in script
+    assert SECRET not in (run_dir / "run.yaml").read_text()
+
+
+def test_srun_runs_four_ranks_in_the_container_with_storage_bind_mounted(
+        local_slurm, corpus, tmp_path):
+    # Quotes and spaces in the storage path go through sbatch, srun and the bind as they are.
+    storage = tmp_path / "st ore 'q'"
+    (tmp_path / "pyrecover.sif").write_text("the stand-in ignores the image's contents\n")
+    job_id, run_dir, info, log = run_job(
+        local_slurm, tmp_path, "e2e-srun", storage, "--launcher", "srun",
+        "--image", "pyrecover.sif", "--bind", f"{corpus.parent}:{IN_CONTAINER_DATA}",
+        "--set", f"data.path={IN_CONTAINER_DATA}/{corpus.name}")
+    check_trained_run(run_dir, job_id, info, log, "slurm")
+    script = (run_dir / "job.sbatch").read_text()
+    assert "apptainer exec --nv" in script and str(tmp_path / "pyrecover.sif") in script
+    assert not Path(IN_CONTAINER_DATA).exists()
+
+
+def test_torchrun_runs_one_agent_per_node_in_the_container(local_slurm, corpus, tmp_path):
+    (tmp_path / "pyrecover.sif").write_text("")
+    job_id, run_dir, info, log = run_job(
+        local_slurm, tmp_path, "e2e-torchrun", tmp_path / "storage", "--launcher", "torchrun",
+        "--image", "pyrecover.sif", "--bind", f"{corpus.parent}:{IN_CONTAINER_DATA}",
+        "--set", f"data.path={IN_CONTAINER_DATA}/{corpus.name}")
+    check_trained_run(run_dir, job_id, info, log, "torchrun")
+    assert "torchrun --nnodes" in (run_dir / "job.sbatch").read_text()
+
+
+def test_launcher_none_runs_this_venvs_python_without_a_container(local_slurm, corpus,
+                                                                   tmp_path):
+    storage = tmp_path / "storage"
+    job_id, run_dir, info, log = run_job(
+        local_slurm, tmp_path, "e2e-none", storage, "--set", f"data.path={corpus}")
+    check_trained_run(run_dir, job_id, info, log, "slurm")
+    script = (run_dir / "job.sbatch").read_text()
+    assert "apptainer" not in script and f"{sys.executable} -m pyrecover train" in script
+    recorded = (run_dir / "run.yaml").read_text()
+    assert f"storage: {storage}" in recorded and f"path: {corpus}" in recorded
+
+    # A relaunch that changes what the run computes is refused before anything is submitted.
+    before = script
+    done = launch(local_slurm, tmp_path, "--exp-name", "e2e-none",
+                  "--set", f"run.storage={storage}", "--set", f"data.path={corpus}",
+                  "--set", "model.n_layer=3")
+    assert done.returncode == 2 and "was started with another config" in done.stderr
+    assert "submitted job" not in done.stdout
+    assert (run_dir / "job.sbatch").read_text() == before
