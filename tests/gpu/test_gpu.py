@@ -1,0 +1,129 @@
+"""On real GPUs: DDP over NCCL on every local GPU, bf16 autocast, checkpoints of CUDA tensors.
+
+Each test skips with the reason where torch sees no CUDA GPU, or fewer than it needs. `make
+gpu-test` runs them inside the image (`apptainer exec --nv ... python -m pytest tests/gpu`).
+Training runs are the real CLI in fresh processes, on the tiny experiment config.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import pyrecover, tiny_args
+
+from pyrecover import config as config_mod
+from pyrecover.rundir import read_jsonl
+
+pytestmark = pytest.mark.gpu
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+TIMEOUT = 900
+
+
+def needs_gpus(n: int) -> pytest.MarkDecorator:
+    """Skip unless torch sees at least n CUDA GPUs, saying what it does see."""
+    if not torch.cuda.is_available():
+        reason = (f"no CUDA GPU: torch.cuda.is_available() is False (torch {torch.__version__}, "
+                  f"CUDA build {torch.version.cuda})")
+    else:
+        reason = f"needs {n} CUDA GPUs, torch sees {GPUS}"
+    return pytest.mark.skipif(GPUS < n, reason=reason)
+
+
+def gpu_args(storage, corpus, name: str, world: int, *extra: str) -> list[str]:
+    """The tiny experiment on CUDA: 2 sequences per GPU per micro-step, 2 micro-steps."""
+    return tiny_args(storage, corpus, name, "train.device=cuda", "train.micro_batch_size=2",
+                     f"train.global_batch_size={4 * world}", "checkpoint.interval=5", *extra)
+
+
+def events(run_dir) -> list[dict]:
+    return list(read_jsonl(run_dir / "events.jsonl"))
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m}
+
+
+def check(done) -> None:
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+
+
+@needs_gpus(2)
+def test_ddp_on_nccl_trains_on_every_gpu_and_resumes_from_its_checkpoint(tmp_path, corpus):
+    world, run = GPUS, tmp_path / "ddp"
+    first = pyrecover("train", "--nproc", str(world),
+                      *gpu_args(tmp_path, corpus, "ddp", world, "train.max_steps=10"),
+                      env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}, timeout=TIMEOUT)
+    check(first)
+    # NCCL itself reports its set-up: the process group really runs on NCCL.
+    assert "NCCL INFO" in first.stdout + first.stderr
+    second = pyrecover("train", "--nproc", str(world),
+                       *gpu_args(tmp_path, corpus, "ddp", world, "train.max_steps=20"),
+                       timeout=TIMEOUT)
+    check(second)
+    log = events(run)
+    assert [e["world_size"] for e in log if e["event"] == "start"] == [world]
+    [resume] = [e for e in log if e["event"] == "resume"]
+    assert (resume["step"], resume["world_size"]) == (10, world)
+    assert (log[-1]["event"], log[-1]["step"]) == ("finish", 20)
+    assert all(math.isfinite(loss) for loss in losses(run).values())
+
+
+@needs_gpus(1)
+def test_cuda_training_runs_the_model_under_bf16_autocast():
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip(f"{torch.cuda.get_device_name(0)} does not support bf16")
+    from pyrecover.model import GPT, GPTConfig
+    from pyrecover.train import autocast_for
+
+    device = torch.device("cuda", 0)
+    for precision, dtype in (("auto", torch.bfloat16), ("bf16", torch.bfloat16),
+                             ("fp32", torch.float32)):
+        cfg = config_mod.load(None, [f"train.precision={precision}", "model.n_layer=2",
+                                     "model.n_embd=64", "model.n_head=2", "model.block_size=64"])
+        model = GPT(GPTConfig(**config_mod.to_dict(cfg)["model"])).to(device)
+        x = torch.randint(0, 256, (2, 64), device=device)
+        with autocast_for(cfg, device)():
+            logits, loss = model(x, x)
+        loss.backward()
+        assert logits.dtype == dtype, precision
+        # Autocast computes in bf16 but keeps the weights and their gradients in fp32.
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {
+            torch.float32}
+        assert math.isfinite(loss.item())
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("mode", config_mod.CHECKPOINT_MODES)
+def test_a_cuda_run_killed_mid_way_resumes_from_its_checkpoint(tmp_path, corpus, mode):
+    run, straight = tmp_path / "resumed", tmp_path / "straight"
+    args = ("train.max_steps=20", f"checkpoint.mode={mode}")
+    killed = pyrecover("train", *gpu_args(tmp_path, corpus, "resumed", 1, *args),
+                       env={"PYRECOVER_KILL_AT_STEP": "14"}, timeout=TIMEOUT)
+    assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL, see pyrecover/faults.py
+    saved = [e["step"] for e in events(run) if e["event"] == "checkpoint"]
+    assert saved and saved[-1] in (5, 10)
+    check(pyrecover("train", *gpu_args(tmp_path, corpus, "resumed", 1, *args), timeout=TIMEOUT))
+    check(pyrecover("train", *gpu_args(tmp_path, corpus, "straight", 1, *args), timeout=TIMEOUT))
+    [resume] = [e for e in events(run) if e["event"] == "resume"]
+    assert (resume["step"], resume["mode"]) == (saved[-1], mode)
+    assert (events(run)[-1]["event"], events(run)[-1]["step"]) == ("finish", 20)
+
+    # The CUDA tensors were saved and come back, onto the GPU or the CPU alike.
+    out = tmp_path / "weights.pt"
+    check(pyrecover("ckpt", "export", str(run), "--out", str(out)))
+    on_gpu = torch.load(out, weights_only=True, map_location="cuda")
+    on_cpu = torch.load(out, weights_only=True, map_location="cpu")
+    assert on_gpu.keys() == on_cpu.keys() and on_gpu
+    for name, tensor in on_gpu.items():
+        assert tensor.is_cuda, name
+        assert torch.isfinite(tensor).all(), name
+        assert torch.equal(tensor.cpu(), on_cpu[name]), name
+
+    # GPU kernels are not bitwise deterministic, so the resumed run only has to stay close to
+    # the uninterrupted one; a lost optimizer state, LR step or data position would not.
+    resumed, uninterrupted = losses(run), losses(straight)
+    assert resumed[20] == pytest.approx(uninterrupted[20], rel=0.02)
