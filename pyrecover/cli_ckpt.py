@@ -73,3 +73,23 @@ def export(
     ckpt = tools.pick(tools.open_run(run_dir), step)
     size = tools.export_model(ckpt, out)
     typer.echo(f"exported step {ckpt.step} ({ckpt.mode}) to {out} ({tools.human_bytes(size)})")
+
+
+@ckpt_app.command("convert")
+def convert(
+    run_dir: RunArg,
+    to: Annotated[str, typer.Option(help="Target format: torch (one file) or dcp (a folder).")],
+    out: Annotated[Path, typer.Argument(help="File (torch) or folder (dcp) to create.")],
+    step: StepOpt = None,
+) -> None:
+    """Convert a checkpoint between the vanilla (torch.save) and dcp formats.
+
+    `--to torch` gives one file with model, optimizer, scheduler, train state and RNG states
+    (`torch.load(OUT, weights_only=True)`); `--to dcp` gives a folder that plain
+    `torch.distributed.checkpoint.load` reads.
+    """
+    from pyrecover.checkpoint import tools
+
+    ckpt = tools.pick(tools.open_run(run_dir), step)
+    tools.convert(ckpt, to, out)
+    typer.echo(f"converted step {ckpt.step} ({ckpt.mode}) to {to}: {out}")

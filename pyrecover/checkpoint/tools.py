@@ -125,3 +125,69 @@ def human_age(seconds: float | None) -> str:
 
 def _du(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def config_of(ckpt: Checkpoint) -> dict:
+    """config_of returns the resolved config a checkpoint was made with."""
+    if ckpt.mode == dcp_mode.NAME:
+        return json.loads((ckpt.path / dcp_mode.EXTRA_FILE).read_text())["config"]
+    return vanilla.load_file(ckpt)["config"]
+
+
+def _parts_for(cfg: dict):
+    from pyrecover import config as config_mod
+    from pyrecover.checkpoint.manager import Parts
+    from pyrecover.loop import lr_factor
+    from pyrecover.model import GPT, GPTConfig
+    from pyrecover.train import build_optimizer
+
+    full = config_mod.from_dict(cfg)
+    model = GPT(GPTConfig(**cfg["model"]))
+    optimizer = build_optimizer(model, full, torch.device("cpu"))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, full))
+    return Parts(model=model, optimizer=optimizer, scheduler=scheduler, config=cfg,
+                 train_state=dict)
+
+
+def convert(ckpt: Checkpoint, to: str, out: Path) -> None:
+    """convert writes `ckpt` in the other mode's format.
+
+    `torch`: one file with what a vanilla `state.pt` holds (`torch.load(weights_only=True)`).
+    `dcp`: a folder that plain `torch.distributed.checkpoint.load` reads (`model.*`,
+    `optim.*`), plus `extra.json` and `rng-<rank>.pt` as a pyrecover dcp checkpoint has.
+    """
+    from pyrecover.checkpoint.dcp import DcpMode
+    from pyrecover.checkpoint.vanilla import VanillaMode
+
+    if to not in ("torch", "dcp"):
+        raise CheckpointError(f"--to {to!r}: expected torch or dcp")
+    if out.exists():
+        raise CheckpointError(f"{out} already exists; choose a new path")
+    world = int(ckpt.manifest["world_size"])
+    parts = _parts_for(config_of(ckpt))
+    if ckpt.mode == vanilla.NAME:
+        VanillaMode(0, 1).restore(ckpt, parts)
+        rngs = list(vanilla.load_file(ckpt)["rng"])
+    else:
+        DcpMode(0, 1, torch.device("cpu"), async_save=False).restore(ckpt, parts)
+        rngs = [torch.load(ckpt.path / dcp_mode.rng_file(r), weights_only=True)
+                for r in range(world)]
+    train = dict(ckpt.manifest["train_state"])
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if to == "torch":
+        torch.save(vanilla.full_state(parts, train, rngs), tmp)
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        tmp.mkdir(parents=True)
+        model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+        with dcp_mode.quiet_single_process():
+            dcp.save({"model": model_sd, "optim": optim_sd},
+                     storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+        extra = {"scheduler": parts.scheduler.state_dict(), "config": parts.config,
+                 "train": train}
+        (tmp / dcp_mode.EXTRA_FILE).write_text(json.dumps(extra))
+        for rank, state in enumerate(rngs):
+            torch.save(state, tmp / dcp_mode.rng_file(rank))
+    os.replace(tmp, out)

@@ -112,3 +112,35 @@ def test_a_checkpoint_reshards_to_another_world_size_and_keeps_the_data_order(
     got, want = losses(tmp_path / "run"), unbroken_losses
     for step in range(1, 11):
         assert got[step] == pytest.approx(want[step], rel=2e-5), step
+
+
+def test_checkpoints_convert_between_the_two_formats_without_losing_a_bit(tmp_path, corpus):
+    for mode in ("vanilla", "dcp"):
+        done = train(tmp_path, corpus, mode, 1, f"checkpoint.mode={mode}", "train.max_steps=10")
+        assert done.returncode == 0, done.stderr
+        assert pyrecover("ckpt", "export", str(tmp_path / mode), "--out",
+                         str(tmp_path / f"{mode}.pt")).returncode == 0
+
+    # dcp -> one torch file: the same weights, the optimizer's state and the train state.
+    out = tmp_path / "from-dcp.pt"
+    done = pyrecover("ckpt", "convert", str(tmp_path / "dcp"), "--to", "torch", str(out))
+    assert done.returncode == 0, done.stderr
+    state = torch.load(out, weights_only=True)
+    for key, value in load_export(tmp_path / "dcp.pt").items():
+        assert torch.equal(state["model"][key], value), key
+    assert state["train"]["step"] == 10
+    assert all(float(s["step"]) == 10 for s in state["optimizer"]["state"].values())
+
+    # vanilla -> a dcp folder that plain torch.distributed.checkpoint reads.
+    folder = tmp_path / "from-vanilla"
+    done = pyrecover("ckpt", "convert", str(tmp_path / "vanilla"), "--to", "dcp", str(folder))
+    assert done.returncode == 0, done.stderr
+    cfg = json.loads((folder / "extra.json").read_text())["config"]["model"]
+    target = {"model": GPT(GPTConfig(**cfg)).state_dict()}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(target, checkpoint_id=str(folder), no_dist=True)
+    for key, value in load_export(tmp_path / "vanilla.pt").items():
+        assert torch.equal(target["model"][key], value), key
+
+    again = pyrecover("ckpt", "convert", str(tmp_path / "vanilla"), "--to", "dcp", str(folder))
+    assert again.returncode == 2 and "already exists" in again.stderr
