@@ -1,0 +1,129 @@
+"""`pyrecover launch`: render the job script into the run directory and submit it.
+
+Parse, call, print. Every check runs before anything is written; a user mistake is one
+`error:` line and exit code 2 (ConfigError or LaunchError, caught in pyrecover.cli).
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from pyrecover.config import Config
+    from pyrecover.slurm.render import JobSpec
+
+P = "cluster profile"  # help text: which options override the profile
+
+
+def launch(
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="Experiment YAML (e.g. launch/experiments/gpt-125m.yaml); "
+        "without it the demo defaults.")] = None,
+    cluster: Annotated[Path | None, typer.Option(
+        help="Cluster profile YAML (e.g. launch/clusters/local.yaml); the options below "
+        "override its keys.")] = None,
+    nodes: Annotated[int | None, typer.Option(help=f"Nodes ({P}: nodes).")] = None,
+    mode: Annotated[str | None, typer.Option(
+        help="Checkpoint mode: shorthand for --set checkpoint.mode=MODE.")] = None,
+    exp_name: Annotated[str | None, typer.Option(
+        help="Experiment name, the run directory's name: shorthand for --set "
+        "run.exp_name=NAME.")] = None,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", metavar="KEY=VALUE",
+        help="Override one experiment key, e.g. --set train.max_steps=100. Repeatable.")] = None,
+    partition: Annotated[str | None, typer.Option(help=f"Partition ({P}: partition).")] = None,
+    account: Annotated[str | None, typer.Option(help=f"Account ({P}: account).")] = None,
+    time: Annotated[str | None, typer.Option(
+        help=f"Time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or infinite "
+        f"({P}: time).")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(
+        help=f"GPUs per node = tasks per node ({P}: gpus_per_node).")] = None,
+    cpus_per_task: Annotated[int | None, typer.Option(
+        help=f"CPU cores per task ({P}: cpus_per_task).")] = None,
+    image: Annotated[str | None, typer.Option(
+        help=f"Apptainer image, .sif ({P}: image).")] = None,
+    bind: Annotated[list[str] | None, typer.Option(
+        metavar="SRC[:DST]", help=f"Bind mount, added to the profile's binds; run.storage is "
+        f"always bound. Repeatable ({P}: binds).")] = None,
+    max_restarts: Annotated[int | None, typer.Option(
+        help=f"Requeues allowed after a stop or crash ({P}: max_restarts).")] = None,
+    launcher: Annotated[str | None, typer.Option(
+        help="srun: one task per GPU in the container; torchrun: one torchrun per node (in "
+        "the container when there is an image); none: one task per GPU with this python, "
+        f"no container ({P}: launcher).")] = None,
+    signal_seconds: Annotated[int | None, typer.Option(
+        help=f"SIGUSR2 this many seconds before the time limit ({P}: signal_seconds).")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the script and the sbatch command; write and submit "
+        "nothing.")] = False,
+) -> None:
+    """Render job.sbatch into the run directory and submit it with sbatch.
+
+    The run directory is <run.storage>/<run.exp_name>; run.yaml there records the resolved
+    experiment with absolute paths. Launching again with a config that changes what the run
+    computes is refused. Secrets such as WANDB_API_KEY are never written into the script: the
+    job inherits them from this environment.
+    """
+    from pyrecover import config as config_mod
+    from pyrecover.experiment import prepare_run_dir
+    from pyrecover.slurm import LaunchError, profile, render, submit
+
+    cwd = os.getcwd()
+    sets = list(overrides or [])
+    sets += [f"checkpoint.mode={mode}"] if mode is not None else []
+    sets += [f"run.exp_name={exp_name}"] if exp_name is not None else []
+    cfg = config_mod.load(config, sets)
+    cfg = config_mod.from_dict(config_mod.to_dict(render.absolute_paths(cfg, cwd)))
+    prof = profile.with_overrides(
+        profile.load_profile(cluster, cwd), cwd, binds=tuple(bind or ()), nodes=nodes,
+        gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, time=time,
+        partition=partition, account=account, image=image, launcher=launcher,
+        max_restarts=max_restarts, signal_seconds=signal_seconds)
+    profile.validate(prof)
+    config_mod.check_world_size(cfg, prof.nodes * prof.gpus_per_node)
+    spec = render.job_spec(cfg, prof, sys.executable)
+    script = render.render(spec)
+    argv = submit.sbatch_argv(spec.run.job_script)
+    for note in _notes(cfg, spec):
+        typer.echo(f"note: {note}", err=True)
+
+    if dry_run:
+        typer.echo(script, nl=False)
+        typer.echo("# --dry-run: nothing written or submitted. pyrecover would write this "
+                   "script (and run.yaml) to")
+        typer.echo(f"#   {spec.run.job_script}")
+        typer.echo("# and run:")
+        typer.echo(f"#   {shlex.join(argv)}")
+        return
+    if spec.image is not None and not Path(spec.image).is_file():
+        raise LaunchError(f"image {spec.image!r} does not exist: build it with `make image`, "
+                          "fix image/--image, or use --dry-run")
+    submit.require_sbatch(os.environ)
+    prepare_run_dir(cfg, spec.run)
+    spec.run.job_script.write_text(script)
+    job_id = submit.submit(argv, cwd=spec.run_dir)
+    log = spec.run.logs / f"{job_id}.out"
+    typer.echo(f"submitted job {job_id}")
+    typer.echo(f"run directory: {spec.run_dir}")
+    typer.echo(f"follow the log: tail -F {shlex.quote(str(log))}")
+
+
+def _notes(cfg: Config, spec: JobSpec) -> list[str]:
+    """Things that may well be right but are worth a look: said, not refused."""
+    from pyrecover.slurm import render
+
+    notes = []
+    if not Path(cfg.data.path).is_file():
+        notes.append(f"data.path {cfg.data.path} does not exist here; the job will need it "
+                     "on the compute nodes")
+    if spec.image is not None and render.outside_binds(cfg.data.path, spec.binds):
+        notes.append(f"data.path {cfg.data.path} is outside every bind mount; add "
+                     "--bind for its folder unless the image has it")
+    return notes

@@ -1,0 +1,202 @@
+"""Cluster profiles: where and how a job runs (partition, GPUs per node, image, binds, time).
+
+A profile is a YAML mapping whose keys are the fields of `ClusterProfile`
+(launch/clusters/*.yaml); `pyrecover launch` options override any of them (`with_overrides`).
+Every mistake raises LaunchError naming the key, the bad value and what is allowed.
+Relative paths (image, bind sources) are taken from the directory `pyrecover launch` runs in
+and made absolute, because the job runs elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pyrecover import container
+from pyrecover.container import Bind
+from pyrecover.slurm import LaunchError
+
+LAUNCHERS = ("srun", "torchrun", "none")
+MAX_SIGNAL_SECONDS = 65535  # SLURM keeps --signal's time in 16 bits
+# SLURM's --time forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+_TIME = re.compile(r"(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)")
+_NO_LIMIT = ("infinite", "unlimited", "-1")
+_NAME = re.compile(r"^[A-Za-z0-9._,-]+$")  # partition (comma-separated list) and account
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    nodes: int = 1
+    """Nodes per job; `--nodes` overrides it."""
+    gpus_per_node: int = 4
+    """GPUs per node, and so tasks (ranks) per node."""
+    cpus_per_task: int | None = None
+    """CPU cores per task, i.e. per GPU; unset leaves it to the site's default."""
+    time: str = "01:00:00"
+    """SLURM time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or infinite."""
+    partition: str | None = None
+    account: str | None = None
+    image: str | None = None
+    """Apptainer image (.sif). Launcher srun needs one; torchrun uses it when set."""
+    binds: tuple[Bind, ...] = ()
+    """Bind mounts `SRC[:DST[:ro]]` besides run.storage, which is always bound."""
+    launcher: str = "srun"
+    """srun: one task per GPU in the container; torchrun: one torchrun per node; none: one
+    task per GPU running this machine's python, no container."""
+    max_restarts: int = 3
+    """How often the job may requeue itself after a stop or crash."""
+    signal_seconds: int = 120
+    """SLURM sends SIGUSR2 to every task this many seconds before the time limit."""
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(ClusterProfile))
+
+
+def option_name(key: str) -> str:
+    """option_name is the `pyrecover launch` option that overrides profile key `key`."""
+    return "--bind" if key == "binds" else "--" + key.replace("_", "-")
+
+
+def load_profile(path: str | Path | None, cwd: str | Path) -> ClusterProfile:
+    """load_profile reads a cluster profile (the defaults when None); paths made absolute."""
+    if path is None:
+        return ClusterProfile()
+    p = Path(path)
+    if not p.is_file():
+        raise LaunchError(f"cluster profile {str(p)!r} does not exist (see launch/clusters/)")
+    try:
+        # BaseLoader keeps every scalar a string: YAML 1.1 would read `time: 1:00:00` as the
+        # base-60 integer 3600. Values are converted per field below instead.
+        raw = yaml.load(p.read_text(), Loader=yaml.BaseLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise LaunchError(f"{p}{where}: not valid YAML") from None
+    return from_mapping(raw or {}, str(p), cwd)
+
+
+def from_mapping(raw: Any, source: str, cwd: str | Path) -> ClusterProfile:
+    """from_mapping builds a ClusterProfile from a mapping of strings, rejecting unknown keys."""
+    if not isinstance(raw, dict):
+        raise LaunchError(f"{source}: expected a mapping of profile keys, got {raw!r}")
+    unknown = sorted(set(raw) - set(FIELDS))
+    if unknown:
+        raise LaunchError(f"{source}: unknown cluster profile key {unknown[0]!r}; known keys: "
+                          + ", ".join(sorted(FIELDS)))
+    hints = typing.get_type_hints(ClusterProfile)
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "binds":
+            items = [value] if isinstance(value, str) else value
+            if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+                raise LaunchError(f"{source}: binds={value!r} is not allowed: expected a list "
+                                  "of SRC[:DST] paths")
+            values[key] = tuple(parse_bind(v, cwd) for v in items)
+        else:
+            values[key] = _coerce(source, key, value, hints[key])
+    return absolute(ClusterProfile(**values), cwd)
+
+
+def with_overrides(profile: ClusterProfile, cwd: str | Path, binds: tuple[str, ...] = (),
+                   **overrides: Any) -> ClusterProfile:
+    """with_overrides replaces the fields given (None means not given) and adds `binds`."""
+    unknown = sorted(set(overrides) - set(FIELDS))
+    if unknown:
+        raise TypeError(f"not cluster profile keys: {unknown}")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    extra = tuple(parse_bind(b, cwd) for b in binds)
+    return absolute(dataclasses.replace(profile, **given, binds=profile.binds + extra), cwd)
+
+
+def parse_bind(text: str, cwd: str | Path) -> Bind:
+    """parse_bind reads `SRC[:DST[:ro|rw]]` (pyrecover.container.parse_bind) with SRC made
+    absolute from `cwd`, and DST spelled out (the same path when not given)."""
+    try:
+        bind = container.parse_bind(text)
+    except container.ContainerError as exc:
+        raise LaunchError(str(exc)) from None
+    src = os.path.abspath(os.path.join(cwd, bind.src))
+    return dataclasses.replace(bind, src=src, dst=bind.dst or src)
+
+
+def absolute(profile: ClusterProfile, cwd: str | Path) -> ClusterProfile:
+    """absolute makes the image path absolute, taken from `cwd` when relative."""
+    if profile.image is None:
+        return profile
+    return dataclasses.replace(profile, image=os.path.abspath(os.path.join(cwd, profile.image)))
+
+
+def validate(profile: ClusterProfile) -> None:
+    """validate checks every value; raises LaunchError naming the key and its option."""
+    for key in ("nodes", "gpus_per_node"):
+        _at_least(key, getattr(profile, key), 1)
+    if profile.cpus_per_task is not None:
+        _at_least("cpus_per_task", profile.cpus_per_task, 1)
+    _at_least("max_restarts", profile.max_restarts, 0)
+    if not 0 <= profile.signal_seconds <= MAX_SIGNAL_SECONDS:
+        _bad("signal_seconds", profile.signal_seconds, f"0 to {MAX_SIGNAL_SECONDS} seconds")
+    if profile.launcher not in LAUNCHERS:
+        _bad("launcher", profile.launcher, "one of " + ", ".join(LAUNCHERS))
+    limit = time_seconds(profile.time)
+    if limit is not None and limit <= profile.signal_seconds:
+        _bad("time", profile.time, f"a limit longer than signal_seconds "
+             f"({profile.signal_seconds} s), or the stop signal comes at the start")
+    for key in ("partition", "account"):
+        value = getattr(profile, key)
+        if value is not None and not _NAME.match(value):
+            _bad(key, value, "letters, digits, '.', '_', '-' (a list separated by ',')")
+    if profile.image is not None and not profile.image.strip():
+        _bad("image", profile.image, "the path of an apptainer image (.sif)")
+
+
+def time_seconds(text: str) -> int | None:
+    """time_seconds converts a SLURM time limit to seconds; None for no limit.
+
+    Raises LaunchError for anything `sbatch --time` would reject.
+    """
+    if text.lower() in _NO_LIMIT:
+        return None
+    m = _TIME.fullmatch(text)
+    if not m:
+        _bad("time", text, "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or infinite")
+    d, dh, dm, ds, a, b, c = (int(g) if g is not None else None for g in m.groups())
+    if d is not None:
+        seconds = d * 86400 + dh * 3600 + (dm or 0) * 60 + (ds or 0)
+    elif c is not None:  # HH:MM:SS
+        seconds = a * 3600 + b * 60 + c
+    elif b is not None:  # MM:SS
+        seconds = a * 60 + b
+    else:  # MM
+        seconds = a * 60
+    return seconds or None  # SLURM reads a limit of 0 as no limit
+
+
+def _coerce(source: str, key: str, value: Any, hint: Any) -> Any:
+    optional = type(None) in typing.get_args(hint)
+    if optional and value in ("", "~", "null", "Null", "NULL"):
+        return None
+    base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    if not isinstance(value, str):
+        raise LaunchError(f"{source}: {key}={value!r} is not allowed: expected a single value")
+    if base is int:
+        if not re.fullmatch(r"-?\d+", value.strip()):
+            raise LaunchError(f"{source}: {key}={value!r} is not allowed: expected an integer")
+        return int(value)
+    return value
+
+
+def _at_least(key: str, value: int, low: int) -> None:
+    if value < low:
+        _bad(key, value, f"an integer >= {low}")
+
+
+def _bad(key: str, value: Any, allowed: str) -> typing.NoReturn:
+    raise LaunchError(f"{key}={value!r} is not allowed: expected {allowed} "
+                      f"(cluster profile key {key}, option {option_name(key)})")

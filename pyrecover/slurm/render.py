@@ -1,0 +1,283 @@
+"""The job script: `job_spec(cfg, profile, python)` decides what runs, `render(spec)` writes it.
+
+Both are pure. Rendering is deterministic: `#SBATCH` lines come from a sorted mapping, every
+literal goes through `shlex.quote`, and the few words bash must expand when the job runs
+(`"$SLURM_JOB_ID"`, ...) are `Shell` values, written as they are. No value from the
+launching environment is ever read here, so no secret can end up in a script: secrets such
+as WANDB_API_KEY reach the tasks through the environment, which sbatch exports to the job
+and apptainer passes into the container.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyrecover import container
+from pyrecover.config import Config
+from pyrecover.container import Bind
+from pyrecover.dist import PORT_BASE, PORT_SPAN
+from pyrecover.rundir import RunDir
+from pyrecover.slurm import LaunchError
+from pyrecover.slurm.profile import ClusterProfile
+
+INDENT = "    "
+
+
+@dataclass(frozen=True)
+class Shell:
+    """A word bash expands when the job runs, e.g. `"$SLURM_JOB_ID"`; rendered as written."""
+
+    text: str
+
+
+Word = str | int | Shell
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything the script depends on; all paths absolute."""
+
+    job_name: str
+    run_dir: str
+    nodes: int
+    gpus_per_node: int
+    cpus_per_task: int | None
+    time: str
+    partition: str | None
+    account: str | None
+    signal_seconds: int
+    max_restarts: int
+    launcher: str
+    image: str | None
+    """None: no container."""
+    binds: tuple[Bind, ...]
+    python: str
+    """The interpreter that runs pyrecover (and torchrun) when there is no container."""
+
+    @property
+    def run(self) -> RunDir:
+        return RunDir(Path(self.run_dir))
+
+
+def absolute_paths(cfg: Config, cwd: str | Path) -> Config:
+    """absolute_paths returns `cfg` with run.storage and data.path made absolute from `cwd`.
+
+    The job starts in another directory, maybe on another machine, so run.yaml holds no
+    relative path.
+    """
+    def full(path: str) -> str:
+        return os.path.abspath(os.path.join(cwd, path))
+
+    return dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(cfg.run, storage=full(cfg.run.storage)),
+        data=dataclasses.replace(cfg.data, path=full(cfg.data.path)),
+    )
+
+
+def job_spec(cfg: Config, profile: ClusterProfile, python: str) -> JobSpec:
+    """job_spec combines an experiment (paths already absolute) and a validated profile.
+
+    run.storage is always bound into the container at the same path. Raises LaunchError for
+    paths an `#SBATCH` line or an apptainer bind cannot carry.
+    """
+    storage = cfg.run.storage
+    _check_sbatch_path("run.storage", storage)
+    image = None if profile.launcher == "none" else profile.image
+    if profile.launcher == "srun" and image is None:
+        raise LaunchError("launcher srun runs the tasks in a container but no image is set: "
+                          "set image in the cluster profile or pass --image, or use "
+                          "--launcher none")
+    binds: tuple[Bind, ...] = ()
+    if image is not None:
+        if ":" in storage or "," in storage:
+            raise LaunchError(f"run.storage={storage!r} is not allowed with a container: "
+                              "apptainer's --bind cannot carry ':' or ','")
+        binds = tuple(dict.fromkeys((Bind(storage, storage), *profile.binds)))
+    return JobSpec(
+        job_name=cfg.run.exp_name,
+        run_dir=str(cfg.run_dir()),
+        nodes=profile.nodes,
+        gpus_per_node=profile.gpus_per_node,
+        cpus_per_task=profile.cpus_per_task,
+        time=profile.time,
+        partition=profile.partition,
+        account=profile.account,
+        signal_seconds=profile.signal_seconds,
+        max_restarts=profile.max_restarts,
+        launcher=profile.launcher,
+        image=image,
+        binds=binds,
+        python=python,
+    )
+
+
+def outside_binds(path: str, binds: Sequence[Bind]) -> bool:
+    """outside_binds tells whether `path` is not under any bind's destination."""
+    return not any(Path(path).is_relative_to(b.dst or b.src) for b in binds)
+
+
+def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
+    """sbatch_options maps option -> value; None is a flag without value. Sorted by name."""
+    log = f"{_slurm_pattern(str(spec.run.logs))}/%j.out"  # stdout and stderr, one file per job
+    options: dict[str, str | int | None] = {
+        "account": spec.account,
+        "chdir": spec.run_dir,
+        "cpus-per-task": spec.cpus_per_task,
+        "error": log,
+        "gpus-per-node": spec.gpus_per_node,
+        "job-name": spec.job_name,
+        "nodes": spec.nodes,
+        "ntasks-per-node": spec.gpus_per_node,
+        "open-mode": "append",  # a requeued job keeps its id: keep the earlier runs' output
+        "output": log,
+        "partition": spec.partition,
+        "requeue": None,
+        "signal": f"USR2@{spec.signal_seconds}",
+        "time": spec.time,
+    }
+    absent = ("account", "cpus-per-task", "partition")
+    return {k: options[k] for k in sorted(options) if not (k in absent and options[k] is None)}
+
+
+def step_lines(spec: JobSpec) -> list[list[Word]]:
+    """step_lines is the step's command in readable pieces: srun, the container, the trainer."""
+    train = ["train", "--config", str(spec.run.config)]
+    srun: list[Word] = ["srun", "--kill-on-bad-exit=1"]
+    if spec.launcher == "torchrun":
+        # One torchrun per node, which starts one worker per GPU. srun would otherwise take
+        # the allocation's task count (one per GPU) from the environment.
+        srun += [Shell('--nodes="$SLURM_NNODES"'), Shell('--ntasks="$SLURM_NNODES"'),
+                 "--ntasks-per-node=1"]
+        if spec.cpus_per_task is not None:
+            srun.append(f"--cpus-per-task={spec.cpus_per_task * spec.gpus_per_node}")
+        torchrun: list[Word] = (["torchrun"] if spec.image else
+                                [spec.python, "-m", "torch.distributed.run"])
+        command: list[list[Word]] = [
+            [*torchrun, "--nnodes", Shell('"$SLURM_NNODES"'), "--nproc-per-node",
+             spec.gpus_per_node],
+            ["--rdzv-backend", "c10d", "--rdzv-endpoint", Shell('"$MASTER_ADDR:$MASTER_PORT"'),
+             "--rdzv-id", Shell('"$SLURM_JOB_ID"')],
+            ["-m", "pyrecover", *train],
+        ]
+    elif spec.image:
+        command = [["pyrecover", *train]]
+    else:
+        command = [[spec.python, "-m", "pyrecover", *train]]
+    if spec.image is None:
+        return [srun, *command]
+    # pyrecover.container builds the whole `apptainer exec ... IMAGE COMMAND`; the part
+    # before the command goes on a line of its own.
+    words = [w for line in command for w in line]
+    full = container.exec_argv(spec.image, words, spec.binds)  # type: ignore[arg-type]
+    return [srun, full[: len(full) - len(words)], *command]
+
+
+def train_argv(spec: JobSpec) -> list[Word]:
+    """train_argv is the step's whole command line, as one list."""
+    return [word for line in step_lines(spec) for word in line]
+
+
+def render(spec: JobSpec) -> str:
+    """render returns the sbatch script for `spec`."""
+    sbatch = [f"#SBATCH --{k}" if v is None else f"#SBATCH --{k}={shlex.quote(str(v))}"
+              for k, v in sbatch_options(spec).items()]
+    step = f" \\\n{INDENT}".join(_join(line) for line in step_lines(spec))
+    return "\n".join([
+        "#!/bin/bash",
+        "# Rendered by `pyrecover launch`. Submitting this file again runs the same job; the",
+        "# trainer resumes from the newest checkpoint in the run directory by itself.",
+        *sbatch,
+        "",
+        "set -uo pipefail",
+        "",
+        "# The first node hosts the process group's rendezvous. The port follows from the job",
+        "# id (pyrecover.dist.port_for_job), so two jobs sharing a node rarely collide.",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        f"MASTER_PORT=$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))",
+        "export MASTER_ADDR MASTER_PORT",
+        f"MAX_RESTARTS={spec.max_restarts}",
+        f"EVENTS={shlex.quote(str(spec.run.events))}",
+        "",
+        REQUEUE_BLOCK,
+        "",
+        'echo "pyrecover: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, '
+        'rendezvous $MASTER_ADDR:$MASTER_PORT" >&2',
+        step,
+        "after_training $?",
+        "",
+    ])
+
+
+# Runs in the batch shell, outside the container, so the image needs no SLURM commands.
+REQUEUE_BLOCK = r"""# The trainer also stops by itself when the next steps and a checkpoint would
+# not fit before the job ends. SLURM 22.05 sets no SLURM_JOB_END_TIME: ask squeue here.
+if [ -z "${SLURM_JOB_END_TIME:-}" ]; then
+    end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null)
+    PYRECOVER_JOB_END_TIME=$(date -d "$end" +%s 2>/dev/null || true)
+    export PYRECOVER_JOB_END_TIME
+fi
+
+# Preemption and scancel send SIGTERM to this shell too: keep waiting for the training step,
+# which saves on the same signal, and decide afterwards. (A handler, not an ignore: children
+# must still receive the signal.)
+trap 'echo "pyrecover: batch shell got SIGTERM; waiting for the training step" >&2' TERM
+
+# ---- after the training step: the requeue decision ----------------------------------
+# Exit 0: finished. 2: a config or data error, which a requeue cannot fix. 75: stopped
+# cleanly with a checkpoint (signal or deadline). Anything else: a crash. 75 and crashes
+# are requeued while SLURM_RESTART_COUNT is below MAX_RESTARTS; each decision is recorded.
+record() {
+    local fmt='{"event": "%s", "time": %s, "job_id": "%s", "restart_count": %s, '
+    fmt+='"exit_code": %s, "reason": "%s"}\n'
+    # shellcheck disable=SC2059
+    printf "$fmt" "$1" "$(date +%s)" "$SLURM_JOB_ID" "${SLURM_RESTART_COUNT:-0}" "$2" "$3" \
+        >> "$EVENTS"
+}
+after_training() {
+    local code=$1 restart=${SLURM_RESTART_COUNT:-0} reason=crash
+    echo "pyrecover: training exited with code $code" \
+        "(restart $restart of at most $MAX_RESTARTS)" >&2
+    case $code in
+        0) exit 0 ;;
+        2) record no_requeue "$code" "config or data error"; exit 2 ;;
+        75) reason="stopped cleanly" ;;
+    esac
+    if [ "$restart" -ge "$MAX_RESTARTS" ]; then
+        record no_requeue "$code" "$reason; max restarts ($MAX_RESTARTS) reached"
+        exit "$code"
+    fi
+    record requeue "$code" "$reason"
+    echo "pyrecover: requeueing job $SLURM_JOB_ID ($reason)" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+    exit "$code"
+}
+# -------------------------------------------------------------------------------------"""
+
+
+def _word(word: Word) -> str:
+    return word.text if isinstance(word, Shell) else shlex.quote(str(word))
+
+
+def _join(words: Sequence[Word]) -> str:
+    """shlex.join, except that Shell words stay as written."""
+    return " ".join(_word(w) for w in words)
+
+
+def _slurm_pattern(path: str) -> str:
+    """SLURM expands `%j` and friends in --output; a literal `%` is written `%%`."""
+    return path.replace("%", "%%")
+
+
+def _check_sbatch_path(key: str, path: str) -> None:
+    # sbatch reads `#SBATCH` lines one line at a time and treats a backslash as an escape even
+    # inside quotes, so such paths cannot be written there the way bash would read them.
+    bad = next((c for c in path if c in "\\\n\r" or not c.isprintable()), None)
+    if bad is not None:
+        raise LaunchError(f"{key}={path!r} is not allowed: an #SBATCH line cannot carry "
+                          f"{bad!r}; choose a path without it")
