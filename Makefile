@@ -52,3 +52,16 @@ image:
 # GPU tests inside the image; they skip with a reason where there is no GPU.
 gpu-test: image
 	apptainer exec --nv --bind "$(CURDIR)" --pwd "$(CURDIR)" pyrecover.sif python -m pytest tests/gpu
+
+# Checkpoint speed on this machine's disk against its raw limit and torch.save/load, then
+# training throughput with each mode vs. none (README "Benchmarks"). A few minutes at this
+# size; point `pyrecover bench ckpt --dir` at real storage with a real --size-gb.
+BENCH_DIR ?= runs/bench
+BENCH_CORPUS := $(BENCH_DIR)/stdlib.parquet
+bench: venv
+	@mkdir -p $(BENCH_DIR)
+	@[ -f $(BENCH_CORPUS) ] || $(VENV)/bin/pyrecover data prepare --max-mb 5 \
+	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" $(BENCH_CORPUS)
+	$(VENV)/bin/pyrecover bench ckpt --dir $(BENCH_DIR) --size-gb 0.25 --repeat 3
+	$(VENV)/bin/pyrecover bench train --config launch/experiments/demo.yaml \
+	  --set data.path=$(BENCH_CORPUS) --interval 10 --steps 30 --warmup 5 --repeat 3

@@ -13,8 +13,12 @@ from typing import Annotated
 
 import typer
 
+from pyrecover.cli_bench import bench_app
 from pyrecover.cli_ckpt import ckpt_app
 from pyrecover.cli_data import data_app
+from pyrecover.cli_image import image_app
+from pyrecover.cli_launch import launch
+from pyrecover.cli_plot import plot
 from pyrecover.config import ConfigError
 
 EXIT_USER_ERROR = 2
@@ -28,6 +32,8 @@ app = typer.Typer(
 )
 app.add_typer(data_app, name="data")
 app.add_typer(ckpt_app, name="ckpt")
+app.add_typer(image_app, name="image")
+app.add_typer(bench_app, name="bench")
 
 ConfigOpt = Annotated[Path | None, typer.Option(
     "--config", "-c", help="Experiment YAML (e.g. launch/experiments/tiny.yaml). "
@@ -90,13 +96,36 @@ def demo(
     raise typer.Exit(demo_mod.run(workdir, nproc))
 
 
+app.command()(launch)
+app.command()(plot)
+
+
+@app.command()
+def status(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")],
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object, for scripts.")] =
+    False,
+) -> None:
+    """Show what happened to a run: state, restarts by cause, last checkpoint, goodput."""
+    import json
+
+    from pyrecover import status as status_mod
+    from pyrecover.slurm.query import squeue_state
+
+    report = status_mod.read(run_dir, squeue=squeue_state)
+    typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_mod.render(report))
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     from pyrecover.checkpoint.store import CheckpointError
     from pyrecover.data import DataError
     from pyrecover.dist import DistError
     from pyrecover.loop import TrainingError
+    from pyrecover.slurm import LaunchError
+    from pyrecover.status import StatusError
 
-    return (ConfigError, DataError, DistError, CheckpointError, TrainingError)
+    return (ConfigError, DataError, DistError, CheckpointError, TrainingError, StatusError,
+            LaunchError)
 
 
 def main() -> None:
@@ -106,4 +135,14 @@ def main() -> None:
         if isinstance(exc, _user_errors()):
             typer.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_USER_ERROR)
+        from pyrecover.preempt import EXIT_STOPPED, StopRequested
+        from pyrecover.train import PeerLost
+
+        if isinstance(exc, StopRequested):  # saved; the job script requeues on this code
+            typer.echo(f"pyrecover: {exc}", err=True)
+            sys.exit(EXIT_STOPPED)
+
+        if isinstance(exc, PeerLost):  # a fault elsewhere, not a bug here: no traceback
+            typer.echo(f"error: {exc}", err=True)
+            sys.exit(1)
         raise

@@ -24,8 +24,8 @@ class ConfigError(ValueError):
     """A user mistake in the configuration: one line naming the key and what is allowed."""
 
 
-CHECKPOINT_MODES = ("vanilla", "dcp")
-WANDB_MODES = ("offline", "online", "disabled")
+CHECKPOINT_MODES = ("vanilla", "dcp", "memory")
+WANDB_MODES = ("auto", "offline", "online", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 _EXP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -37,6 +37,9 @@ class RunConfig:
     """Names the run directory `<storage>/<exp_name>`: letters, digits, `.`, `_`, `-`."""
     storage: str = "runs"
     """Root folder of all run directories (relative paths are taken from the working dir)."""
+    stop_signal: str = "USR2"
+    """Signal that asks for a clean stop (save, exit 75, requeue); SIGTERM always does too.
+    USR2 by default because NCCL may use USR1."""
 
 
 @dataclass
@@ -93,12 +96,24 @@ class CheckpointConfig:
     """Committed checkpoints kept on disk; at least 2, so one bad save never leaves nothing."""
     async_save: bool = True
     """dcp: write in the background; the loop waits only for the copy into CPU memory."""
+    snapshot_interval: int = 5
+    """memory: steps between in-memory snapshots (a crash loses at most this many steps)."""
+    replicas: int = 2
+    """memory: copies of each rank's slice, on distinct ranks (on other nodes when possible)."""
 
 
 @dataclass
 class TrackingConfig:
-    wandb: str = "disabled"
+    wandb: str = "auto"
+    """`auto`: WANDB_MODE if set, else online when a wandb API key is configured, else offline."""
     project: str = "pyrecover"
+    entity: str = ""
+    """wandb team or user; empty: the API key's default entity."""
+    group: str = ""
+    tags: str = ""
+    """Comma-separated, e.g. `baseline,125m`."""
+    name: str = ""
+    """Display name of the wandb run; empty: run.exp_name."""
 
 
 @dataclass
@@ -188,6 +203,9 @@ def validate(cfg: Config) -> None:
     """validate checks values and their relations; raises ConfigError naming the first bad key."""
     if not _EXP_NAME.match(cfg.run.exp_name) or ".." in cfg.run.exp_name:
         _bad("run.exp_name", cfg.run.exp_name, "letters, digits, '.', '_' and '-', no '/' or '..'")
+    if cfg.run.stop_signal.upper().removeprefix("SIG") not in ("USR1", "USR2", "TERM", "INT",
+                                                                 "HUP", "XCPU"):
+        _bad("run.stop_signal", cfg.run.stop_signal, "one of USR1, USR2, TERM, INT, HUP, XCPU")
     if not cfg.run.storage:
         _bad("run.storage", cfg.run.storage, "a folder path")
     m = cfg.model
@@ -219,6 +237,8 @@ def validate(cfg: Config) -> None:
     c = cfg.checkpoint
     _choice("checkpoint.mode", c.mode, CHECKPOINT_MODES)
     _positive("checkpoint.interval", c.interval)
+    _positive("checkpoint.snapshot_interval", c.snapshot_interval)
+    _positive("checkpoint.replicas", c.replicas)
     if c.keep < 2:
         _bad("checkpoint.keep", c.keep, "at least 2, so a failed save never leaves no checkpoint")
     _choice("tracking.wandb", cfg.tracking.wandb, WANDB_MODES)

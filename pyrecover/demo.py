@@ -30,7 +30,8 @@ def say(text: str) -> None:
 
 def run(workdir: Path, nproc: int) -> int:
     corpus = workdir / "stdlib.parquet"
-    overrides = [f"run.storage={workdir}", f"data.path={corpus}"]
+    # Offline wandb: the demo never touches the network, even where an API key is set.
+    overrides = [f"run.storage={workdir}", f"data.path={corpus}", "tracking.wandb=offline"]
     cfg = config_mod.load(None, overrides)
     run_dir = RunDir(cfg.run_dir())
     if not corpus.is_file():

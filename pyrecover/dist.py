@@ -220,7 +220,9 @@ def setup(env: DistEnv, device_kind: str, timeout_s: float = 600.0):
         torch.set_num_threads(max(1, cores // max(env.local_world_size, 1)))
     if env.is_distributed:
         tdist.init_process_group(
-            backend="nccl" if device_kind == "cuda" else "gloo",
+            # CPU tensors (stop flags, checkpoint agreement, object gathers) go over gloo
+            # even on GPUs, so they never queue behind NCCL kernels.
+            backend="cpu:gloo,cuda:nccl" if device_kind == "cuda" else "gloo",
             init_method=f"tcp://{_bracket(env.master_addr)}:{env.master_port}",
             rank=env.rank,
             world_size=env.world_size,
@@ -263,11 +265,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str]) -> int:
+def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
+                grace_s: float = 60.0) -> int:
     """spawn_local runs `argv` as `nproc` local workers with torchrun-style variables.
 
-    Waits for all of them. When one fails, the others are terminated (then killed), and the
-    first failure's exit code is returned, so the caller exits like the job did.
+    Waits for all of them. When one fails, the others get `grace_s` seconds to notice (their
+    next collective fails) and exit by themselves, which lets memory mode persist what the
+    survivors hold; then they are terminated (then killed). The first failure's exit code is
+    returned, so the caller exits like the job did.
     """
     port = free_port()
     procs = []
@@ -286,11 +291,12 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str]) -> 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
                                                   signal.SIGINT)}
     try:
-        failed = 0
+        failed, deadline = 0, None
         while any(p.poll() is None for p in procs):
             bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if bad and not failed:
-                failed = bad[0]
+                failed, deadline = bad[0], time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() > deadline:
                 _stop_all(procs)
             time.sleep(0.05)
         codes = [p.returncode for p in procs]

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as tdist
@@ -20,7 +20,10 @@ from pyrecover import faults
 from pyrecover.checkpoint import CheckpointManager
 from pyrecover.config import Config
 from pyrecover.data import Batches
+from pyrecover.preempt import Stopper, StopRequested
+from pyrecover.progress import Progress
 from pyrecover.rundir import RunDir
+from pyrecover.tracking import Tracker
 
 log = logging.getLogger("pyrecover")
 
@@ -68,25 +71,42 @@ class Loop:
     device: torch.device
     state: TrainState
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    tracker: Tracker = field(default_factory=Tracker)  # wandb on rank 0; a no-op elsewhere
+    stopper: Stopper | None = None  # signals and deadline; None: run to max_steps
+    progress: Progress | None = None  # a bar on rank 0's terminal; None in a batch log
 
     def run_steps(self) -> TrainState:
         t = self.cfg.train
         tokens_per_step = t.global_batch_size * self.cfg.model.block_size
         window_start, window_steps = time.perf_counter(), 0
         while self.state.step < t.max_steps:
+            step_started = time.perf_counter()
             loss, grad_norm = self.one_step()
+            faults.maybe_delay()
             self.state.step += 1
             self.state.tokens_seen += tokens_per_step
             self.state.data_position = self.batches.position
             window_steps += 1
             step = self.state.step
+            if self.progress is not None:
+                self.progress.update(step, loss, tokens_per_step)
             if self.rank == 0 and (step % t.log_interval == 0 or step == t.max_steps):
                 elapsed = time.perf_counter() - window_start
                 self._log(step, loss, grad_norm, tokens_per_step * window_steps / elapsed,
                           elapsed / window_steps)
                 window_start, window_steps = time.perf_counter(), 0
             self.manager.at_step(step, final=step == t.max_steps)
+            if self.stopper is not None:
+                self.stopper.deadline.observe(time.perf_counter() - step_started,
+                                              self.manager.last_save_seconds)
+                reason = self.stopper.check()
+                if reason is not None and step < t.max_steps:
+                    self.manager.finish(step)  # the stop checkpoint, committed before exit
+                    raise StopRequested(step, reason)
+            self.tracker.after_step(step)
             faults.maybe_kill(step, self.rank)
+        if self.progress is not None:
+            self.progress.close()
         return self.state
 
     def one_step(self) -> tuple[float, float]:
@@ -134,9 +154,12 @@ class Loop:
 
     def _log(self, step: int, loss: float, grad_norm: float, tok_s: float, step_s: float) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
-        self.run.metric(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
-                        tokens_per_s=round(tok_s, 1), step_time=round(step_s, 5),
-                        tokens_seen=self.state.tokens_seen,
-                        checkpoint_stall_total=round(self.manager.stall_seconds, 5))
-        log.info("step %d/%d  loss %.4f  lr %.2e  %.0f tok/s  %.1f ms/step", step,
-                 self.cfg.train.max_steps, loss, lr, tok_s, step_s * 1e3)
+        record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
+                      tokens_per_s=round(tok_s, 1), step_time=round(step_s, 5),
+                      tokens_seen=self.state.tokens_seen,
+                      checkpoint_stall_total=round(self.manager.stall_seconds, 5))
+        self.run.metric(**record)
+        self.tracker.log(step, record)
+        if self.progress is None:  # on a terminal the bar shows the same
+            log.info("step %d/%d  loss %.4f  lr %.2e  %.0f tok/s  %.1f ms/step", step,
+                     self.cfg.train.max_steps, loss, lr, tok_s, step_s * 1e3)

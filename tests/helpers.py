@@ -29,6 +29,7 @@ def pyrecover(*args: str, env: dict[str, str] | None = None, cwd: Path | None = 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
               "SLURM_PROCID", "SLURM_STEP_ID"):
         full_env.pop(k, None)
+    full_env["WANDB_MODE"] = "disabled"  # no test talks to wandb unless it asks to
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "pyrecover", *args], env=full_env, cwd=cwd,
                           capture_output=True, text=True, timeout=timeout,

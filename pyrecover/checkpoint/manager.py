@@ -49,7 +49,7 @@ class Restored:
 
 
 def make_mode(name: str, rank: int, world_size: int, device: torch.device,
-              async_save: bool = True):
+              async_save: bool = True, replicas: int = 2, ranks_per_node: int | None = None):
     """make_mode returns the writer/reader of one checkpoint format."""
     if name == "vanilla":
         from pyrecover.checkpoint.vanilla import VanillaMode
@@ -59,6 +59,10 @@ def make_mode(name: str, rank: int, world_size: int, device: torch.device,
         from pyrecover.checkpoint.dcp import DcpMode
 
         return DcpMode(rank, world_size, device, async_save)
+    if name == "memory":
+        from pyrecover.checkpoint.memory import MemoryMode
+
+        return MemoryMode(rank, world_size, device, replicas, ranks_per_node)
     raise CheckpointError(f"checkpoint mode {name!r} is not supported here")
 
 
@@ -73,14 +77,19 @@ class _InFlight:
 class CheckpointManager:
     def __init__(self, run: RunDir, mode: str, interval: int, keep: int, rank: int,
                  world_size: int, parts: Parts, device: torch.device | None = None,
-                 async_save: bool = True) -> None:
+                 async_save: bool = True, snapshot_interval: int = 0, replicas: int = 2,
+                 ranks_per_node: int | None = None) -> None:
         self.run, self.mode_name, self.interval, self.keep = run, mode, interval, keep
         self.rank, self.world_size, self.parts = rank, world_size, parts
         self.root = run.checkpoints
-        self.mode = make_mode(mode, rank, world_size, device or torch.device("cpu"), async_save)
+        self.mode = make_mode(mode, rank, world_size, device or torch.device("cpu"), async_save,
+                              replicas, ranks_per_node)
+        # Memory mode only: steps between in-memory snapshots (0: none).
+        self.snapshot_interval = snapshot_interval if hasattr(self.mode, "snapshot") else 0
         self.inflight: _InFlight | None = None
         self.last_saved_step: int | None = None
         self.stall_seconds = 0.0  # time the loop was blocked by saves, summed
+        self.last_save_seconds = 0.0  # start to commit of the newest checkpoint (rank 0)
 
     # --- saving --------------------------------------------------------------------------
 
@@ -92,6 +101,8 @@ class CheckpointManager:
         started = time.perf_counter()
         if self.inflight is not None:
             self._try_commit(wait=False)
+        if self.snapshot_interval and step % self.snapshot_interval == 0:
+            self.mode.snapshot(step, self.parts, self.parts.train_state())
         if step % self.interval == 0 or final:
             if self.inflight is not None:
                 if self.rank == 0:
@@ -113,6 +124,24 @@ class CheckpointManager:
         if self.inflight is not None:
             self._commit_now()
         self.mode.close()
+
+    def persist_after_failure(self) -> None:
+        """persist_after_failure saves what this rank holds after a peer died (memory mode).
+
+        Uses no collective; the next start's rank 0 commits the result if it covers every
+        slice of one step.
+        """
+        persist = getattr(self.mode, "persist_survivor", None)
+        if persist is None:
+            return
+        try:
+            steps = persist(self.root)
+        except Exception as exc:  # the original failure matters more than this one
+            log.error("rank %d could not persist its snapshots: %s", self.rank, exc)
+            return
+        if steps:
+            log.warning("rank %d persisted its in-memory snapshots of steps %s", self.rank, steps)
+            self.run.event("snapshot_persisted", rank=self.rank, steps=steps)
 
     def _start(self, step: int) -> None:
         started = time.perf_counter()
@@ -166,6 +195,7 @@ class CheckpointManager:
             pending.files.update(files)
         folder = pending.commit(self.mode_name, self.world_size, flight.train)
         seconds = time.perf_counter() - flight.started
+        self.last_save_seconds = seconds
         size = sum(f["size"] for f in pending.files.values())
         self.run.event("checkpoint", step=pending.step, mode=self.mode_name, path=str(folder),
                        bytes=size, seconds=round(seconds, 4), blocked=round(flight.blocked, 4))
@@ -188,6 +218,9 @@ class CheckpointManager:
         choice: list[Any] = [None]
         found: Checkpoint | None = None
         if self.rank == 0:
+            from pyrecover.checkpoint.memory import finalize_snapshots
+
+            finalize_snapshots(self.root, self.run.event)
             for tmp in store.clean_uncommitted(self.root):
                 log.warning("removed uncommitted checkpoint folder %s", tmp.name)
             for step, folder, ckpt, problem in store.scan(self.root):
@@ -206,6 +239,6 @@ class CheckpointManager:
     def restore(self, ckpt: Checkpoint) -> Restored:
         """restore loads `ckpt` (of any mode) into the live parts and returns the train state."""
         mode = self.mode if ckpt.mode == self.mode_name else make_mode(
-            ckpt.mode, self.rank, self.world_size, torch.device("cpu"), False)
+            ckpt.mode, self.rank, self.world_size, torch.device("cpu"), False, 1)
         return mode.restore(ckpt, self.parts)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from pyrecover.checkpoint import dcp as dcp_mode
+from pyrecover.checkpoint import memory as memory_mode
 from pyrecover.checkpoint import store, vanilla
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 from pyrecover.rundir import RunDir
@@ -89,6 +90,9 @@ def model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         with dcp_mode.quiet_single_process():
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt.path)), no_dist=True)
         return state["model"]
+    if ckpt.mode == memory_mode.NAME:
+        flat, meta = memory_mode.assemble(ckpt.path, list(ckpt.manifest["files"]))
+        return memory_mode.unflatten(flat, meta["layout"])[0]
     raise CheckpointError(f"{ckpt.path}: mode {ckpt.mode!r} cannot be read here")
 
 
@@ -131,6 +135,8 @@ def config_of(ckpt: Checkpoint) -> dict:
     """config_of returns the resolved config a checkpoint was made with."""
     if ckpt.mode == dcp_mode.NAME:
         return json.loads((ckpt.path / dcp_mode.EXTRA_FILE).read_text())["config"]
+    if ckpt.mode == memory_mode.NAME:
+        return memory_mode.assemble(ckpt.path, list(ckpt.manifest["files"]))[1]["config"]
     return vanilla.load_file(ckpt)["config"]
 
 

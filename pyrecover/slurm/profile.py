@@ -53,7 +53,8 @@ class ClusterProfile:
     max_restarts: int = 3
     """How often the job may requeue itself after a stop or crash."""
     signal_seconds: int = 120
-    """SLURM sends SIGUSR2 to every task this many seconds before the time limit."""
+    """SLURM sends SIGUSR2 to every task this many seconds before the time limit; 0: no
+    signal (the trainer then stops on its own deadline prediction)."""
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ClusterProfile))

@@ -138,10 +138,11 @@ def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
         "output": log,
         "partition": spec.partition,
         "requeue": None,
-        "signal": f"USR2@{spec.signal_seconds}",
+        # 0: no warning signal; the trainer still stops on its own deadline prediction.
+        "signal": f"USR2@{spec.signal_seconds}" if spec.signal_seconds > 0 else None,
         "time": spec.time,
     }
-    absent = ("account", "cpus-per-task", "partition")
+    absent = ("account", "cpus-per-task", "partition", "signal")
     return {k: options[k] for k in sorted(options) if not (k in absent and options[k] is None)}
 
 
@@ -239,10 +240,26 @@ record() {
     printf "$fmt" "$1" "$(date +%s)" "$SLURM_JOB_ID" "${SLURM_RESTART_COUNT:-0}" "$2" "$3" \
         >> "$EVENTS"
 }
+# srun returns the highest code of its tasks, and with --kill-on-bad-exit the first task to
+# exit (75 or 2 is non-zero too) gets the others SIGTERMed, often while they are still
+# shutting down: 143. The trainer's own record of this attempt tells what really happened.
+attempt_outcome() {
+    local this="\"job_id\": \"$SLURM_JOB_ID\", \"restart_count\": ${SLURM_RESTART_COUNT:-0}[,}]"
+    grep -E "^\{\"event\": \"(stop|error)\".*$this" "$EVENTS" 2>/dev/null | tail -n 1 |
+        sed -E 's/^\{"event": "([a-z]+)".*/\1/'
+}
 after_training() {
     local code=$1 restart=${SLURM_RESTART_COUNT:-0} reason=crash
     echo "pyrecover: training exited with code $code" \
         "(restart $restart of at most $MAX_RESTARTS)" >&2
+    if [ "$code" -gt 128 ]; then
+        case $(attempt_outcome) in
+            stop) code=75 ;;
+            error) code=2 ;;
+        esac
+        [ "$code" -gt 128 ] || echo "pyrecover: a task was ended by SLURM after the" \
+            "trainer recorded this attempt's outcome; taking it as exit code $code" >&2
+    fi
     case $code in
         0) exit 0 ;;
         2) record no_requeue "$code" "config or data error"; exit 2 ;;

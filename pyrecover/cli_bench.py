@@ -1,0 +1,80 @@
+"""`pyrecover bench ckpt|train`: checkpoint speed on this storage, and its cost to training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+bench_app = typer.Typer(help="Measure checkpoint speed against the storage's own limits.",
+                        no_args_is_help=True)
+
+ModeOpt = Annotated[list[str] | None, typer.Option(
+    "--mode", help="Checkpoint mode to measure (vanilla, dcp-sync, dcp-async); repeatable. "
+    "Default: all.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON for machines.")]
+
+
+def _note(text: str) -> None:
+    typer.echo(f"bench: {text}", err=True)
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    typer.echo(f"error: {exc}", err=True)
+    return typer.Exit(2)
+
+
+@bench_app.command("ckpt")
+def ckpt(
+    directory: Annotated[Path, typer.Option(
+        "--dir", help="Storage to measure, e.g. /scratch/$USER; a temporary folder inside "
+        "it is removed afterwards.")],
+    size_gb: Annotated[float, typer.Option(
+        help="Size of the synthetic model + AdamW state in GB.")] = 1.0,
+    repeat: Annotated[int, typer.Option(help="Runs of every figure; the table shows the "
+                                        "median, min and max.")] = 3,
+    mode: ModeOpt = None,
+    drop_all_caches: Annotated[bool, typer.Option(
+        help="Also write /proc/sys/vm/drop_caches before cold reads (root only; drops the "
+        "whole machine's page cache).")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Raw I/O, torch.save/torch.load and every pyrecover mode on the same state, as ratios.
+
+    One process (world size 1). Cold reads follow posix_fadvise(DONTNEED) of the files.
+    """
+    from pyrecover import bench
+
+    try:
+        report = bench.bench_ckpt(directory, size_gb, repeat, tuple(mode or bench.MODES),
+                                  drop_all_caches, note=_note)
+    except bench.BenchError as exc:
+        raise _fail(exc) from None
+    typer.echo(bench.to_json(report) if as_json else bench.format_ckpt(report))
+
+
+@bench_app.command("train")
+def train(
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="Experiment YAML; default: the embedded CPU demo.")] = None,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", help="Override one config key, e.g. --set data.path=corpus.parquet.")]
+    = None,
+    interval: Annotated[int, typer.Option(help="Checkpoint every this many steps.")] = 20,
+    steps: Annotated[int, typer.Option(help="Measured steps per mode.")] = 60,
+    warmup: Annotated[int, typer.Option(help="Steps before the measurement starts.")] = 5,
+    repeat: Annotated[int, typer.Option(help="Runs per mode (median shown).")] = 1,
+    mode: ModeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Training tokens/s with each checkpoint mode, as a ratio to no checkpoints at all."""
+    from pyrecover import bench
+    from pyrecover.config import ConfigError
+
+    try:
+        report = bench.bench_train(config, overrides or [], interval, steps, warmup, repeat,
+                                   tuple(mode or bench.TRAIN_MODES), note=_note)
+    except (bench.BenchError, ConfigError) as exc:
+        raise _fail(exc) from None
+    typer.echo(bench.to_json(report) if as_json else bench.format_train(report))

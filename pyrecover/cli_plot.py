@@ -1,0 +1,29 @@
+"""`pyrecover plot RUN_DIR --out run.png`: the loss curve with checkpoints and interruptions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def plot(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The PNG file to write.")] =
+    Path("run.png"),
+    width: Annotated[int, typer.Option(help="Image width in pixels.")] = 960,
+    height: Annotated[int, typer.Option(help="Image height in pixels.")] = 540,
+) -> None:
+    """Plot loss against step, marking checkpoints, resumes, crashes and stops.
+
+    Reads metrics.jsonl and events.jsonl of the run directory; needs no plotting library.
+    """
+    from pyrecover import plot as plot_mod
+
+    try:
+        plot_mod.write(run_dir, out, width, height)
+    except plot_mod.PlotError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {out}")

@@ -1,0 +1,161 @@
+"""Stopping cleanly: signal flags, agreement across ranks, the job's deadline, exit codes.
+
+A signal handler here only sets a flag. At each step boundary the ranks agree with one tiny
+all-reduce whether any of them was asked to stop (or rank 0's deadline says the next steps
+plus a checkpoint would not fit), so every rank stops after the same step and saves the same
+checkpoint; no rank leaves while another is still inside a collective.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# Exit codes the job script acts on (see the sbatch template):
+EXIT_OK = 0
+EXIT_CRASH = 1  # anything unexpected: requeued while restarts remain
+EXIT_USER_ERROR = 2  # config or data: requeueing cannot help, never requeued
+EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL: saved cleanly, "run me again"; always requeued
+
+DEFAULT_SIGNALS = ("SIGUSR2", "SIGTERM")
+
+
+class StopRequested(Exception):
+    """Raised after the stop checkpoint is committed; the process exits with EXIT_STOPPED."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(f"stopped after step {step} ({reason}) with a checkpoint; run the same "
+                         "command again to resume")
+        self.step, self.reason = step, reason
+
+
+def parse_signal(name: str) -> signal.Signals:
+    """parse_signal accepts `USR2`, `SIGUSR2` or a number."""
+    text = name.strip().upper()
+    if text.isdigit():
+        return signal.Signals(int(text))
+    if not text.startswith("SIG"):
+        text = "SIG" + text
+    try:
+        return signal.Signals[text]
+    except KeyError:
+        raise ValueError(f"unknown signal {name!r}") from None
+
+
+@dataclass
+class StopFlag:
+    """Set by a signal handler; read at step boundaries. Never does work in the handler."""
+
+    signum: int | None = None
+    received_at: float | None = None
+    _old: dict[int, object] = field(default_factory=dict)
+
+    def install(self, signals: tuple[str, ...] = DEFAULT_SIGNALS) -> StopFlag:
+        for name in signals:
+            sig = parse_signal(name)
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signum is None:
+            self.signum, self.received_at = signum, time.time()
+
+    def uninstall(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)  # type: ignore[arg-type]
+        self._old.clear()
+
+    @property
+    def reason(self) -> str | None:
+        return signal.Signals(self.signum).name if self.signum is not None else None
+
+
+def job_end_time(environ: Mapping[str, str]) -> float | None:
+    """job_end_time is when the allocation ends (epoch seconds), if anyone told us.
+
+    SLURM sets SLURM_JOB_END_TIME in newer versions; the job script passes
+    PYRECOVER_JOB_END_TIME (from `squeue -h -o %e`, queried outside the container) otherwise.
+    """
+    for key in ("SLURM_JOB_END_TIME", "PYRECOVER_JOB_END_TIME"):
+        value = environ.get(key, "").strip()
+        if value:
+            try:
+                end = float(value)
+            except ValueError:
+                continue
+            if end > 0:
+                return end
+    return None
+
+
+@dataclass
+class Deadline:
+    """Predicts whether the next steps plus a checkpoint still fit before the job ends."""
+
+    end_time: float | None
+    margin_s: float = 30.0
+    """Extra seconds kept free: process exit, filesystem flushes, SLURM's own slack."""
+    steps_ahead: int = 2
+    step_s: float = 0.0  # slowest recent step
+    save_s: float = 0.0  # slowest save so far
+
+    def observe(self, step_s: float, save_s: float = 0.0) -> None:
+        # Decay the maxima slowly so one slow outlier does not stop a run hours early.
+        self.step_s = max(step_s, self.step_s * 0.98)
+        self.save_s = max(save_s, self.save_s)
+
+    def must_stop(self, now: float | None = None) -> bool:
+        if self.end_time is None:
+            return False
+        now = time.time() if now is None else now
+        needed = self.steps_ahead * self.step_s + self.save_s + self.margin_s
+        return now + needed >= self.end_time
+
+    def seconds_left(self, now: float | None = None) -> float:
+        if self.end_time is None:
+            return math.inf
+        return self.end_time - (time.time() if now is None else now)
+
+
+def agree(local_stop: bool, world_size: int) -> bool:
+    """agree is True on every rank if it is True on any rank (one all-reduce of one int).
+
+    A CPU tensor: the process group routes it to gloo, also on GPUs (`cpu:gloo,cuda:nccl`).
+    """
+    if world_size < 2:
+        return local_stop
+    import torch
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        return local_stop
+    flag = torch.tensor([1 if local_stop else 0], dtype=torch.int32)
+    tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+@dataclass
+class Stopper:
+    """What the loop asks at each step boundary: should every rank stop after this step?"""
+
+    flag: StopFlag
+    deadline: Deadline
+    rank: int
+    world_size: int
+
+    def check(self) -> str | None:
+        """check returns the reason to stop (the same decision on every rank) or None."""
+        reason = self.flag.reason
+        if reason is None and self.rank == 0 and self.deadline.must_stop():
+            reason = "deadline"
+        if not agree(reason is not None, self.world_size):
+            return None
+        return reason or "stop requested on another rank"
+
+
+def env_margin(environ: Mapping[str, str] = os.environ) -> float:
+    return float(environ.get("PYRECOVER_DEADLINE_MARGIN", "30"))

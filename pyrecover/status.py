@@ -1,0 +1,212 @@
+"""`pyrecover status RUN_DIR`: what happened to a run, read back from its files.
+
+Everything comes from `events.jsonl`, `metrics.jsonl` and the checkpoint folders; the SLURM
+state comes from `pyrecover.slurm.query` when the run has a job id and SLURM answers.
+Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pyrecover.rundir import RunDir, read_jsonl
+
+
+class StatusError(ValueError):
+    """The folder is not a pyrecover run directory."""
+
+
+@dataclass
+class Status:
+    run_dir: str
+    exp_name: str
+    state: str  # finished, stopped, crashed, error, running?, not started
+    slurm_state: str | None
+    job_id: str | None
+    step: int
+    max_steps: int | None
+    starts: int
+    restarts_by_cause: dict[str, int] = field(default_factory=dict)
+    last_checkpoint: dict[str, Any] | None = None
+    steps_lost: int = 0
+    checkpoint_seconds: float = 0.0
+    restore_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    goodput: float | None = None
+    last_error: str | None = None
+    requeue_decisions: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read(path: str | Path, squeue=None, now: float | None = None) -> Status:
+    """read builds the Status of a run directory; `squeue(job_id) -> state | None` is optional."""
+    run = RunDir(Path(path))
+    if not run.root.is_dir():
+        raise StatusError(f"run directory {str(run.root)!r} does not exist")
+    if not run.is_run():
+        raise StatusError(f"{run.root} is not a pyrecover run directory (no run.yaml, "
+                          "events.jsonl or checkpoints/)")
+    now = time.time() if now is None else now
+    events = list(read_jsonl(run.events))
+    metrics = list(read_jsonl(run.metrics))
+    starts = [e for e in events if e.get("event") in ("start", "resume")]
+    step = max([int(m.get("step", 0)) for m in metrics] +
+               [int(e.get("step", 0)) for e in events if "step" in e], default=0)
+    causes = Counter(_cause(events, i) for i, e in enumerate(events)
+                     if e.get("event") == "resume")
+    job_id = next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
+    last_error = next((e.get("error") for e in reversed(events)
+                       if e.get("event") in ("error", "crash")), None)
+    state = _state(events)
+    if last_error is None and state.startswith("ended:"):
+        last_error = _logged_error(run)  # failed before it could record an event
+    checkpoint_s = sum(float(e.get("blocked", e.get("seconds", 0))) for e in events
+                       if e.get("event") == "checkpoint")
+    restore_s = sum(float(e.get("restore_seconds", 0)) for e in events
+                    if e.get("event") == "resume")
+    wall = _wall_seconds(events)
+    lost = sum(int(e.get("steps_lost", 0)) for e in events if e.get("event") == "resume")
+    kept_step_time = _kept_step_seconds(metrics)
+    goodput = min(1.0, kept_step_time / wall) if wall > 0 and kept_step_time else None
+    return Status(
+        run_dir=str(run.root), exp_name=run.root.name, state=state,
+        slurm_state=squeue(job_id) if (squeue and job_id) else None, job_id=job_id,
+        step=step, max_steps=_max_steps(run), starts=len(starts),
+        restarts_by_cause=dict(causes), last_checkpoint=_last_checkpoint(run, now),
+        steps_lost=lost, checkpoint_seconds=round(checkpoint_s, 3),
+        restore_seconds=round(restore_s, 3), wall_seconds=round(wall, 1),
+        goodput=round(goodput, 4) if goodput is not None else None, last_error=last_error,
+        requeue_decisions=[e for e in events if e.get("event") in ("requeue", "no_requeue")],
+    )
+
+
+def _cause(events: list[dict[str, Any]], resume_index: int) -> str:
+    """_cause names why the attempt before a resume ended: its last stop, crash or kill."""
+    for e in reversed(events[:resume_index]):
+        kind = e.get("event")
+        if kind == "stop":
+            reason = str(e.get("reason", "signal"))
+            return "time limit" if reason == "deadline" else f"stop ({reason})"
+        if kind in ("crash", "snapshot_persisted"):
+            return "crash"
+        if kind in ("start", "resume"):
+            break
+    return "killed (no record)"
+
+
+def _state(events: list[dict[str, Any]]) -> str:
+    for e in reversed(events):
+        kind = e.get("event")
+        if kind == "finish":
+            return "finished"
+        if kind == "stop":
+            return "stopped (will resume)"
+        if kind == "error":
+            return "error"
+        if kind == "crash":
+            return "crashed"
+        if kind == "no_requeue":
+            return "ended: " + str(e.get("reason", ""))
+        if kind in ("start", "resume"):
+            return "running or killed"
+    return "not started"
+
+
+def _logged_error(run: RunDir) -> str | None:
+    """_logged_error is the last `error: ...` line of the newest job log, if any.
+
+    A trainer that fails before its run directory is set up (say, a missing data file)
+    exits 2 with that line on stderr but writes no event."""
+    logs = sorted(run.logs.glob("*.out"), key=lambda p: p.stat().st_mtime) \
+        if run.logs.is_dir() else []
+    for log in reversed(logs):
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        found = next((line.removeprefix("error: ").strip() for line in reversed(lines)
+                      if line.startswith("error: ")), None)
+        if found:
+            return found[:300]
+    return None
+
+
+def _wall_seconds(events: list[dict[str, Any]]) -> float:
+    """_wall_seconds adds up each attempt's span, from its start/resume to its last record."""
+    total, begin, last = 0.0, None, None
+    for e in events:
+        t = float(e.get("time", 0))
+        if e.get("event") in ("start", "resume"):
+            if begin is not None and last is not None:
+                total += last - begin
+            begin = t
+        last = t
+    if begin is not None and last is not None:
+        total += last - begin
+    return total
+
+
+def _kept_step_seconds(metrics: list[dict[str, Any]]) -> float:
+    """_kept_step_seconds is the time of the steps whose results survived (last record wins)."""
+    by_step: dict[int, float] = {}
+    interval = 1
+    steps = sorted({int(m["step"]) for m in metrics if "step" in m})
+    if len(steps) > 1:
+        interval = min(b - a for a, b in zip(steps, steps[1:], strict=False)) or 1
+    for m in metrics:
+        if "step" in m and "step_time" in m:
+            by_step[int(m["step"])] = float(m["step_time"]) * interval
+    return sum(by_step.values())
+
+
+def _max_steps(run: RunDir) -> int | None:
+    try:
+        import yaml
+
+        return int(yaml.safe_load(run.config.read_text())["train"]["max_steps"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _last_checkpoint(run: RunDir, now: float) -> dict[str, Any] | None:
+    from pyrecover.checkpoint import store
+
+    for step, folder, ckpt, _ in store.scan(run.checkpoints, checksums=False):
+        if ckpt is not None:
+            return {"step": step, "mode": ckpt.mode, "bytes": ckpt.size, "path": str(folder),
+                    "age_s": round(now - float(ckpt.manifest.get("time", now)), 1)}
+    return None
+
+
+def render(s: Status) -> str:
+    """render is the human view of a Status, a few aligned lines."""
+    ck = s.last_checkpoint
+    lines = [
+        f"run         {s.run_dir} ({s.exp_name})",
+        f"state       {s.state}" + (f"; SLURM job {s.job_id}: {s.slurm_state}"
+                                    if s.slurm_state else (f"; SLURM job {s.job_id}"
+                                                           if s.job_id else "")),
+        f"progress    step {s.step}" + (f" of {s.max_steps}" if s.max_steps else ""),
+        f"starts      {s.starts}" + (": restarts " + ", ".join(
+            f"{n} x {cause}" for cause, n in sorted(s.restarts_by_cause.items()))
+            if s.restarts_by_cause else ""),
+        "checkpoint  " + (f"step {ck['step']} ({ck['mode']}, {ck['bytes'] / 1e6:.1f} MB, "
+                          f"{ck['age_s']:.0f}s old)" if ck else "none"),
+        f"lost        {s.steps_lost} steps redone after interruptions",
+        f"overhead    {s.checkpoint_seconds:.1f}s checkpointing (loop blocked), "
+        f"{s.restore_seconds:.1f}s restoring",
+        "goodput     " + (f"{s.goodput:.1%} of {s.wall_seconds:.0f}s wall time in kept steps"
+                          if s.goodput is not None else "n/a"),
+    ]
+    for d in s.requeue_decisions[-3:]:
+        lines.append(f"requeue     job {d.get('job_id')} restart {d.get('restart_count')}: "
+                     f"exit {d.get('exit_code')} -> {d.get('event')} ({d.get('reason')})")
+    if s.last_error:
+        lines.append(f"last error  {s.last_error}")
+    return "\n".join(lines)

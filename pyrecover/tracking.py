@@ -1,0 +1,353 @@
+"""Experiment tracking: one wandb run per run directory, on rank 0 only, across every requeue.
+
+The wandb run id is made on the first start and kept in `<run dir>/wandb/run-id`; every
+restart initialises wandb with that id and `resume="allow"`, and logs with `step=` equal to the
+global training step. Steps that an earlier start already logged (the work a kill threw away
+and this start redoes) are not logged again, so a run's curves never go backwards. In offline
+mode each start writes its own `wandb/offline-run-<time>-<id>/` folder, all with the same id,
+and `wandb sync <run dir>/wandb` uploads them, in start order, as one continuous run.
+
+Tracking never stops training: other ranks get a disabled tracker, and a wandb that fails to
+start is reported in one warning and training goes on without it. The API key is never read
+into a log line. Imports neither torch nor wandb until a run is started.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import netrc
+import os
+import platform
+import secrets
+import socket
+import string
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from pyrecover import config as config_mod
+from pyrecover.config import Config
+from pyrecover.dist import DistEnv
+from pyrecover.rundir import RunDir, read_jsonl
+
+log = logging.getLogger("pyrecover")
+
+RUN_ID_FILE = "run-id"
+# Events after which a restart is explained; a restart with none of them before it was a hard
+# kill (SIGKILL, node failure, OOM killer): nothing got the chance to write anything.
+STOP_EVENTS = ("crash", "error", "stop", "requeue", "signal", "finish")
+FINISH_TIMEOUT_S = 60.0  # online: give up the upload at exit; `wandb sync` sends the rest
+
+
+def api_key_configured(environ: Mapping[str, str], netrc_file: str | None = None) -> bool:
+    """api_key_configured tells whether wandb has a key: WANDB_API_KEY or a netrc entry."""
+    if environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    path = netrc_file or environ.get("NETRC") or str(Path.home() / ".netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def resolve_mode(setting: str, environ: Mapping[str, str], netrc_file: str | None = None) -> str:
+    """resolve_mode turns `tracking.wandb` into online, offline or disabled.
+
+    An explicit setting wins. `auto` follows WANDB_MODE when it is set, else goes online only
+    when an API key is configured, so a machine without one never waits on the network.
+    """
+    if setting != "auto":
+        return setting
+    env_mode = environ.get("WANDB_MODE", "").strip().lower()
+    if env_mode in ("online", "offline", "disabled"):
+        return env_mode
+    if env_mode == "dryrun":
+        return "offline"
+    return "online" if api_key_configured(environ, netrc_file) else "offline"
+
+
+def run_id(run: RunDir) -> str:
+    """run_id returns the run directory's wandb id, creating it on the first call."""
+    path = run.wandb / RUN_ID_FILE
+    if path.is_file():
+        text = path.read_text().strip()
+        if text:
+            return text
+    run.wandb.mkdir(parents=True, exist_ok=True)
+    new = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(12))
+    tmp = path.with_name(f".{RUN_ID_FILE}.{os.getpid()}")
+    tmp.write_text(new + "\n")
+    os.replace(tmp, path)
+    return new
+
+
+def diagnostics(env: DistEnv, device: Any, environ: Mapping[str, str] = os.environ
+                ) -> dict[str, Any]:
+    """diagnostics describes where this job runs: versions, devices, layout, SLURM job."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    nccl = "none"
+    if cuda:
+        try:
+            version = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except (AttributeError, RuntimeError):
+            nccl = "unknown"
+    nodes = max(1, env.world_size // max(1, env.local_world_size))
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__.split("+")[0],
+        "cuda": torch.version.cuda or "none",
+        "nccl": nccl,
+        "device": _device_name(torch, device),
+        "gpus_per_node": torch.cuda.device_count() if cuda else 0,
+        "cpus": len(os.sched_getaffinity(0)),
+        "host": socket.gethostname(),
+        "launcher": env.launcher,
+        "world_size": env.world_size,
+        "nodes": int(environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or nodes),
+        "ranks_per_node": env.local_world_size,
+    }
+    info.update(slurm_job(environ))
+    return info
+
+
+def slurm_job(environ: Mapping[str, str]) -> dict[str, Any]:
+    """slurm_job reads the job's id, nodes and time limit from SLURM's variables ({} outside)."""
+    job = environ.get("SLURM_JOB_ID")
+    if not job:
+        return {}
+    out: dict[str, Any] = {"slurm_job_id": job,
+                           "slurm_nodelist": environ.get("SLURM_JOB_NODELIST", ""),
+                           "slurm_partition": environ.get("SLURM_JOB_PARTITION", ""),
+                           "slurm_restart_count": int(environ.get("SLURM_RESTART_COUNT") or 0)}
+    start, end = environ.get("SLURM_JOB_START_TIME"), environ.get("SLURM_JOB_END_TIME")
+    if start and end and start.isdigit() and end.isdigit():
+        out["slurm_time_limit"] = _hms(int(end) - int(start))
+    return out
+
+
+def describe(system: Mapping[str, Any], cfg: Config) -> list[str]:
+    """describe renders the startup diagnostics and the resolved config as a few log lines."""
+    s = system
+    lines = [
+        f"versions: python {s['python']}, torch {s['torch']}, CUDA {s['cuda']}, NCCL {s['nccl']}",
+        f"devices: {s['device']}; {s['gpus_per_node']} GPU(s) per node, {s['cpus']} CPUs "
+        f"on {s['host']}",
+        f"layout: world size {s['world_size']} ({s['launcher']}), {s['nodes']} node(s) x "
+        f"{s['ranks_per_node']} rank(s)",
+    ]
+    if "slurm_job_id" in s:
+        lines.append(f"SLURM job {s['slurm_job_id']}: nodes {s['slurm_nodelist'] or '?'}, "
+                     f"partition {s['slurm_partition'] or '?'}, time limit "
+                     f"{s.get('slurm_time_limit', 'unknown')}, restart {s['slurm_restart_count']}")
+    else:
+        lines.append("SLURM job: none")
+    for section, values in config_mod.to_dict(cfg).items():
+        lines.append(f"config {section}: " + " ".join(f"{k}={v}" for k, v in values.items()))
+    return lines
+
+
+def restarts(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """restarts lists each resume with its cause: the last stop-like event before it.
+
+    A cause is `crash`, `error`, `stop`, `requeue`, `signal`, `continued` (a finished run
+    whose train.max_steps was raised) or `killed` (nothing was recorded: SIGKILL, node loss).
+    """
+    out: list[dict[str, Any]] = []
+    cause = None
+    for e in events:
+        kind = e.get("event")
+        if kind in STOP_EVENTS:
+            cause = "continued" if kind == "finish" else kind
+        elif kind == "start":
+            cause = None
+        elif kind == "resume":
+            out.append({"step": int(e.get("step", 0)), "cause": cause or "killed",
+                        "steps_lost": int(e.get("steps_lost", 0)),
+                        "restore_s": float(e.get("restore_seconds", 0.0))})
+            cause = None
+    return out
+
+
+def event_metrics(event: Mapping[str, Any]) -> dict[str, float]:
+    """event_metrics turns one events.jsonl record into wandb metrics ({} for the rest)."""
+    kind = event.get("event")
+    if kind == "checkpoint":
+        return {"checkpoint/step": event.get("step", 0),
+                "checkpoint/stall_s": event.get("blocked", 0.0),
+                "checkpoint/save_s": event.get("seconds", 0.0),
+                "checkpoint/mb": round(event.get("bytes", 0) / 1e6, 3)}
+    if kind == "checkpoint_failed":
+        return {"checkpoint/failed_step": event.get("step", 0)}
+    if kind == "bad_step":
+        return {"bad_step": event.get("step", 0)}
+    return {}
+
+
+class Tracker:
+    """Rank 0's wandb run, or nothing: every method is a no-op when tracking is off."""
+
+    def __init__(self, wb_run: Any = None, run: RunDir | None = None, floor: int = 0,
+                 pending: Mapping[str, Any] | None = None) -> None:
+        self._wb = wb_run
+        self._events = run.events if run is not None else None
+        self._floor = floor  # steps up to here were logged by an earlier start
+        self._pending = dict(pending or {})
+        self._offset = 0
+        if self._wb is not None and self._events is not None and self._events.is_file():
+            self._offset = self._events.stat().st_size
+
+    @property
+    def enabled(self) -> bool:
+        return self._wb is not None
+
+    @property
+    def run_id(self) -> str | None:
+        return self._wb.id if self._wb is not None else None
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """log sends metrics at the global training `step`; steps already logged are skipped."""
+        if self._wb is None or step <= self._floor:
+            return
+        data = {k: v for k, v in metrics.items() if k not in ("step", "time")}
+        if self._pending:
+            data = {**self._pending, **data}
+            self._pending.clear()
+        self._wb.log(data, step=step)
+
+    def after_step(self, step: int) -> None:
+        """after_step logs what events.jsonl gained since the last call (checkpoints, ...)."""
+        if self._wb is None or self._events is None:
+            return
+        metrics: dict[str, Any] = {}
+        for event in self._new_events():
+            metrics.update(event_metrics(event))
+        if metrics and step <= self._floor:
+            self._pending.update(metrics)  # shown with the first step this start may log
+        elif metrics:
+            self.log(step, metrics)
+
+    def _new_events(self) -> list[dict[str, Any]]:
+        assert self._events is not None
+        try:
+            if self._events.stat().st_size <= self._offset:
+                return []
+            with self._events.open("rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except OSError:
+            return []
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits
+        self._offset += len(complete)
+        out = []
+        for line in complete.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+        return out
+
+    def finish(self, exit_code: int = 0) -> None:
+        """finish closes the wandb run (marking it failed for a non-zero exit code)."""
+        if self._wb is None:
+            return
+        wb, self._wb = self._wb, None
+        try:
+            if self._pending:
+                wb.summary.update(self._pending)
+            wb.finish(exit_code=exit_code)
+        except Exception as exc:  # tracking must not turn a finished run into a failed one
+            log.warning("wandb did not close cleanly: %s", exc)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish(exit_code=0 if exc_type is None else 1)
+
+
+def start(cfg: Config, run: RunDir, rank: int, system: Mapping[str, Any] | None = None,
+          environ: Mapping[str, str] = os.environ) -> Tracker:
+    """start opens (or resumes) the run directory's wandb run on rank 0; others get a no-op.
+
+    Call it after the resume decision is recorded in events.jsonl: the restarts, their causes
+    and the lost steps are read from there.
+    """
+    mode = resolve_mode(cfg.tracking.wandb, environ)
+    if rank != 0 or mode == "disabled":
+        return Tracker()
+    events = list(read_jsonl(run.events))
+    history = restarts(events)
+    floor = max((int(m.get("step", 0)) for m in read_jsonl(run.metrics)), default=0)
+    if history:
+        floor = max(floor, history[-1]["step"])
+    pending: dict[str, Any] = {}
+    if history:
+        last = history[-1]
+        pending = {"restart/count": len(history), "restart/steps_lost": last["steps_lost"],
+                   "restart/steps_lost_total": sum(r["steps_lost"] for r in history),
+                   "restart/restore_s": last["restore_s"], "restart/from_step": last["step"]}
+        for cause in sorted({r["cause"] for r in history}):
+            pending[f"restart/cause_{cause}"] = sum(r["cause"] == cause for r in history)
+    wb = _init_wandb(cfg, run, mode, system or {})
+    if wb is None:
+        return Tracker()
+    try:
+        wb.summary["restarts"] = len(history)
+        wb.summary["interruptions"] = history
+    except Exception:  # a summary is a nicety; never a reason to stop
+        pass
+    where = f"{run.wandb} (offline; upload with: wandb sync {run.wandb})" if mode == "offline" \
+        else wb.url or "wandb"
+    log.info("wandb run %s %s: %s", wb.id, "resumed" if history else "started", where)
+    return Tracker(wb, run, floor, pending)
+
+
+def _init_wandb(cfg: Config, run: RunDir, mode: str, system: Mapping[str, Any]) -> Any:
+    os.environ.setdefault("WANDB_SILENT", "true")
+    try:
+        import wandb
+    except ImportError as exc:
+        log.warning("wandb is not importable (%s); training goes on without tracking", exc)
+        return None
+    t = cfg.tracking
+    ident = run_id(run)
+    kwargs = dict(
+        project=t.project, entity=t.entity or None, group=t.group or None,
+        name=t.name or cfg.run.exp_name, id=ident, resume="allow", dir=str(run.root),
+        tags=[tag.strip() for tag in t.tags.split(",") if tag.strip()] or None,
+    )
+    tries = [mode] if mode == "offline" else [mode, "offline"]
+    for attempt in tries:
+        settings = wandb.Settings(
+            quiet=True, silent=True, console="off", disable_git=True, save_code=False,
+            init_timeout=60.0,
+            finish_timeout=FINISH_TIMEOUT_S if attempt == "online" else 0.0)
+        try:
+            wb = wandb.init(mode=attempt, settings=settings, **kwargs)
+            wb.config.update({"config": config_mod.to_dict(cfg), "system": dict(system)},
+                             allow_val_change=True)
+            return wb
+        except Exception as exc:  # network, auth, a full disk: none of them stops training
+            log.warning("wandb %s could not start (%s: %s)%s", attempt, type(exc).__name__,
+                        exc, "; trying offline" if attempt != tries[-1] else
+                        "; training goes on without tracking")
+    return None
+
+
+def _device_name(torch: Any, device: Any) -> str:
+    if getattr(device, "type", None) == "cuda":
+        return f"CUDA {torch.cuda.get_device_name(device)}"
+    return f"CPU ({torch.get_num_threads()} threads)"
+
+
+def _hms(seconds: int) -> str:
+    h, rest = divmod(max(0, seconds), 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"

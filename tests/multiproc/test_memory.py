@@ -1,0 +1,102 @@
+"""Memory mode: a rank dies, the survivors persist what they hold, the run resumes bit for bit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import load_export, pyrecover, tiny_args
+
+from pyrecover.rundir import read_jsonl
+
+pytestmark = pytest.mark.multiproc
+
+# World size 4, every step snapshotted and replicated twice, no disk checkpoint in 20 steps.
+MEMORY = ("checkpoint.mode=memory", "checkpoint.snapshot_interval=1", "checkpoint.replicas=2",
+          "checkpoint.interval=100", "train.global_batch_size=16", "train.max_steps=20")
+
+
+def train(storage: Path, corpus: Path, name: str, nproc: int, *extra: str, env=None):
+    return pyrecover("train", "--nproc", str(nproc), *tiny_args(storage, corpus, name, *extra),
+                     env=env)
+
+
+def kill(ranks: str, step: int) -> dict[str, str]:
+    return {"PYRECOVER_KILL_AT_STEP": str(step), "PYRECOVER_KILL_RANK": ranks,
+            "PYRECOVER_KILL_TARGET": "self"}
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == kind]
+
+
+def export(run_dir: Path) -> dict[str, torch.Tensor]:
+    out = run_dir.parent / f"{run_dir.name}.pt"
+    done = pyrecover("ckpt", "export", str(run_dir), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    return load_export(out)
+
+
+def test_a_killed_rank_costs_no_more_than_one_snapshot_and_the_result_is_bitwise(tmp_path,
+                                                                                  corpus):
+    ref = train(tmp_path, corpus, "ref", 4, *MEMORY)
+    assert ref.returncode == 0, ref.stderr
+
+    crashed = train(tmp_path, corpus, "run", 4, *MEMORY, env=kill("2", 12))
+    run_dir = tmp_path / "run"
+    assert crashed.returncode != 0
+    assert "another rank of the job died" in crashed.stderr
+    assert "Traceback" not in crashed.stderr
+    assert sorted(e["rank"] for e in events(run_dir, "snapshot_persisted")) == [0, 1, 3]
+    assert not events(run_dir, "checkpoint"), "no disk checkpoint was due"
+
+    resumed = train(tmp_path, corpus, "run", 4, *MEMORY)
+    assert resumed.returncode == 0, resumed.stderr
+    (resume,) = events(run_dir, "resume")
+    assert resume["step"] in (11, 12)
+    assert events(run_dir, "snapshot_recovered")[0]["step"] == resume["step"]
+    ref_model, model = export(tmp_path / "ref"), export(run_dir)
+    assert ref_model.keys() == model.keys()
+    for key in ref_model:
+        assert torch.equal(ref_model[key], model[key]), key
+
+
+def test_losing_both_holders_of_a_slice_falls_back_to_the_disk_checkpoint(tmp_path, corpus):
+    # With replicas on the next rank, slice 1 lives on ranks 1 and 2 only.
+    extra = (*MEMORY, "checkpoint.interval=5")
+    crashed = train(tmp_path, corpus, "run", 4, *extra, env=kill("1,2", 8))
+    assert crashed.returncode != 0
+    run_dir = tmp_path / "run"
+
+    resumed = train(tmp_path, corpus, "run", 4, *extra)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "snapshot of step 8 is incomplete: slices [1]" in resumed.stderr
+    (resume,) = events(run_dir, "resume")
+    assert resume["step"] == 5
+    invalid = events(run_dir, "checkpoint_invalid")
+    assert invalid and "slices [1]" in invalid[0]["reason"]
+
+
+def test_a_memory_checkpoint_restores_at_another_world_size_in_the_same_data_order(tmp_path,
+                                                                                   corpus):
+    extra = ("checkpoint.mode=memory", "checkpoint.interval=5", "train.global_batch_size=16")
+    first = train(tmp_path, corpus, "run", 4, *extra, "train.max_steps=5")
+    assert first.returncode == 0, first.stderr
+    second = train(tmp_path, corpus, "run", 2, *extra, "train.max_steps=10")
+    assert second.returncode == 0, second.stderr
+    (resume,) = events(tmp_path / "run", "resume")
+    assert (resume["step"], resume["saved_world_size"], resume["world_size"]) == (5, 4, 2)
+    manifest = json.loads((tmp_path / "run" / "checkpoints" / "step-10" / "manifest.json")
+                          .read_text())
+    assert manifest["train_state"]["data_position"] == 10 * 16
+    assert sorted(n for n in manifest["files"] if n.startswith("part-")) == [
+        "part-s0-r0.bin", "part-s1-r1.bin"]  # resharded: two slices now
+
+    ref = train(tmp_path, corpus, "ref", 2, *extra, "train.max_steps=10")
+    assert ref.returncode == 0, ref.stderr
+    got = {m["step"]: m["loss"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    want = {m["step"]: m["loss"] for m in read_jsonl(tmp_path / "ref" / "metrics.jsonl")}
+    for step in range(1, 11):
+        assert got[step] == pytest.approx(want[step], rel=2e-5), step

@@ -1,0 +1,98 @@
+"""Clean stops: a signal or the job's deadline saves, exits 75, and the run resumes bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import load_export, pyrecover, tiny_args
+
+from pyrecover.preempt import EXIT_STOPPED
+from pyrecover.rundir import read_jsonl
+
+pytestmark = pytest.mark.multiproc
+
+LONG = ("train.max_steps=200", "checkpoint.interval=50", "train.log_interval=1")
+
+
+def args(storage: Path, corpus: Path, name: str) -> list[str]:
+    return ["train", "--nproc", "2", *tiny_args(storage, corpus, name, *LONG)]
+
+
+def export(run_dir: Path) -> dict[str, torch.Tensor]:
+    out = run_dir.parent / f"{run_dir.name}.pt"
+    assert pyrecover("ckpt", "export", str(run_dir), "--out", str(out)).returncode == 0
+    return load_export(out)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus) -> dict[str, torch.Tensor]:
+    storage = tmp_path_factory.mktemp("ref")
+    done = pyrecover(*args(storage, corpus, "ref"))
+    assert done.returncode == 0, done.stderr
+    return export(storage / "ref")
+
+
+def signal_after(argv: list[str], run_dir: Path, sig: int, after_step: int) -> int:
+    """Start the run, send `sig` to its whole process group once it logged `after_step`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "pyrecover", *argv], env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+        if steps and max(steps) >= after_step:
+            os.killpg(proc.pid, sig)
+            break
+        time.sleep(0.05)
+    proc.communicate(timeout=240)
+    return proc.returncode
+
+
+@pytest.mark.parametrize("sig, reason", [(signal.SIGUSR2, "SIGUSR2"),
+                                         (signal.SIGTERM, "SIGTERM")])
+def test_a_stop_signal_saves_exits_75_and_the_resumed_run_is_bitwise(tmp_path, corpus,
+                                                                     reference, sig, reason):
+    run_dir = tmp_path / "run"
+    code = signal_after(args(tmp_path, corpus, "run"), run_dir, sig, after_step=20)
+    assert code == EXIT_STOPPED
+    events = list(read_jsonl(run_dir / "events.jsonl"))
+    stop = [e for e in events if e["event"] == "stop"]
+    assert len(stop) == 1 and stop[0]["reason"] == reason
+    saved = [e["step"] for e in events if e["event"] == "checkpoint"]
+    assert saved[-1] == stop[0]["step"] < 200  # the stop step itself was saved
+
+    resumed = pyrecover(*args(tmp_path, corpus, "run"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"(step {stop[0]['step']}, 0 steps redone" in resumed.stderr
+    model = export(run_dir)
+    for key, value in reference.items():
+        assert torch.equal(model[key], value), key
+
+    report = json.loads(pyrecover("status", str(run_dir), "--json").stdout)
+    assert report["state"] == "finished"
+    assert report["restarts_by_cause"] == {f"stop ({reason})": 1}
+    assert report["steps_lost"] == 0 and report["last_checkpoint"]["step"] == 200
+
+
+def test_a_run_stops_on_its_own_before_the_job_ends_when_no_signal_comes(tmp_path, corpus):
+    # No signal at all: only the end time the job script would pass in.
+    end = time.time() + 30
+    argv = ["train", "--nproc", "2",
+            *tiny_args(tmp_path, corpus, "run", "train.max_steps=1000000", "train.log_interval=50")]
+    done = pyrecover(*argv, env={"PYRECOVER_JOB_END_TIME": str(end),
+                                 "PYRECOVER_DEADLINE_MARGIN": "2"})
+    assert done.returncode == EXIT_STOPPED, done.stderr
+    (stop,) = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "stop"]
+    assert stop["reason"] == "deadline" and stop["time"] < end
+    report = json.loads(pyrecover("status", str(tmp_path / "run"), "--json").stdout)
+    assert report["state"] == "stopped (will resume)"
+    assert report["last_checkpoint"]["step"] == stop["step"]

@@ -1,0 +1,136 @@
+"""Experiment tracking with real wandb offline runs: one run id across a kill and a resume."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from helpers import pyrecover, tiny_args
+
+from pyrecover import config as config_mod
+from pyrecover import tracking
+from pyrecover.rundir import RunDir
+
+
+def wandb_records(path: Path):
+    """wandb_records reads a `.wandb` transaction log (wandb's LevelDB-style record framing).
+
+    A killed run may leave a torn last record; reading stops there, as `wandb sync` does.
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a wandb transaction log"
+    pos, block, buf = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, size, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and size == 0:  # padding up to the next block
+            pos += left
+            continue
+        if pos + 7 + size > len(data):
+            break
+        chunk = data[pos + 7:pos + 7 + size]
+        pos += 7 + size
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):  # full record, or the last piece of one
+            record = pb.Record()
+            record.ParseFromString(buf)
+            yield record
+
+
+def history(path: Path) -> list[dict]:
+    """history is every logged row of one offline run: {"_step": n, key: value, ...}."""
+    rows = []
+    for record in wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            row = {"_step": record.history.step.num}
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                row[key] = json.loads(item.value_json)
+            rows.append(row)
+    return rows
+
+
+def offline_runs(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "wandb").glob("offline-run-*"))
+
+
+def test_a_killed_and_resumed_run_keeps_one_wandb_run_and_its_steps_never_go_back(
+        tmp_path, corpus):
+    args = ["train", *tiny_args(tmp_path, corpus, "run", "train.max_steps=20",
+                                "tracking.wandb=offline", "tracking.tags=a,b")]
+    killed = pyrecover(*args, env={"PYRECOVER_KILL_AT_STEP": "15"})
+    assert killed.returncode == -9, killed.stderr
+    resumed = pyrecover(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    run_dir = tmp_path / "run"
+    run_id = (run_dir / "wandb" / tracking.RUN_ID_FILE).read_text().strip()
+    assert f"wandb run {run_id} resumed" in resumed.stderr
+
+    first, second = offline_runs(run_dir)  # one folder per start, both with the same id
+    assert first.name.endswith(f"-{run_id}") and second.name.endswith(f"-{run_id}")
+    before = [row["_step"] for row in history(first / f"run-{run_id}.wandb")]
+    after = history(second / f"run-{run_id}.wandb")
+    steps = [row["_step"] for row in after]
+    assert before == sorted(set(before)) and steps == sorted(set(steps))
+    # The steps 11-15 redone after the kill were logged by the first start (as far as wandb
+    # wrote them before the kill): the resumed start continues after them, never before.
+    assert steps == list(range(16, 21)) and (not before or max(before) < steps[0])
+    assert after[0]["loss"] > 0 and after[0]["restart/count"] == 1
+    assert after[0]["restart/steps_lost"] == 5 and after[0]["restart/cause_killed"] == 1
+    assert any(row.get("checkpoint/step") == 20 for row in after)
+
+
+def test_other_ranks_get_a_disabled_tracker_and_create_nothing(tmp_path):
+    cfg = config_mod.load(None, [f"run.storage={tmp_path}", "tracking.wandb=offline"])
+    run = RunDir(cfg.run_dir())
+    run.create()
+    tracker = tracking.start(cfg, run, rank=1)
+    tracker.log(1, {"loss": 1.0})
+    tracker.after_step(1)
+    tracker.finish()
+    assert not tracker.enabled and not run.wandb.exists()
+
+
+def test_a_disabled_tracker_creates_nothing_even_with_wandb_mode_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = config_mod.load(None, [f"run.storage={tmp_path}", "tracking.wandb=disabled"])
+    run = RunDir(cfg.run_dir())
+    run.create()
+    with tracking.start(cfg, run, rank=0) as tracker:
+        tracker.log(1, {"loss": 1.0})
+    assert not tracker.enabled and not run.wandb.exists()
+
+
+@pytest.mark.parametrize("setting, environ, netrc_line, expected", [
+    ("auto", {}, "", "offline"),
+    ("auto", {"WANDB_API_KEY": "x" * 40}, "", "online"),
+    ("auto", {}, "machine api.wandb.ai login user password " + "y" * 40, "online"),
+    ("auto", {"WANDB_API_KEY": "x" * 40, "WANDB_MODE": "offline"}, "", "offline"),
+    ("auto", {"WANDB_MODE": "disabled"}, "", "disabled"),
+    ("offline", {"WANDB_API_KEY": "x" * 40, "WANDB_MODE": "online"}, "", "offline"),
+    ("disabled", {"WANDB_MODE": "online"}, "", "disabled"),
+])
+def test_auto_goes_online_only_with_an_api_key_and_an_explicit_setting_wins(
+        tmp_path, setting, environ, netrc_line, expected):
+    netrc = tmp_path / "netrc"
+    netrc.write_text(netrc_line + "\n")
+    netrc.chmod(0o600)
+    assert tracking.resolve_mode(setting, environ, str(netrc)) == expected
+
+
+def test_each_restart_is_explained_by_the_last_event_before_it():
+    events = [{"event": "start"}, {"event": "checkpoint", "step": 10},
+              {"event": "resume", "step": 10, "steps_lost": 3},
+              {"event": "crash", "error": "boom"}, {"event": "resume", "step": 20},
+              {"event": "stop", "step": 25}, {"event": "requeue"},
+              {"event": "resume", "step": 25, "restore_seconds": 0.5},
+              {"event": "finish", "step": 30}, {"event": "resume", "step": 30}]
+    assert [(r["step"], r["cause"]) for r in tracking.restarts(events)] == [
+        (10, "killed"), (20, "crash"), (25, "requeue"), (30, "continued")]

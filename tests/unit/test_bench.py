@@ -1,0 +1,56 @@
+"""`pyrecover bench`: runs at a tiny size and reports figures whose ratios add up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import TINY, pyrecover
+
+from pyrecover import bench
+
+
+def by_key(rows: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(r["method"], r["metric"]): r for r in rows}
+
+
+def test_bench_ckpt_json_has_every_figure_positive_and_ratios_equal_figure_over_baseline(
+        tmp_path):
+    done = pyrecover("bench", "ckpt", "--dir", str(tmp_path), "--size-gb", "0.008",
+                     "--repeat", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    rows = by_key(report["rows"])
+    expected = {("raw", m) for m in ("save", "load_cold", "load_warm")}
+    expected |= {("torch", m) for m in ("save", "load_cold", "load_warm")}
+    expected |= {("torch-mmap", m) for m in ("load_cold", "load_warm")}
+    expected |= {(mode, m) for mode in bench.MODES for m in bench.METRICS}
+    assert set(rows) == expected
+    for (method, metric), r in rows.items():
+        for key in ("median_s", "min_s", "max_s", "bytes", "gb_per_s", "vs_raw", "vs_torch"):
+            assert isinstance(r[key], (int, float)) and r[key] > 0, (method, metric, key)
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
+        ref = bench.REFERENCE[metric]
+        torch_ref = metric if method == "torch-mmap" else ref
+        assert r["vs_raw"] == pytest.approx(r["median_s"] / rows[("raw", ref)]["median_s"])
+        assert r["vs_torch"] == pytest.approx(
+            r["median_s"] / rows[("torch", torch_ref)]["median_s"])
+        assert r["gb_per_s"] == pytest.approx(r["bytes"] / r["median_s"] / 1e9)
+    assert report["world_size"] == 1 and report["state_bytes"] > 4e6
+    assert report["cache_drop"].startswith("posix_fadvise")
+    assert report["cached_after_drop_max"] is None or report["cached_after_drop_max"] < 0.5
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("pyrecover-bench-")]
+
+
+def test_bench_train_reports_each_mode_as_a_ratio_to_no_checkpoints(tmp_path, corpus):
+    done = pyrecover("bench", "train", "--config", str(TINY), "--set", f"data.path={corpus}",
+                     "--steps", "6", "--warmup", "1", "--interval", "2", "--mode", "vanilla",
+                     "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert set(rows) == {"none", "vanilla"}
+    assert rows["none"]["saves"] == 0 and rows["vanilla"]["saves"] == 3  # steps 2, 4 and 6
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0
+        assert r["vs_none"] == pytest.approx(r["tokens_per_s"] / rows["none"]["tokens_per_s"])

@@ -1,0 +1,65 @@
+"""Stop decisions: signals only set a flag; the deadline keeps room for steps and a save."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from pyrecover.preempt import Deadline, StopFlag, job_end_time, parse_signal
+
+
+@pytest.mark.parametrize("name, sig", [("USR2", signal.SIGUSR2), ("SIGTERM", signal.SIGTERM),
+                                       ("usr1", signal.SIGUSR1), ("15", signal.SIGTERM)])
+def test_signal_names_are_read_with_or_without_sig(name, sig):
+    assert parse_signal(name) == sig
+
+
+def test_an_unknown_signal_is_an_error():
+    with pytest.raises(ValueError, match="unknown signal 'USR9'"):
+        parse_signal("USR9")
+
+
+def test_a_signal_only_sets_the_flag_and_the_first_one_wins():
+    flag = StopFlag().install(("USR2", "TERM"))
+    try:
+        assert flag.reason is None
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.reason == "SIGUSR2"
+    finally:
+        flag.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+
+
+@pytest.mark.parametrize("environ, end", [
+    ({}, None),
+    ({"SLURM_JOB_END_TIME": "1700000000"}, 1700000000.0),
+    ({"PYRECOVER_JOB_END_TIME": "1700000123"}, 1700000123.0),
+    ({"SLURM_JOB_END_TIME": "0", "PYRECOVER_JOB_END_TIME": "5"}, 5.0),
+    ({"PYRECOVER_JOB_END_TIME": "Unknown"}, None),
+])
+def test_the_job_end_comes_from_slurm_or_the_job_script(environ, end):
+    assert job_end_time(environ) == end
+
+
+def test_the_deadline_stops_when_two_steps_and_a_save_no_longer_fit():
+    d = Deadline(end_time=1000.0, margin_s=10, steps_ahead=2)
+    d.observe(step_s=5.0, save_s=20.0)
+    assert not d.must_stop(now=959.0)  # 959 + 2*5 + 20 + 10 = 999
+    assert d.must_stop(now=960.0)
+
+
+def test_without_an_end_time_the_deadline_never_stops():
+    d = Deadline(end_time=None)
+    d.observe(1e6, 1e6)
+    assert not d.must_stop(now=1e12)
+
+
+def test_one_slow_step_is_forgotten_slowly_not_at_once():
+    d = Deadline(end_time=None)
+    d.observe(10.0)
+    for _ in range(10):
+        d.observe(1.0)
+    assert 1.0 < d.step_s < 10.0
