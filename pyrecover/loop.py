@@ -46,17 +46,6 @@ class TrainState:
         return asdict(self)
 
 
-def lr_factor(step: int, cfg: Config) -> float:
-    """lr_factor is the multiplier of train.lr at `step`: linear warmup, then cosine to min_lr."""
-    t = cfg.train
-    if step < t.warmup_steps:
-        return (step + 1) / t.warmup_steps
-    span = max(1, t.max_steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    floor = t.min_lr / t.lr
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 @dataclass
 class Loop:
     cfg: Config

@@ -25,8 +25,9 @@ from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
 from pyrecover.data import Batches, DataError, load_tokens
 from pyrecover.experiment import prepare_run_dir
-from pyrecover.loop import Loop, TrainingError, TrainState, lr_factor
+from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig
+from pyrecover.optim import build_optimizer, build_scheduler
 from pyrecover.preempt import StopRequested
 from pyrecover.rundir import RunDir, read_jsonl
 
@@ -124,7 +125,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     torch.manual_seed(t.seed)  # same initial weights on every rank
     model = GPT(GPTConfig(**config_mod.to_dict(cfg)["model"])).to(device)
     optimizer = build_optimizer(model, cfg, device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    scheduler = build_scheduler(optimizer, cfg)
     batches = Batches(tokens, cfg.model.block_size, t.seed)
     state = TrainState()
     parts = Parts(model=model, optimizer=optimizer, scheduler=scheduler,
@@ -185,17 +186,6 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     if env.rank == 0:
         run.event("finish", step=state.step, tokens_seen=state.tokens_seen)
         log.info("finished at step %d; run directory %s", state.step, run.root)
-
-
-def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
-    """build_optimizer is AdamW with weight decay on matrices only (not norms or biases)."""
-    t = cfg.train
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2),
-                             fused=device.type == "cuda" or None)
 
 
 def autocast_for(cfg: Config, device: torch.device):

@@ -143,14 +143,13 @@ def config_of(ckpt: Checkpoint) -> dict:
 def _parts_for(cfg: dict):
     from pyrecover import config as config_mod
     from pyrecover.checkpoint.manager import Parts
-    from pyrecover.loop import lr_factor
     from pyrecover.model import GPT, GPTConfig
-    from pyrecover.train import build_optimizer
+    from pyrecover.optim import build_optimizer, build_scheduler
 
     full = config_mod.from_dict(cfg)
     model = GPT(GPTConfig(**cfg["model"]))
     optimizer = build_optimizer(model, full, torch.device("cpu"))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, full))
+    scheduler = build_scheduler(optimizer, full)
     return Parts(model=model, optimizer=optimizer, scheduler=scheduler, config=cfg,
                  train_state=dict)
 
