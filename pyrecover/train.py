@@ -57,10 +57,18 @@ def main(cfg: Config, run_dir: Path) -> None:
     """main trains one rank of the job until train.max_steps, resuming where a checkpoint is."""
     env = dist.detect(os.environ)
     setup_logging(env.rank)
-    config_mod.check_world_size(cfg, env.world_size)
     run = RunDir(run_dir)
-    tokens = load_tokens(cfg.data.path, cfg.data.column)  # data errors before any collective
-    kind = device_kind(cfg)
+    try:  # config and data errors surface here, on every rank, before any collective
+        config_mod.check_world_size(cfg, env.world_size)
+        tokens = load_tokens(cfg.data.path, cfg.data.column)
+        kind = device_kind(cfg)
+    except (ConfigError, DataError) as exc:
+        # Record it where a run already exists (a job launched earlier: the job script reads
+        # this to tell "exit 2, never requeue" from a crash); a new run directory is not
+        # created for a mistake.
+        if env.rank == 0 and run.is_run():
+            run.event("error", rank=env.rank, error=f"{type(exc).__name__}: {exc}")
+        raise
     if env.rank == 0:
         prepare_run_dir(cfg, run)
     else:

@@ -455,3 +455,25 @@ def test_launch_never_imports_torch(tmp_path):
                 if line.startswith("import time:")]
     assert "pyrecover.slurm.render" in imported
     assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
+
+
+@pytest.mark.parametrize("recorded, decision, code", [
+    ("stop", "requeue", 75),      # srun's 143: SLURM ended a rank still shutting down
+    ("error", "no_requeue", 2),
+    (None, "requeue", 143),       # nothing recorded: a crash
+])
+def test_a_task_ended_by_slurm_after_the_trainer_decided_keeps_the_trainers_outcome(
+        tmp_path, recorded, decision, code):
+    spec = spec_for("srun", sets=[*TINY_SETS, f"run.storage={tmp_path / 'store'}"])
+    spec.run.root.mkdir(parents=True)
+    other_job = {"event": "stop", "time": 1, "job_id": "99", "restart_count": 1, "host": "h"}
+    lines = [json.dumps(other_job)]
+    if recorded:
+        lines.append(json.dumps({"event": recorded, "time": 2, "step": 4, "job_id": "123",
+                                 "restart_count": 1, "host": "h"}))
+    spec.run.events.write_text("\n".join(lines) + "\n")
+    _, stderr, exit_code = run_step(render.render(spec), tmp_path, exit_code=143,
+                                    env={"SLURM_RESTART_COUNT": "1"})
+    decided = json.loads(spec.run.events.read_text().splitlines()[-1])
+    assert (decided["event"], decided["exit_code"]) == (decision, code), stderr
+    assert exit_code == code
