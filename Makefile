@@ -54,8 +54,9 @@ gpu-test: image
 	apptainer exec --nv --bind "$(CURDIR)" --pwd "$(CURDIR)" pyrecover.sif python -m pytest tests/gpu
 
 # Checkpoint speed on this machine's disk against its raw limit and torch.save/load, then
-# training throughput with each mode vs. none (README "Benchmarks"). A few minutes at this
-# size; point `pyrecover bench ckpt --dir` at real storage with a real --size-gb.
+# training throughput with each mode vs. none (README "Benchmarks"), on the tiny test model.
+# About a minute on an idle 2-core machine; point `pyrecover bench ckpt --dir` at real
+# storage with a real --size-gb, and `bench train --config` at a real experiment.
 BENCH_DIR ?= runs/bench
 BENCH_CORPUS := $(BENCH_DIR)/stdlib.parquet
 bench: venv
@@ -63,5 +64,5 @@ bench: venv
 	@[ -f $(BENCH_CORPUS) ] || $(VENV)/bin/pyrecover data prepare --max-mb 5 \
 	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" $(BENCH_CORPUS)
 	$(VENV)/bin/pyrecover bench ckpt --dir $(BENCH_DIR) --size-gb 0.25 --repeat 3
-	$(VENV)/bin/pyrecover bench train --config launch/experiments/demo.yaml \
+	$(VENV)/bin/pyrecover bench train --config launch/experiments/tiny.yaml \
 	  --set data.path=$(BENCH_CORPUS) --interval 10 --steps 30 --warmup 5 --repeat 3

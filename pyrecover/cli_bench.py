@@ -11,7 +11,8 @@ bench_app = typer.Typer(help="Measure checkpoint speed against the storage's own
                         no_args_is_help=True)
 
 ModeOpt = Annotated[list[str] | None, typer.Option(
-    "--mode", help="Checkpoint mode to measure (vanilla, dcp-sync, dcp-async); repeatable. "
+    "--mode", help="Checkpoint mode to measure (vanilla, dcp-sync, dcp-async, memory); "
+    "repeatable. "
     "Default: all.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON for machines.")]
 

@@ -271,7 +271,7 @@ def nice_ticks(lo: float, hi: float, count: int = 6) -> list[float]:
         return []
     if hi <= lo:
         hi = lo + 1.0
-    raw = (hi - lo) / max(1, count - 1)
+    raw = (hi - lo) / max(1, count)
     power = 10 ** math.floor(math.log10(raw))
     step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
     first = math.ceil(lo / step - 1e-9) * step

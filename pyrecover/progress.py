@@ -44,6 +44,7 @@ class Progress:
         self.total, self.stream = total, stream
         self.shown = False
         self._step_s: float | None = None
+        self._updates = 0
         self._last_step, self._last_time = start, time.perf_counter()
         self._drawn_at = 0.0
         self._tokens_per_step = 0
@@ -59,10 +60,12 @@ class Progress:
         """update records the step just finished and redraws when it is time to."""
         now = time.perf_counter()
         steps = step - self._last_step
-        if steps > 0:
+        if steps > 0 and self._updates > 0:  # the first step carries start-up time: skipped
             per_step = (now - self._last_time) / steps
+            weight = max(EMA, 1.0 / self._updates)  # a plain mean until the EMA has history
             self._step_s = per_step if self._step_s is None else \
-                (1 - EMA) * self._step_s + EMA * per_step
+                (1 - weight) * self._step_s + weight * per_step
+        self._updates += 1
         self._last_step, self._last_time = step, now
         self._step, self._loss, self._tokens_per_step = step, loss, tokens_per_step
         if not self.shown or now - self._drawn_at >= REDRAW_S or step >= self.total:

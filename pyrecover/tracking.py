@@ -22,7 +22,7 @@ import platform
 import secrets
 import socket
 import string
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -35,9 +35,10 @@ from pyrecover.rundir import RunDir, read_jsonl
 log = logging.getLogger("pyrecover")
 
 RUN_ID_FILE = "run-id"
-# Events after which a restart is explained; a restart with none of them before it was a hard
-# kill (SIGKILL, node failure, OOM killer): nothing got the chance to write anything.
-STOP_EVENTS = ("crash", "error", "stop", "requeue", "signal", "finish")
+# Events that explain a restart; a restart with none of them before it was a hard kill
+# (SIGKILL, node failure, OOM killer): nothing got the chance to write anything. `requeue`
+# follows a stop or a crash, so it names the cause only when nothing else did.
+STOP_EVENTS = ("crash", "error", "stop", "signal", "finish")
 FINISH_TIMEOUT_S = 60.0  # online: give up the upload at exit; `wandb sync` sends the rest
 
 
@@ -45,7 +46,7 @@ def api_key_configured(environ: Mapping[str, str], netrc_file: str | None = None
     """api_key_configured tells whether wandb has a key: WANDB_API_KEY or a netrc entry."""
     if environ.get("WANDB_API_KEY"):
         return True
-    host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    host = urlparse(_base_url(environ)).hostname or ""
     path = netrc_file or environ.get("NETRC") or str(Path.home() / ".netrc")
     try:
         return netrc.netrc(path).authenticators(host) is not None
@@ -53,11 +54,24 @@ def api_key_configured(environ: Mapping[str, str], netrc_file: str | None = None
         return False
 
 
-def resolve_mode(setting: str, environ: Mapping[str, str], netrc_file: str | None = None) -> str:
+def server_reachable(url: str, timeout_s: float = 3.0) -> bool:
+    """server_reachable tries one TCP connection to the wandb server (a compute node often
+    has no route out; finding that out must not cost wandb's 60-second init timeout)."""
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname or "", port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def resolve_mode(setting: str, environ: Mapping[str, str], netrc_file: str | None = None,
+                 reachable: Callable[[str], bool] = server_reachable) -> str:
     """resolve_mode turns `tracking.wandb` into online, offline or disabled.
 
     An explicit setting wins. `auto` follows WANDB_MODE when it is set, else goes online only
-    when an API key is configured, so a machine without one never waits on the network.
+    when an API key is configured and the server answers, so nothing waits on a network.
     """
     if setting != "auto":
         return setting
@@ -66,7 +80,16 @@ def resolve_mode(setting: str, environ: Mapping[str, str], netrc_file: str | Non
         return env_mode
     if env_mode == "dryrun":
         return "offline"
-    return "online" if api_key_configured(environ, netrc_file) else "offline"
+    if not api_key_configured(environ, netrc_file):
+        return "offline"
+    if not reachable(_base_url(environ)):
+        log.info("wandb: %s is not reachable from here; logging offline", _base_url(environ))
+        return "offline"
+    return "online"
+
+
+def _base_url(environ: Mapping[str, str]) -> str:
+    return environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
 
 
 def run_id(run: RunDir) -> str:
@@ -153,17 +176,19 @@ def describe(system: Mapping[str, Any], cfg: Config) -> list[str]:
 
 
 def restarts(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """restarts lists each resume with its cause: the last stop-like event before it.
+    """restarts lists each resume with its cause: the first stop-like event before it.
 
-    A cause is `crash`, `error`, `stop`, `requeue`, `signal`, `continued` (a finished run
+    A cause is `crash`, `error`, `stop`, `signal`, `requeue`, `continued` (a finished run
     whose train.max_steps was raised) or `killed` (nothing was recorded: SIGKILL, node loss).
     """
     out: list[dict[str, Any]] = []
     cause = None
     for e in events:
         kind = e.get("event")
-        if kind in STOP_EVENTS:
+        if kind in STOP_EVENTS and cause in (None, "requeue"):
             cause = "continued" if kind == "finish" else kind
+        elif kind == "requeue" and cause is None:
+            cause = "requeue"
         elif kind == "start":
             cause = None
         elif kind == "resume":
@@ -270,7 +295,10 @@ class Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.finish(exit_code=0 if exc_type is None else 1)
+        from pyrecover.preempt import StopRequested  # a stop to be resumed is not a failure
+
+        clean = exc_type is None or issubclass(exc_type, StopRequested)
+        self.finish(exit_code=0 if clean else 1)
 
 
 def start(cfg: Config, run: RunDir, rank: int, system: Mapping[str, Any] | None = None,

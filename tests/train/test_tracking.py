@@ -108,21 +108,32 @@ def test_a_disabled_tracker_creates_nothing_even_with_wandb_mode_set(tmp_path, m
     assert not tracker.enabled and not run.wandb.exists()
 
 
-@pytest.mark.parametrize("setting, environ, netrc_line, expected", [
-    ("auto", {}, "", "offline"),
-    ("auto", {"WANDB_API_KEY": "x" * 40}, "", "online"),
-    ("auto", {}, "machine api.wandb.ai login user password " + "y" * 40, "online"),
-    ("auto", {"WANDB_API_KEY": "x" * 40, "WANDB_MODE": "offline"}, "", "offline"),
-    ("auto", {"WANDB_MODE": "disabled"}, "", "disabled"),
-    ("offline", {"WANDB_API_KEY": "x" * 40, "WANDB_MODE": "online"}, "", "offline"),
-    ("disabled", {"WANDB_MODE": "online"}, "", "disabled"),
+KEY = {"WANDB_API_KEY": "x" * 40}
+
+
+@pytest.mark.parametrize("setting, environ, netrc_line, server_up, expected", [
+    ("auto", {}, "", True, "offline"),
+    ("auto", KEY, "", True, "online"),
+    ("auto", KEY, "", False, "offline"),
+    ("auto", {}, "machine api.wandb.ai login user password " + "y" * 40, True, "online"),
+    ("auto", {**KEY, "WANDB_MODE": "offline"}, "", True, "offline"),
+    ("auto", {"WANDB_MODE": "disabled"}, "", True, "disabled"),
+    ("offline", {**KEY, "WANDB_MODE": "online"}, "", True, "offline"),
+    ("disabled", {"WANDB_MODE": "online"}, "", True, "disabled"),
 ])
-def test_auto_goes_online_only_with_an_api_key_and_an_explicit_setting_wins(
-        tmp_path, setting, environ, netrc_line, expected):
+def test_auto_goes_online_only_with_an_api_key_and_a_server_and_an_explicit_setting_wins(
+        tmp_path, setting, environ, netrc_line, server_up, expected):
     netrc = tmp_path / "netrc"
     netrc.write_text(netrc_line + "\n")
     netrc.chmod(0o600)
-    assert tracking.resolve_mode(setting, environ, str(netrc)) == expected
+    asked = []
+
+    def reachable(url: str) -> bool:  # what the network would answer; no test goes out
+        asked.append(url)
+        return server_up
+
+    assert tracking.resolve_mode(setting, environ, str(netrc), reachable) == expected
+    assert asked in ([], ["https://api.wandb.ai"])
 
 
 def test_each_restart_is_explained_by_the_last_event_before_it():
@@ -131,6 +142,7 @@ def test_each_restart_is_explained_by_the_last_event_before_it():
               {"event": "crash", "error": "boom"}, {"event": "resume", "step": 20},
               {"event": "stop", "step": 25}, {"event": "requeue"},
               {"event": "resume", "step": 25, "restore_seconds": 0.5},
+              {"event": "requeue"}, {"event": "resume", "step": 25},
               {"event": "finish", "step": 30}, {"event": "resume", "step": 30}]
     assert [(r["step"], r["cause"]) for r in tracking.restarts(events)] == [
-        (10, "killed"), (20, "crash"), (25, "requeue"), (30, "continued")]
+        (10, "killed"), (20, "crash"), (25, "stop"), (25, "requeue"), (30, "continued")]
