@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-@dataclass
-class GPTConfig:
-    vocab_size: int = 320
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = False
+# The model's sizes are the `model:` section of the experiment config, validated there.
+from pyrecover.config import ModelConfig as GPTConfig
 
 
 class CausalSelfAttention(nn.Module):

@@ -61,6 +61,15 @@ class RunDir:
         """is_run tells whether this folder looks like a pyrecover run directory."""
         return self.config.is_file() or self.events.is_file() or self.checkpoints.is_dir()
 
+    def problem(self) -> str | None:
+        """problem says why this is no run directory to read (None when it is one)."""
+        if not self.root.is_dir():
+            return f"run directory {str(self.root)!r} does not exist"
+        if not self.is_run():
+            return (f"{self.root} is not a pyrecover run directory (no run.yaml, events.jsonl "
+                    "or checkpoints/)")
+        return None
+
     def event(self, event: str, **fields: Any) -> dict[str, Any]:
         """event appends one record to events.jsonl with the time, host and SLURM job id."""
         record = {"event": event, "time": round(time.time(), 3), **fields}

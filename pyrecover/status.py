@@ -47,11 +47,9 @@ class Status:
 def read(path: str | Path, squeue=None, now: float | None = None) -> Status:
     """read builds the Status of a run directory; `squeue(job_id) -> state | None` is optional."""
     run = RunDir(Path(path))
-    if not run.root.is_dir():
-        raise StatusError(f"run directory {str(run.root)!r} does not exist")
-    if not run.is_run():
-        raise StatusError(f"{run.root} is not a pyrecover run directory (no run.yaml, "
-                          "events.jsonl or checkpoints/)")
+    problem = run.problem()
+    if problem:
+        raise StatusError(problem)
     now = time.time() if now is None else now
     events = list(read_jsonl(run.events))
     metrics = list(read_jsonl(run.metrics))

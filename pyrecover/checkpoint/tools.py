@@ -20,11 +20,9 @@ from pyrecover.rundir import RunDir
 def open_run(path: str | Path) -> RunDir:
     """open_run returns the run directory at `path`, or raises naming what is wrong."""
     run = RunDir(Path(path))
-    if not run.root.is_dir():
-        raise CheckpointError(f"run directory {str(run.root)!r} does not exist")
-    if not run.is_run():
-        raise CheckpointError(f"{run.root} is not a pyrecover run directory (no run.yaml, "
-                              "events.jsonl or checkpoints/)")
+    problem = run.problem()
+    if problem:
+        raise CheckpointError(problem)
     return run
 
 
