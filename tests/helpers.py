@@ -47,3 +47,12 @@ def tiny_args(storage: Path, corpus: Path, name: str, *extra: str) -> list[str]:
 
 def load_export(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
+
+
+def is_running(pid: int) -> bool:
+    """True unless the process is gone or a zombie (this machine's PID 1 reaps late)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"

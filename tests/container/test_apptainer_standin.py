@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import is_running
 
 STANDIN = Path(__file__).resolve().parents[1] / "bin" / "apptainer"
 TIMEOUT = 20
@@ -190,12 +191,3 @@ def test_killing_the_standin_takes_the_command_down_with_it(image, tmp_path):
     while is_running(child):
         assert time.monotonic() < deadline, f"the command {child} outlived the stand-in"
         time.sleep(0.02)
-
-
-def is_running(pid: int) -> bool:
-    """True unless the process is gone or a zombie (this machine's PID 1 reaps late)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"

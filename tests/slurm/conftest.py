@@ -12,6 +12,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for localslurm
@@ -39,3 +41,13 @@ def local_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small parquet of Python-like text in a `text` column, in its own folder (the e2e
+    tests bind that folder into the container)."""
+    folder = tmp_path_factory.mktemp("corpus")
+    docs = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 12 for i in range(60)]
+    pq.write_table(pa.table({"text": docs}), folder / "corpus.parquet")
+    return folder / "corpus.parquet"

@@ -16,8 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from localslurm import LocalSlurm
 
@@ -33,14 +31,6 @@ TINY_SETS = ("model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.bloc
              "train.max_steps=20", "train.global_batch_size=8", "train.micro_batch_size=2",
              "train.log_interval=5", "checkpoint.interval=10")
 
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small parquet of Python-like text in a `text` column, in its own folder."""
-    folder = tmp_path_factory.mktemp("corpus")
-    docs = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 12 for i in range(60)]
-    pq.write_table(pa.table({"text": docs}), folder / "corpus.parquet")
-    return folder / "corpus.parquet"
 
 
 def launch_env(cluster: LocalSlurm) -> dict[str, str]:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import is_running
 from localslurm import HOSTS_FILE, LocalSlurm, parse_job_record
 
 pytestmark = pytest.mark.slurm
@@ -229,12 +230,3 @@ def wait_for_file(path: Path, timeout: float = 10) -> None:
     while not (path.exists() and path.read_text().strip()):
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.05)
-
-
-def is_running(pid: int) -> bool:
-    """True unless the process is gone or a zombie (this machine's PID 1 reaps late)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"

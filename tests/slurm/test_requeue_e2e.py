@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from localslurm import TERMINAL_STATES, LocalSlurm
@@ -39,14 +37,6 @@ WORLD = ("--nodes", "2", "--gpus-per-node", "1", "--launcher", "none")
 
 # ------------------------------------------------------------------------------ fixtures
 
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small parquet of Python-like text in a `text` column."""
-    folder = tmp_path_factory.mktemp("corpus")
-    docs = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 12 for i in range(60)]
-    pq.write_table(pa.table({"text": docs}), folder / "corpus.parquet")
-    return folder / "corpus.parquet"
 
 
 @pytest.fixture(scope="module")
