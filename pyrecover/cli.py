@@ -142,7 +142,9 @@ def main() -> None:
             typer.echo(f"pyrecover: {exc}", err=True)
             sys.exit(EXIT_STOPPED)
 
-        if isinstance(exc, PeerLost):  # a fault elsewhere, not a bug here: no traceback
+        from pyrecover.checkpoint.manager import SaveFailed
+
+        if isinstance(exc, (PeerLost, SaveFailed)):  # a fault, not a bug here: no traceback
             typer.echo(f"error: {exc}", err=True)
             sys.exit(1)
         raise

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pyrecover import faults
-from pyrecover.checkpoint import rng
+from pyrecover.checkpoint import dcp_io, rng
 from pyrecover.checkpoint.store import Checkpoint, Pending, sha256_file
 
 NAME = "dcp"
@@ -87,7 +87,7 @@ class DcpMode:
             (folder / EXTRA_FILE).write_text(json.dumps(extra))
         model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        writer = dcp.FileSystemWriter(str(folder), sync_files=True)
+        writer = dcp_io.Writer(folder)
         if self.asynchronous:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                     async_stager=self.stager)
@@ -97,13 +97,13 @@ class DcpMode:
                          no_dist=self.group is None)
             future = None
         self._result = None
-        self._thread = threading.Thread(target=self._finish, args=(future, pending),
+        self._thread = threading.Thread(target=self._finish, args=(future, writer, pending),
                                         name="pyrecover-dcp-save", daemon=True)
         self._thread.start()
         if not self.asynchronous:
             self._thread.join()
 
-    def _finish(self, future, pending: Pending) -> None:
+    def _finish(self, future, writer: dcp_io.Writer, pending: Pending) -> None:
         folder = pending.tmp
         try:
             faults.maybe_kill(pending.step, self.rank, point="save")
@@ -111,12 +111,18 @@ class DcpMode:
                 future.result()
             files = {}
             for name in own_files(folder, self.rank):
+                if name in writer.digests:  # hashed and fsynced while written
+                    size, digest = writer.digests[name]
+                    files[name] = {"size": size, "sha256": digest}
+                    continue
                 path = folder / name
                 with path.open("rb") as f:
                     os.fsync(f.fileno())
                 files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
             self._result = (files, "")
-        except Exception as exc:  # reported to the manager, which discards the whole save
+        # DCP's CheckpointException is a BaseException: catch it too, or the manager would only
+        # learn that the write ended without a result.
+        except BaseException as exc:  # reported to the manager, which discards the whole save
             self._result = ({}, f"{type(exc).__name__}: {exc}")
 
     def result(self, wait: bool) -> tuple[dict[str, Any], str] | None:
@@ -137,7 +143,7 @@ class DcpMode:
         model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         with quiet_single_process():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt.path)),
+            dcp.load(state, storage_reader=dcp_io.Reader(ckpt.path),
                      process_group=self.group, no_dist=self.group is None)
         set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])

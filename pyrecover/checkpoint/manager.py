@@ -66,6 +66,12 @@ def make_mode(name: str, rank: int, world_size: int, device: torch.device,
     raise CheckpointError(f"checkpoint mode {name!r} is not supported here")
 
 
+class SaveFailed(RuntimeError):
+    """The checkpoint a run must leave behind (its final one, or the one on a stop request)
+    could not be written. Exit code 1: the job is requeued and resumes from the newest valid
+    checkpoint."""
+
+
 @dataclass
 class _InFlight:
     pending: Pending
@@ -88,6 +94,7 @@ class CheckpointManager:
         self.snapshot_interval = snapshot_interval if hasattr(self.mode, "snapshot") else 0
         self.inflight: _InFlight | None = None
         self.last_saved_step: int | None = None
+        self.last_error = ""  # why the newest save failed, if it did
         self.stall_seconds = 0.0  # time the loop was blocked by saves, summed
         self.last_save_seconds = 0.0  # start to commit of the newest checkpoint (rank 0)
 
@@ -123,7 +130,18 @@ class CheckpointManager:
             self._start(step)
         if self.inflight is not None:
             self._commit_now()
+        if self.last_saved_step != step and step > 0:  # it failed: try once more, then give up
+            log.warning("writing the checkpoint of step %d again", step)
+            self._start(step)
+            self._commit_now()
         self.mode.close()
+        if self.last_saved_step != step and step > 0:
+            newest = store.committed_steps(self.root)
+            raise SaveFailed(
+                f"the checkpoint of step {step} could not be written ({self.last_error}); "
+                + (f"the newest valid one is step {newest[0][0]}" if newest
+                   else "there is no valid checkpoint yet")
+                + ". Fix the storage, then run the same command again to resume")
 
     def persist_after_failure(self) -> None:
         """persist_after_failure saves what this rank holds after a peer died (memory mode).
@@ -177,19 +195,20 @@ class CheckpointManager:
                 return False
             results = [local]
         flight, self.inflight = self.inflight, None
+        errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(results) if err]
+        self.last_error = "; ".join(errors)
         if self.rank == 0:
-            self._commit_or_abort(flight, results)
-        self.last_saved_step = flight.pending.step
+            self._commit_or_abort(flight, results, self.last_error)
+        if not errors:
+            self.last_saved_step = flight.pending.step
         return True
 
-    def _commit_or_abort(self, flight: _InFlight, results: list[Any]) -> None:
+    def _commit_or_abort(self, flight: _InFlight, results: list[Any], error: str) -> None:
         pending = flight.pending
-        errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(results) if err]
-        if errors:
+        if error:
             pending.abort()
-            log.warning("checkpoint of step %d failed and was discarded: %s", pending.step,
-                        "; ".join(errors))
-            self.run.event("checkpoint_failed", step=pending.step, reason="; ".join(errors))
+            log.warning("checkpoint of step %d failed and was discarded: %s", pending.step, error)
+            self.run.event("checkpoint_failed", step=pending.step, reason=error)
             return
         for files, _ in results:
             pending.files.update(files)

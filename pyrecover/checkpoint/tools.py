@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from pyrecover.checkpoint import dcp as dcp_mode
+from pyrecover.checkpoint import dcp_io, store, vanilla
 from pyrecover.checkpoint import memory as memory_mode
-from pyrecover.checkpoint import store, vanilla
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 from pyrecover.rundir import RunDir
 
@@ -86,7 +86,7 @@ def model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         model = GPT(GPTConfig(**extra["config"]["model"]))
         state = {"model": model.state_dict()}
         with dcp_mode.quiet_single_process():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt.path)), no_dist=True)
+            dcp.load(state, storage_reader=dcp_io.Reader(ckpt.path), no_dist=True)
         return state["model"]
     if ckpt.mode == memory_mode.NAME:
         flat, meta = memory_mode.assemble(ckpt.path, list(ckpt.manifest["files"]))
@@ -187,7 +187,7 @@ def convert(ckpt: Checkpoint, to: str, out: Path) -> None:
         model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
         with dcp_mode.quiet_single_process():
             dcp.save({"model": model_sd, "optim": optim_sd},
-                     storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+                     storage_writer=dcp_io.Writer(tmp), no_dist=True)
         extra = {"scheduler": parts.scheduler.state_dict(), "config": parts.config,
                  "train": train}
         (tmp / dcp_mode.EXTRA_FILE).write_text(json.dumps(extra))
