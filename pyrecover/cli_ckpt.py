@@ -42,7 +42,7 @@ def ls(
 
 @ckpt_app.command("verify")
 def verify(run_dir: RunArg, step: StepOpt = None) -> None:
-    """Check sizes and sha256 of every file; exit 0 only if the checkpoint(s) verify.
+    """Check sizes and checksums of every file; exit 0 only if the checkpoint(s) verify.
 
     Without --step, every checkpoint of the run is checked.
     """

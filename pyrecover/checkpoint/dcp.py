@@ -113,7 +113,7 @@ class DcpMode:
             for name in own_files(folder, self.rank):
                 if name in writer.digests:  # hashed and fsynced while written
                     size, digest = writer.digests[name]
-                    files[name] = {"size": size, "sha256": digest}
+                    files[name] = {"size": size, "sha256_tree": digest}
                     continue
                 path = folder / name
                 with path.open("rb") as f:

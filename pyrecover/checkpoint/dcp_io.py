@@ -6,8 +6,9 @@ plain `dcp.load` reads them. What differs is the path the bytes take:
 
 - `Writer` serialises with torch.save's zip CRC off (every file gets a sha256 for the manifest
   instead) and streams the bytes through a small pipeline per file: copy into one of a few
-  page-aligned buffers, sha256 in one thread, write in another. Each buffer is hashed from
-  memory while it is being written, so the file is never read back to be checksummed. Writes
+  page-aligned buffers, hashed by a few threads while a writer thread writes them in
+  order (the manifest's `sha256_tree` checksum, see store.py), so the file is never read
+  back to be checksummed. Writes
   bypass the page cache (O_DIRECT) where the filesystem allows it: on the machines measured,
   finding page-cache memory for a large write cost more than the device itself. A rank
   writes `threads` files in parallel, split by bytes.
@@ -26,13 +27,14 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import hashlib
+import io
 import mmap
 import os
 import queue
 import struct
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future as Task
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,8 +46,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.utils.serialization import config as serialization_config
 
-BUFFER = 8 << 20  # one pipeline buffer; a multiple of any device's block size
-BUFFERS = 4  # per file: one filling, one hashing, one writing, one spare
+from pyrecover.checkpoint import store
+
+BLOCK = store.TREE_BLOCK  # one pipeline buffer: a checksum block, a multiple of any sector
+BUFFERS = 3  # per file, besides one per hashing thread: filling, writing, spare
 SMALL_READ = 4096  # enough to hold the zip headers in front of a tensor's bytes
 
 
@@ -57,19 +61,17 @@ def default_threads() -> int:
 
 # --- writing --------------------------------------------------------------------------------
 
-class _Stop(Exception):
-    pass
-
-
 class HashedFile:
-    """HashedFile is a write-only file that sha256s what it writes, without reading it back.
+    """HashedFile is a write-only file that checksums what it writes, without reading it back.
 
-    `write` copies into a free buffer; full buffers go to a hashing thread and then to a
-    writing thread, in order, and come back free. `close` flushes, fsyncs and returns
-    (size, sha256 hex). Any error in a stage is raised by the next `write` or by `close`.
+    `write` copies into a free page-aligned buffer of `store.TREE_BLOCK` bytes; each full
+    buffer is hashed by a small thread pool (blocks in parallel, the `sha256_tree` checksum)
+    while a writer thread writes the buffers in order; a buffer is free again once both are
+    done. `close` flushes, fsyncs and returns (size, sha256_tree hex). An error in the writer
+    is raised by the next `write` or by `close`.
     """
 
-    def __init__(self, path: str, direct: bool = True) -> None:
+    def __init__(self, path: str, direct: bool = True, hash_threads: int = 2) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self.direct = False
         if direct and hasattr(os, "O_DIRECT"):
@@ -81,23 +83,18 @@ class HashedFile:
         if not self.direct:
             self.fd = os.open(path, flags, 0o644)
         self.size = 0
-        self.sha = hashlib.sha256()
         self.error: BaseException | None = None
+        self._digests: list[Task] = []
+        self._hashers = ThreadPoolExecutor(hash_threads, thread_name_prefix="pyrecover-hash")
         self._free: queue.Queue = queue.Queue()
-        for _ in range(BUFFERS):
-            self._free.put(mmap.mmap(-1, BUFFER))  # page-aligned, as O_DIRECT needs
-        self._to_hash: queue.Queue = queue.Queue()
+        for _ in range(BUFFERS + hash_threads):
+            self._free.put(mmap.mmap(-1, BLOCK))  # page-aligned, as O_DIRECT needs
         self._to_write: queue.Queue = queue.Queue()
         self._buf: mmap.mmap | None = None
         self._fill = 0
-        self._threads = [
-            threading.Thread(target=self._stage, args=(self._to_hash, self._hash, self._to_write),
-                             name="pyrecover-dcp-hash", daemon=True),
-            threading.Thread(target=self._stage, args=(self._to_write, self._write, self._free),
-                             name="pyrecover-dcp-write", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._writer = threading.Thread(target=self._write_loop, name="pyrecover-dcp-write",
+                                        daemon=True)
+        self._writer.start()
 
     def tell(self) -> int:
         return self.size
@@ -110,11 +107,11 @@ class HashedFile:
         while done < n:
             if self._buf is None:
                 self._buf, self._fill = self._free.get(), 0
-            take = min(n - done, BUFFER - self._fill)
+            take = min(n - done, BLOCK - self._fill)
             self._buf[self._fill:self._fill + take] = view[done:done + take]
             self._fill += take
             done += take
-            if self._fill == BUFFER:
+            if self._fill == BLOCK:
                 self._submit()
         self.size += n
         return n
@@ -123,25 +120,22 @@ class HashedFile:
         pass
 
     def _submit(self) -> None:
-        self._to_hash.put((self._buf, self._fill))
+        block = memoryview(self._buf)[:self._fill]
+        digest = self._hashers.submit(store.block_digest, block)
+        self._digests.append(digest)
+        self._to_write.put((self._buf, self._fill, digest))
         self._buf = None
 
-    def _stage(self, inbox: queue.Queue, work: Callable[[mmap.mmap, int], None],
-               outbox: queue.Queue) -> None:
-        while True:
-            item = inbox.get()
-            if item is None:
-                outbox.put(None)
-                return
+    def _write_loop(self) -> None:
+        while (item := self._to_write.get()) is not None:
+            buf, n, digest = item
             if self.error is None:
                 try:
-                    work(*item)
+                    self._write(buf, n)
                 except BaseException as exc:  # keep the buffers moving; close() raises it
                     self.error = exc
-            outbox.put(item if outbox is not self._free else item[0])
-
-    def _hash(self, buf: mmap.mmap, n: int) -> None:
-        self.sha.update(memoryview(buf)[:n])
+            digest.result()  # the hasher may still read this buffer
+            self._free.put(buf)
 
     def _write(self, buf: mmap.mmap, n: int) -> None:
         view = memoryview(buf)[:n]
@@ -165,15 +159,15 @@ class HashedFile:
         try:
             if self._buf is not None and self._fill:
                 self._submit()
-            self._to_hash.put(None)
-            for t in self._threads:
-                t.join()
+            self._to_write.put(None)
+            self._writer.join()
+            self._hashers.shutdown()
             if self.error is not None:
                 raise self.error
             os.fsync(self.fd)
         finally:
             os.close(self.fd)
-        return self.size, self.sha.hexdigest()
+        return self.size, store.tree_digest([d.result() for d in self._digests])
 
 
 def split_by_bytes(items: list[Any], size: Callable[[Any], int], bins: int) -> list[list[Any]]:
@@ -199,7 +193,7 @@ def _item_bytes(item: Any) -> int:
 class Writer(FileSystemWriter):
     """Writer is a DCP storage writer that writes DCP's format with less copying (see above).
 
-    After a save, `digests` maps each file this rank wrote to (size, sha256).
+    After a save, `digests` maps each file this rank wrote to (size, sha256_tree).
     """
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None,
@@ -235,8 +229,11 @@ class Writer(FileSystemWriter):
                     out.write(data.getbuffer())
                 else:
                     tensor = data.detach().cpu()
-                    if tensor.untyped_storage().nbytes() != tensor.nbytes:
-                        tensor = tensor.clone()  # torch.save writes the whole storage
+                    if not (tensor.is_contiguous() and tensor.storage_offset() == 0
+                            and tensor.untyped_storage().nbytes() == tensor.nbytes):
+                        # torch.save writes the whole storage, in memory order; a record
+                        # of exactly the tensor's bytes can be read straight into place.
+                        tensor = tensor.clone(memory_format=torch.contiguous_format)
                     torch.save(tensor, out)
                 length = out.tell() - offset
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
@@ -256,28 +253,55 @@ _ZIP_LOCAL = b"PK\x03\x04"
 _AFTER_DATA = (b"PK\x07\x08", b"PK\x03\x04", b"PK\x01\x02")  # descriptor, next entry, index
 
 
-def tensor_bytes_offset(head: bytes) -> int | None:
-    """tensor_bytes_offset finds where a tensor's bytes start inside one torch.save record.
-
-    `head` is the record's first bytes. torch.save writes a zip of small entries
-    (`data.pkl`, `byteorder`, ...) and then `data/0`, the storage, uncompressed; its local
-    headers carry no sizes (they follow the data), so this walks the local headers by their
-    signature. Returns the offset of `data/0`'s bytes if they are stored as-is and in
-    little-endian order, else None (the caller then lets torch.load do it). The caller checks
-    that a zip signature follows the expected number of bytes, which pins the size.
-    """
-    little = False
+def _record_entries(head: bytes):
+    """_record_entries yields (name, start of its bytes) for each zip entry whose local header
+    lies in `head`. torch.save's local headers carry no sizes (a descriptor follows the data),
+    so the headers are found by their signature; a caller checks what it relies on."""
     pos = head.find(_ZIP_LOCAL)
     while pos != -1 and pos + _LOCAL_HEADER.size <= len(head):
         fields = _LOCAL_HEADER.unpack_from(head, pos)
         method, nlen, elen = fields[3], fields[9], fields[10]
-        name = head[pos + 30:pos + 30 + nlen]
         start = pos + 30 + nlen + elen
-        if name.endswith(b"/byteorder"):
+        if method != 0:  # compressed: not torch.save's
+            return
+        yield head[pos + 30:pos + 30 + nlen], start
+        pos = head.find(_ZIP_LOCAL, start)
+
+
+def _meta_storage(saved_id):
+    """_meta_storage stands in for a storage while unpickling a record's `data.pkl`: a storage
+    on the meta device has a size and a dtype but no memory, and nothing is read."""
+    _, storage_type, _key, _location, numel = saved_id
+    dtype = storage_type.dtype
+    untyped = torch.UntypedStorage(numel * torch._utils._element_size(dtype), device="meta")
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def record_layout(head: bytes) -> tuple[int, torch.Tensor] | None:
+    """record_layout reads the front of one torch.save record of a tensor.
+
+    Returns (where the storage's bytes start, the tensor as a meta tensor: dtype, shape,
+    strides, storage offset and storage size) when the storage is stored as-is in
+    little-endian order; else None, and the caller lets torch.load do it. `data.pkl` goes
+    through torch's weights-only unpickler, as torch.load(weights_only=True) would.
+    """
+    from torch import _weights_only_unpickler
+
+    layout, little = None, False
+    for name, start in _record_entries(head):
+        if name.endswith(b"/data.pkl"):
+            unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(head[start:]),
+                                                          encoding="utf-8")
+            unpickler.persistent_load = _meta_storage
+            try:
+                layout = unpickler.load()
+            except Exception:  # not a lone tensor, or cut off by the end of `head`
+                return None
+        elif name.endswith(b"/byteorder"):
             little = head[start:start + 6] == b"little"
         elif name.endswith(b"/data/0"):
-            return start if method == 0 and little and start <= len(head) else None
-        pos = head.find(_ZIP_LOCAL, start)
+            ok = isinstance(layout, torch.Tensor) and little and start <= len(head)
+            return (start, layout) if ok else None
     return None
 
 
@@ -323,7 +347,9 @@ class Reader(FileSystemReader):
                     for req in sorted(reqs, key=offset)]
             with ThreadPoolExecutor(self.threads, thread_name_prefix="pyrecover-dcp-read") as pool:
                 for moved in pool.map(lambda job: self._read_one(*job, planner), jobs):
-                    if moved is not None:  # the record was not as expected: DCP's way
+                    if moved is None:
+                        self.direct_items += 1
+                    else:  # the record was not as expected: DCP's way
                         super().read_data(dataclasses.replace(plan, items=[moved]),
                                           planner).wait()
         finally:
@@ -352,14 +378,19 @@ class Reader(FileSystemReader):
         target = planner.resolve_tensor(req).detach()
         expected = target.numel() * target.element_size()
         head = os.pread(fd, min(SMALL_READ, info.length), info.offset)
-        start = tensor_bytes_offset(head)
-        if start is None or start + expected + 4 > info.length:
+        found = record_layout(head)
+        if found is None:
             return req
+        start, stored = found
+        if not (stored.dtype == target.dtype and stored.shape == target.shape
+                and stored.is_contiguous() and stored.storage_offset() == 0
+                and stored.untyped_storage().nbytes() == expected
+                and start + expected + 4 <= info.length):
+            return req  # strided, a view, another dtype: torch.load and DCP's copy do it right
         if os.pread(fd, 4, info.offset + start + expected) not in _AFTER_DATA:
             return req  # the record holds another number of bytes than the metadata says
         if expected:
             view = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
             _pread_into(fd, view, info.offset + start)
         planner.commit_tensor(req, target)
-        self.direct_items += 1
         return None

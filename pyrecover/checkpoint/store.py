@@ -2,8 +2,13 @@
 
 A checkpoint is committed by: write every file into `checkpoints/.tmp-step-<N>-<id>/`, fsync
 each file and the folder, write `manifest.json` last (mode, step, world size, train state,
-each file's size and sha256), rename the folder to `step-<N>/` and fsync `checkpoints/`.
+each file's size and checksum), rename the folder to `step-<N>/` and fsync `checkpoints/`.
 A folder without a manifest whose files all verify does not exist for the loader.
+
+A file's checksum is either `sha256` (of the whole file, as `sha256sum` prints it) or
+`sha256_tree`: the sha256 of the concatenated sha256 digests of each `TREE_BLOCK` bytes of the
+file. The tree form lets several cores hash one large file at once, while writing it and
+again when verifying it; on one core sha256 runs at about the speed of a local NVMe disk.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import os
 import shutil
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -22,6 +29,7 @@ from typing import Any, BinaryIO
 MANIFEST = "manifest.json"
 FORMAT = 1
 _CHUNK = 8 << 20
+TREE_BLOCK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -51,6 +59,37 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def block_digest(block: bytes | memoryview) -> bytes:
+    """block_digest is one TREE_BLOCK's sha256 (hashlib releases the GIL while hashing)."""
+    return hashlib.sha256(block).digest()
+
+
+def tree_digest(block_digests: list[bytes]) -> str:
+    """tree_digest combines the per-block digests of a file, in order, into its checksum."""
+    return hashlib.sha256(b"".join(block_digests)).hexdigest()
+
+
+def sha256_tree_file(path: Path, threads: int = 0) -> str:
+    """sha256_tree_file is the `sha256_tree` checksum of a file, hashed by `threads` cores."""
+    threads = threads or max(1, min(4, os.cpu_count() or 1))
+    digests: list[bytes] = []
+    waiting: deque[Future] = deque()
+    with path.open("rb", buffering=0) as f, ThreadPoolExecutor(threads) as pool:
+        while block := f.read(TREE_BLOCK):
+            waiting.append(pool.submit(block_digest, block))
+            if len(waiting) > 2 * threads:  # bounded read-ahead: a few blocks in memory
+                digests.append(waiting.popleft().result())
+        digests += [w.result() for w in waiting]
+    return tree_digest(digests)
+
+
+def checksum_ok(path: Path, meta: dict[str, Any]) -> bool:
+    """checksum_ok compares a file with its manifest entry, whichever checksum it has."""
+    if "sha256_tree" in meta:
+        return sha256_tree_file(path) == meta["sha256_tree"]
+    return sha256_file(path) == meta["sha256"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -183,7 +222,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
 
 
 def verify(folder: Path, checksums: bool = True) -> Checkpoint:
-    """verify returns the checkpoint if every listed file has its size (and sha256).
+    """verify returns the checkpoint if every listed file has its size (and checksum).
 
     Raises CheckpointError naming the first file that does not.
     """
@@ -196,8 +235,9 @@ def verify(folder: Path, checksums: bool = True) -> Checkpoint:
         if size != meta["size"]:
             raise CheckpointError(
                 f"{path}: {size} bytes, manifest says {meta['size']} (truncated?)")
-        if checksums and sha256_file(path) != meta["sha256"]:
-            raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupt)")
+        if checksums and not checksum_ok(path, meta):
+            kind = "sha256_tree" if "sha256_tree" in meta else "sha256"
+            raise CheckpointError(f"{path}: {kind} does not match the manifest (corrupt)")
     return Checkpoint(folder, manifest)
 
 

@@ -1,0 +1,145 @@
+"""DCP mode's storage: the files are DCP's own format, checksummed while written, read in place."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import random
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from pyrecover.checkpoint import dcp_io, store
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def tree_of(data: bytes) -> str:
+    block = store.TREE_BLOCK
+    return store.tree_digest([hashlib.sha256(data[i:i + block]).digest()
+                              for i in range(0, len(data), block)])
+
+
+SIZES = [0, 1, 4095, 4096, store.TREE_BLOCK - 1, store.TREE_BLOCK, 2 * store.TREE_BLOCK + 12345]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+@pytest.mark.parametrize("size", SIZES)
+def test_a_hashed_file_holds_exactly_what_was_written_and_its_tree_checksum(tmp_path, size,
+                                                                          direct):
+    rnd = random.Random(size)
+    data = rnd.randbytes(size)
+    out = dcp_io.HashedFile(str(tmp_path / "f"), direct)
+    pos = 0
+    while pos < size:  # uneven pieces, as torch.save writes headers and storages
+        n = min(size - pos, rnd.choice([1, 30, 4096, 1_000_003, 9 << 20]))
+        out.write(memoryview(data)[pos:pos + n])
+        pos += n
+    written, digest = out.close()
+    assert written == size
+    assert (tmp_path / "f").read_bytes() == data
+    assert digest == tree_of(data) == store.sha256_tree_file(tmp_path / "f", threads=3)
+
+
+def test_a_flipped_bit_fails_the_tree_checksum(tmp_path):
+    folder = tmp_path / "step"
+    pending = store.begin(tmp_path, 1)
+    out = dcp_io.HashedFile(str(pending.tmp / "part.bin"))
+    out.write(random.Random(0).randbytes(3 * store.TREE_BLOCK // 2))
+    size, digest = out.close()
+    pending.files["part.bin"] = {"size": size, "sha256_tree": digest}
+    folder = pending.commit("dcp", 1, {"step": 1})
+    store.verify(folder)
+    raw = bytearray((folder / "part.bin").read_bytes())
+    raw[store.TREE_BLOCK + 7] ^= 0x10
+    (folder / "part.bin").write_bytes(bytes(raw))
+    with pytest.raises(store.CheckpointError, match="sha256_tree does not match"):
+        store.verify(folder)
+
+
+def sample_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(64, 48, generator=g)
+    return {
+        "f32": torch.randn(300, 70, generator=g),
+        "bf16": torch.randn(33, 17, generator=g).to(torch.bfloat16),
+        "i64": torch.randint(0, 1 << 40, (1000,), generator=g),
+        "flag": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 5),
+        "view": big[10:20],  # shares a larger storage: must be written alone
+        "strided": big.t(),  # not contiguous
+    }
+
+
+def zeros_like(state):
+    return {k: torch.zeros_like(v).contiguous() for k, v in state.items()}
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_plain_dcp_reads_what_the_writer_wrote(tmp_path, threads):
+    state = sample_state()
+    dcp.save(state, storage_writer=dcp_io.Writer(tmp_path, threads=threads), no_dist=True)
+    assert len(list(tmp_path.glob("__0_*.distcp"))) == min(threads, len(state))
+    back = zeros_like(state)
+    dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
+    for key, value in state.items():
+        assert torch.equal(back[key], value), key
+    again, reader = zeros_like(state), dcp_io.Reader(tmp_path)
+    dcp.load(again, storage_reader=reader, no_dist=True)
+    for key, value in state.items():
+        assert torch.equal(again[key], value), key
+    # Views and strided tensors were written dense; DCP reads nothing for an empty tensor.
+    assert reader.direct_items == sum(v.numel() > 0 for v in state.values())
+
+
+def test_the_reader_places_tensors_directly_and_matches_plain_dcp(tmp_path):
+    state = sample_state()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)  # stock
+    back = zeros_like(state)
+    reader = dcp_io.Reader(tmp_path, threads=2)
+    dcp.load(back, storage_reader=reader, no_dist=True)
+    for key, value in state.items():
+        assert torch.equal(back[key], value), key
+    # Stock DCP keeps a transposed tensor's strides: that record goes through torch.load;
+    # every other one is read straight into its destination.
+    assert reader.direct_items == sum(v.numel() > 0 for v in state.values()) - 1
+
+
+def test_the_reader_hands_dtype_changes_and_partial_reads_to_dcp(tmp_path):
+    state = sample_state()
+    dcp.save(state, storage_writer=dcp_io.Writer(tmp_path), no_dist=True)
+    back = {"f32": torch.zeros(300, 70, dtype=torch.float64),  # converted by DCP's reader
+            "i64": torch.zeros(1000, dtype=torch.int64)}
+    reader = dcp_io.Reader(tmp_path)
+    dcp.load(back, storage_reader=reader, no_dist=True)
+    assert torch.equal(back["f32"], state["f32"].double())
+    assert torch.equal(back["i64"], state["i64"])
+    assert reader.direct_items == 1
+
+
+@pytest.mark.parametrize("crc", [True, False], ids=["crc", "no_crc"])
+def test_a_tensors_bytes_are_found_inside_its_torch_save_record(crc):
+    from torch.utils.serialization import config
+
+    for key, tensor in sample_state().items():
+        tensor = tensor.clone().contiguous()
+        buf = io.BytesIO()
+        with config.patch({"save.compute_crc32": crc}):
+            torch.save(tensor, buf)
+        record = buf.getvalue()
+        start, stored = dcp_io.record_layout(record[:dcp_io.SMALL_READ])
+        nbytes = tensor.numel() * tensor.element_size()
+        assert (stored.dtype, stored.shape, stored.stride()) == (
+            tensor.dtype, tensor.shape, tensor.stride()), key
+        assert record[start:start + nbytes] == tensor.reshape(-1).view(torch.uint8).numpy(
+        ).tobytes(), key
+        assert record[start + nbytes:start + nbytes + 4] in dcp_io._AFTER_DATA, key
+    assert dcp_io.record_layout(b"not a zip at all" * 40) is None
