@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import sysconfig
@@ -23,17 +24,27 @@ def build_corpus(out: Path, max_bytes: int = 400_000) -> Path:
 
 
 def pyrecover(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
-              timeout: float = 300) -> subprocess.CompletedProcess:
-    """pyrecover runs the CLI in a fresh interpreter, in its own session (process group)."""
+              timeout: float = 300, max_file_bytes: int | None = None
+              ) -> subprocess.CompletedProcess:
+    """pyrecover runs the CLI in a fresh interpreter, in its own session (process group).
+
+    `max_file_bytes` caps the size of any file it writes (RLIMIT_FSIZE): a write past it fails
+    with EFBIG, as on a full disk (Python ignores SIGXFSZ).
+    """
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PYRECOVER_")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
               "SLURM_PROCID", "SLURM_STEP_ID"):
         full_env.pop(k, None)
     full_env["WANDB_MODE"] = "disabled"  # no test talks to wandb unless it asks to
     full_env.update(env or {})
+
+    def limit() -> None:
+        if max_file_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
     return subprocess.run([sys.executable, "-m", "pyrecover", *args], env=full_env, cwd=cwd,
                           capture_output=True, text=True, timeout=timeout,
-                          start_new_session=True)
+                          start_new_session=True, preexec_fn=limit)
 
 
 def tiny_args(storage: Path, corpus: Path, name: str, *extra: str) -> list[str]:

@@ -60,6 +60,16 @@ def quiet_single_process():
         yield
 
 
+def describe(exc: BaseException) -> str:
+    """describe is one line for a failed save: DCP wraps each rank's error, with its
+    traceback, in a CheckpointException; the errors themselves are what a person needs."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = {f"{type(e).__name__}: {e}" for e, _ in failures.values()}
+        return "; ".join(sorted(parts))
+    return f"{type(exc).__name__}: {exc}"
+
+
 class DcpMode:
     name = NAME
     asynchronous = True
@@ -123,7 +133,7 @@ class DcpMode:
         # DCP's CheckpointException is a BaseException: catch it too, or the manager would only
         # learn that the write ended without a result.
         except BaseException as exc:  # reported to the manager, which discards the whole save
-            self._result = ({}, f"{type(exc).__name__}: {exc}")
+            self._result = ({}, describe(exc))
 
     def result(self, wait: bool) -> tuple[dict[str, Any], str] | None:
         """result is (files, error) once this rank's write is durable and hashed, else None.

@@ -95,6 +95,7 @@ class CheckpointManager:
         self.inflight: _InFlight | None = None
         self.last_saved_step: int | None = None
         self.last_error = ""  # why the newest save failed, if it did
+        self.failed_step: int | None = None
         self.stall_seconds = 0.0  # time the loop was blocked by saves, summed
         self.last_save_seconds = 0.0  # start to commit of the newest checkpoint (rank 0)
 
@@ -125,13 +126,14 @@ class CheckpointManager:
 
     def finish(self, step: int) -> None:
         """finish makes sure the checkpoint of `step` is committed before the process exits."""
-        if self.last_saved_step != step and step > 0 and (
-                self.inflight is None or self.inflight.pending.step != step):
-            self._start(step)
+        tries = 1 if self.failed_step == step else 2  # a failed write is tried once more
         if self.inflight is not None:
+            tries -= self.inflight.pending.step == step
             self._commit_now()
-        if self.last_saved_step != step and step > 0:  # it failed: try once more, then give up
-            log.warning("writing the checkpoint of step %d again", step)
+        while self.last_saved_step != step and step > 0 and tries > 0:
+            if self.failed_step == step:
+                log.warning("writing the checkpoint of step %d again", step)
+            tries -= 1
             self._start(step)
             self._commit_now()
         self.mode.close()
@@ -197,6 +199,8 @@ class CheckpointManager:
         flight, self.inflight = self.inflight, None
         errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(results) if err]
         self.last_error = "; ".join(errors)
+        if errors:
+            self.failed_step = flight.pending.step
         if self.rank == 0:
             self._commit_or_abort(flight, results, self.last_error)
         if not errors:

@@ -43,11 +43,16 @@ class HashingWriter:
         self._f = f
         self.sha = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None  # torch.save reports a failed write as RuntimeError
 
     def write(self, data: bytes | memoryview) -> int:
         self.sha.update(data)
         self.size += len(data)
-        return self._f.write(data)
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self._f.flush()
@@ -168,7 +173,14 @@ class _FileSink:
                 self.pending.files[self.name] = {"size": self._w.size,
                                                  "sha256": self._w.sha.hexdigest()}
         finally:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:
+                if exc_type is None:
+                    raise
+        if exc is not None and not isinstance(exc, OSError) and self._w.error is not None:
+            # A full disk, say, under torch.save: raise the OSError, not torch's wrapper.
+            raise self._w.error from exc
 
 
 def begin(root: Path, step: int) -> Pending:

@@ -93,6 +93,30 @@ def unbroken_losses(tmp_path_factory, corpus) -> dict[int, float]:
     return losses(storage / "ref")
 
 
+@pytest.mark.parametrize("mode", ["vanilla", "dcp"])
+def test_a_final_checkpoint_that_cannot_be_written_fails_the_run_and_keeps_the_last_good_one(
+        tmp_path, corpus, mode):
+    assert train(tmp_path, corpus, "run", 2, f"checkpoint.mode={mode}", "train.max_steps=10",
+                 ).returncode == 0
+    # Every checkpoint file (>= 0.8 MB) is larger than the files this run may now write, as
+    # on a full disk: the final save fails, is tried once more, the run says so and exits 1.
+    full = pyrecover("train", "--nproc", "2", *tiny_args(
+        tmp_path, corpus, "run", f"checkpoint.mode={mode}", "train.max_steps=20"),
+        max_file_bytes=300_000)
+    assert full.returncode == 1, full.stderr
+    error = [line for line in full.stderr.splitlines() if line.startswith("error:")]
+    assert error and "checkpoint of step 20 could not be written" in error[0], full.stderr
+    assert "File too large" in error[0] and "newest valid one is step 10" in error[0]
+    assert "Traceback" not in full.stderr
+    run_dir = tmp_path / "run"
+    assert [e["step"] for e in events(run_dir, "checkpoint_failed")] == [20, 20]
+    assert pyrecover("ckpt", "verify", str(run_dir)).returncode == 0  # only step 10 remains
+
+    again = train(tmp_path, corpus, "run", 2, f"checkpoint.mode={mode}", "train.max_steps=20")
+    assert again.returncode == 0, again.stderr
+    assert events(run_dir, "resume")[-1]["step"] == 10
+
+
 @pytest.mark.parametrize("before, after", [(4, 2), (2, 1), (1, 3)])
 def test_a_checkpoint_reshards_to_another_world_size_and_keeps_the_data_order(
         tmp_path, corpus, unbroken_losses, before, after):
