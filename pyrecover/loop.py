@@ -118,6 +118,8 @@ class Loop:
         if self.world_size > 1:
             tdist.all_reduce(total)
             total /= self.world_size
+        # The state is about to change: a background save must have finished copying it.
+        self.manager.before_update()
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         loss_value, norm_value = float(total), float(grad_norm)

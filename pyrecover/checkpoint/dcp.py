@@ -8,11 +8,13 @@ the weights without pyrecover; plus `extra.json` (scheduler, config) and `rng-<r
 With DDP every rank holds every tensor; DCP's planner then gives each replicated tensor to
 one rank, picking the least loaded by bytes, so writes spread over all ranks.
 
-Saving blocks the loop only while the state is copied into CPU buffers that are allocated
-once and reused (pinned when CUDA is present). Planning, writing and fsync then run in a
-background thread over a dedicated gloo process group, so they never interleave with the
-training's own collectives. When this rank's write is durable, the same thread hashes the
-files this rank wrote; the manager commits once every rank has reported.
+An asynchronous save copies the state into CPU buffers that are allocated once and reused
+(pinned when CUDA is present) in DCP's staging thread, while the loop goes on with the next
+step's forward and backward; the loop waits only if that copy is not complete when the
+optimizer is about to change the state (`wait_staged`). Planning, writing and fsync then run
+in a background thread over a dedicated gloo process group, so they never interleave with
+the training's own collectives; files are checksummed while written (dcp_io.py). The manager
+commits once every rank has reported its files durable.
 """
 
 from __future__ import annotations
@@ -82,9 +84,13 @@ class DcpMode:
         # never interleave with the training's all-reduces on the default one.
         self.group = tdist.new_group(backend="gloo") if tdist.is_initialized() else None
         cuda = device.type == "cuda"
+        # The copy into those buffers runs in DCP's staging thread too: the loop goes on with
+        # the next step's forward and backward, and waits only if the copy is not done when
+        # the optimizer is about to change the state (`wait_staged`, via before_update).
         self.stager = DefaultStager(StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
             use_non_blocking_copy=cuda))
+        self._staged = None  # the copy of the save in flight, until it is complete
         self._thread: threading.Thread | None = None
         self._result: tuple[dict[str, Any], str] | None = None
 
@@ -99,8 +105,9 @@ class DcpMode:
         state = {"model": model_sd, "optim": optim_sd}
         writer = dcp_io.Writer(folder)
         if self.asynchronous:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self.group,
-                                    async_stager=self.stager)
+            response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+                                      async_stager=self.stager)
+            self._staged, future = response.staging_completion, response.upload_completion
         else:
             with quiet_single_process():
                 dcp.save(state, storage_writer=writer, process_group=self.group,
@@ -112,6 +119,13 @@ class DcpMode:
         self._thread.start()
         if not self.asynchronous:
             self._thread.join()
+
+    def wait_staged(self) -> None:
+        """wait_staged returns once the save in flight no longer reads the live state."""
+        if self._staged is not None:
+            staged, self._staged = self._staged, None
+            with contextlib.suppress(BaseException):  # the save's own result reports it
+                staged.result()
 
     def _finish(self, future, writer: dcp_io.Writer, pending: Pending) -> None:
         folder = pending.tmp

@@ -124,6 +124,20 @@ class CheckpointManager:
         self.stall_seconds += blocked
         return blocked
 
+    def before_update(self) -> float:
+        """before_update is called just before the optimizer (or the scheduler) changes the
+        state: a background save that is still copying the state waits here until its copy
+        is complete. Returns the seconds the loop waited (also counted as blocked)."""
+        wait = getattr(self.mode, "wait_staged", None)
+        if wait is None or self.inflight is None:
+            return 0.0
+        started = time.perf_counter()
+        wait()
+        waited = time.perf_counter() - started
+        self.stall_seconds += waited
+        self.inflight.blocked += waited
+        return waited
+
     def finish(self, step: int) -> None:
         """finish makes sure the checkpoint of `step` is committed before the process exits."""
         tries = 1 if self.failed_step == step else 2  # a failed write is tried once more
