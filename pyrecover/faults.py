@@ -7,7 +7,9 @@ worker, like `kill -9 -PGID` from a shell) or to itself only (`self`: one crashe
 Where, is `PYRECOVER_KILL_POINT`:
 
 - `step` (default): right after step N and its checkpoint bookkeeping;
-- `save`: inside the background write of step N's checkpoint, before it is committed.
+- `save`: inside the background write of step N's checkpoint, before it is committed;
+- `exchange`: in memory mode, inside the background replica exchange of step N's snapshot,
+  before anything is sent.
 
 `PYRECOVER_KILL_ONCE=PATH` (optional) makes the kill happen once only: it goes ahead only
 if PATH does not exist yet, and creates PATH first. The environment is inherited by a

@@ -129,13 +129,15 @@ class CheckpointManager:
         state: a background save that is still copying the state waits here until its copy
         is complete. Returns the seconds the loop waited (also counted as blocked)."""
         wait = getattr(self.mode, "wait_staged", None)
-        if wait is None or self.inflight is None:
+        # Memory mode's snapshots are no disk save in flight but may be copying too.
+        if wait is None or (self.inflight is None and not self.snapshot_interval):
             return 0.0
         started = time.perf_counter()
         wait()
         waited = time.perf_counter() - started
         self.stall_seconds += waited
-        self.inflight.blocked += waited
+        if self.inflight is not None:
+            self.inflight.blocked += waited
         return waited
 
     def finish(self, step: int) -> None:

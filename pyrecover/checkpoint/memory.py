@@ -4,19 +4,27 @@ hands a copy to a peer; the snapshots reach the disk on the disk interval, or wh
 The state (model, optimizer, as `torch.distributed.checkpoint.state_dict.get_state_dict`
 names them) is seen as one flat byte string in a fixed order (the *layout*). Slice r is the
 r-th of N equal byte ranges of it, whatever tensors that cuts through: balanced to the byte,
-for any model and any world size, with no hand-made tables. Rank r copies slice r into a CPU
-buffer allocated once (pinned on CUDA), then sends it over a dedicated gloo group to the
-`replicas - 1` ranks after it (on other nodes when there are several) and receives theirs.
-Every rank keeps the last two snapshots, so a kill in the middle of an exchange still leaves
-one step that every slice reached.
+for any model and any world size, with no hand-made tables. Rank r copies slice r, and its
+own packed RNG state after it, into a CPU buffer allocated once (pinned on CUDA); then it
+sends that buffer over a dedicated gloo group to the `replicas - 1` ranks after it (on other
+nodes when there are several) and receives theirs.
+
+The training loop waits for the copy only, and for a large slice not even that: a thread
+copies it during the next forward and backward, and the loop's `before_update` fence waits
+for it before the optimizer changes the state. The exchange runs in gloo's own threads; at
+most one is in flight, and a snapshot counts only once its exchange finished. Each rank keeps
+three buffer sets (the newest complete snapshot, the one before, the one in flight), so a
+kill in the middle of an exchange still leaves the survivors one step that every slice
+reached.
 
 On disk, a step folder holds `part-s<slice>-r<rank>.bin` files (raw bytes) and one
 `meta-r<rank>.pt` per writer (layout, slice bounds, train state, scheduler, optimizer
-hyper-parameters, every rank's RNG states). It is complete when its parts cover every slice.
-When a peer dies, each survivor writes what it holds with no collective at all into
-`checkpoints/.snap-step-<S>/`, finishing with a `done-r<rank>.json` listing its files; the
-next start's rank 0 turns a snapshot folder whose parts cover every slice into a committed
-`step-<S>/` (manifest last, rename), and reports and removes one that does not.
+hyper-parameters, the RNG states of the ranks whose slices it held). It is complete when its
+parts cover every slice. When a peer dies, each survivor writes what it holds with no
+collective at all into `checkpoints/.snap-step-<S>/`, finishing with a `done-r<rank>.json`
+listing its files; the next start's rank 0 turns a snapshot folder whose parts cover every
+slice into a committed `step-<S>/` (manifest last, rename), and reports and removes one that
+does not.
 """
 
 from __future__ import annotations
@@ -25,7 +33,9 @@ import json
 import logging
 import os
 import shutil
+import threading
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +43,17 @@ import torch
 import torch.distributed as tdist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from pyrecover import dist
+from pyrecover import faults
 from pyrecover.checkpoint import rng, store
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
 
 NAME = "memory"
 SNAP_PREFIX = ".snap-step-"
+# How long a survivor waits for the exchange in flight before persisting without it.
+SURVIVOR_WAIT_S = 2.0
+# An own slice at least this big is copied by a background thread while the loop runs the next
+# forward and backward; a smaller one is copied at once (starting a thread costs more).
+BACKGROUND_COPY_BYTES = 64 << 20
 log = logging.getLogger("pyrecover")
 
 
@@ -81,13 +96,54 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def _param_groups(optimizer: torch.optim.Optimizer, fqns: list[list[str]]) -> list[dict]:
+    """_param_groups is `get_state_dict`'s `param_groups`: the hyper-parameters as they are
+    now (the LR moves every step), parameters named by their fully qualified names."""
+    return [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
+            for group, names in zip(optimizer.param_groups, fqns, strict=True)]
+
+
+def _identity(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+    """_identity names the storage of every live tensor a snapshot copies, in order.
+
+    While it is unchanged, the tensors found by `get_state_dict` last time are still the live
+    ones (parameters and optimizer state are updated in place); a restore, a re-created
+    optimizer state or the first step's lazily created AdamW state changes it.
+    """
+    ptrs = [t.data_ptr() for t in model.parameters()]
+    ptrs += [t.data_ptr() for t in model.buffers()]
+    for per_param in optimizer.state.values():
+        ptrs += [v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor)]
+    return tuple(ptrs)
+
+
 @dataclass
 class Snapshot:
-    """Slices of one step held by this rank: its own and the replicas of its peers."""
+    """Slices of one step held by this rank: its own and the replicas of its peers.
+
+    Each slice's buffer holds the slice's bytes followed by `RNG_BYTES` for the packed RNG
+    state of the rank owning the slice, so one message carries both to a replica holder.
+    `step` is -1 while the buffers hold no complete snapshot: free, being copied into, or
+    waiting for their replica exchange.
+    """
 
     step: int = -1
-    slices: dict[int, torch.Tensor] = field(default_factory=dict)  # slice id -> CPU bytes
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)  # slice id -> CPU bytes
+    slices: dict[int, torch.Tensor] = field(default_factory=dict)  # views: the slice bytes
+    rngs: dict[int, torch.Tensor] = field(default_factory=dict)  # views: its owner's RNG
     meta: dict[str, Any] = field(default_factory=dict)
+    copy_to: list[torch.Tensor] = field(default_factory=list)  # own slice, per copy planned
+
+
+@dataclass
+class _Exchange:
+    """A snapshot whose own slice is copied, its replica exchange (if any) posted to gloo and
+    not yet waited for."""
+
+    target: Snapshot
+    step: int
+    meta: dict[str, Any]
+    works: list[Any]  # torch.distributed Work objects on `MemoryMode.group`
 
 
 class MemoryMode:
@@ -95,15 +151,35 @@ class MemoryMode:
     asynchronous = False
 
     def __init__(self, rank: int, world_size: int, device: torch.device, replicas: int = 2,
-                 ranks_per_node: int | None = None) -> None:
+                 ranks_per_node: int | None = None,
+                 background_copy_bytes: int = BACKGROUND_COPY_BYTES) -> None:
         self.rank, self.world_size = rank, world_size
         self.replicas = max(1, min(replicas, world_size))
         self.ranks_per_node = ranks_per_node or world_size
         self.pin = device.type == "cuda"
-        self.group = tdist.new_group(backend="gloo") if tdist.is_initialized() else None
+        # On CUDA the copy is a device-to-host copy on the current stream, never in a thread.
+        self.background_copy_bytes = background_copy_bytes if not self.pin else None
+        self._copier: threading.Thread | None = None
+        self._copy_error: BaseException | None = None
+        # Replicas travel over their own gloo group, so they never interleave with the
+        # training's collectives on the default group. Its ranks are the global ones.
+        self.group = (tdist.new_group(backend="gloo")
+                      if tdist.is_initialized() and world_size > 1 and self.replicas > 1
+                      else None)
+        # Per replica round: the rank this one sends its slice to, and the one it receives from.
+        ring = [holders(s, world_size, self.replicas, self.ranks_per_node)
+                for s in range(world_size)]
+        self._peers = [(ring[rank][k], next(s for s in range(world_size) if ring[s][k] == rank))
+                       for k in range(1, self.replicas)]
         self.layout: list[dict[str, Any]] | None = None
         self.bounds: list[tuple[int, int]] = []
-        self.current, self.previous = Snapshot(), Snapshot()
+        # Three buffer sets, allocated once and recycled: the newest complete snapshot, the one
+        # before it, and the one being filled (or free). A kill during an exchange leaves every
+        # survivor holding a step that every slice reached.
+        self.current, self.previous, self.spare = Snapshot(), Snapshot(), Snapshot()
+        self._inflight: _Exchange | None = None
+        self._live: tuple[tuple[int, ...], list[tuple[str, torch.Tensor]], list[Any]] | None = None
+        self._copies: list[tuple[int, int, torch.Tensor]] = []  # (lo, hi) in own slice <- bytes
         self._result: tuple[dict[str, Any], str] | None = None
 
     # --- snapshots ----------------------------------------------------------------------
@@ -113,24 +189,124 @@ class MemoryMode:
                 if self.rank in holders(s, self.world_size, self.replicas, self.ranks_per_node)]
 
     def snapshot(self, step: int, parts, train: dict[str, Any]) -> None:
-        """snapshot copies this rank's slice of the state at `step` and swaps replicas."""
-        model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
-        tensors = _flat_tensors({"model": model_sd, "optim": optim_sd})
-        if self.layout is None or len(self.layout) != len(tensors):
-            self._plan(tensors)
+        """snapshot copies this rank's slice of the state at `step`; replicas follow in the
+        background.
+
+        A large slice is copied by a background thread while the loop goes on with the next
+        forward and backward: the loop calls `wait_staged` (through the manager's
+        `before_update`) before the optimizer changes the state. A small one is copied here.
+        Then the exchange with the peers is posted to gloo over `self.group` and moves in
+        gloo's own threads while training goes on. At most one exchange is in flight, so this
+        first waits for the previous one; a snapshot counts (becomes `current`) once its
+        exchange finished, and an exchange that failed (a peer died) raises here.
+        """
+        self.wait_staged()
+        self.wait()
+        tensors, fqns = self._state_tensors(parts)
         meta = {
             "train": train, "scheduler": parts.scheduler.state_dict(),
-            "param_groups": optim_sd["param_groups"], "config": parts.config,
-            "rngs": dist.gather_objects(rng.capture(), self.world_size),
+            "param_groups": _param_groups(parts.optimizer, fqns), "config": parts.config,
         }
-        # Reuse the older snapshot's buffers for the new one: allocate once, then recycle.
-        target, self.previous = self.previous, self.current
-        self._copy_own(tensors, target)
-        self._exchange(target)
+        target = self.spare
+        target.step, target.meta = -1, {}  # from here on its old contents are gone
+        self._buffer(target, self.rank)
+        rng.pack_into(rng.capture(), target.rngs[self.rank])
+        a, b = self.bounds[self.rank]
+        if self.background_copy_bytes is not None and b - a >= self.background_copy_bytes:
+            self._copier = threading.Thread(target=self._copy_and_post, args=(target, step, meta),
+                                            name="pyrecover-memory-copy", daemon=True)
+            self._copier.start()
+            return
+        self._copy_and_post(target, step, meta)
+        if self.group is None:  # nothing to exchange: complete now
+            self.wait()
+
+    def wait_staged(self) -> None:
+        """wait_staged returns once no snapshot copy reads the live state any more."""
+        copier, self._copier = self._copier, None
+        if copier is not None:
+            copier.join()
+        error, self._copy_error = self._copy_error, None
+        if error is not None:
+            raise error
+
+    def _copy_and_post(self, target: Snapshot, step: int, meta: dict[str, Any]) -> None:
+        """_copy_and_post copies the own slice, then posts its exchange (in the copy thread for
+        a large slice, so the exchange starts as soon as the bytes are there)."""
+        try:
+            self._copy_own(target)
+            works = []
+            if self.group is not None:
+                faults.maybe_kill(step, self.rank, point="exchange")
+                works = self._post_exchange(target)
+            self._inflight = _Exchange(target, step, meta, works)
+        except BaseException as exc:  # the loop's thread raises it from wait_staged()
+            self._copy_error = exc
+
+    def _post_exchange(self, snap: Snapshot) -> list[Any]:
+        """_post_exchange starts sending this rank's slice (with its RNG state) to its peers and
+        receiving theirs, without waiting: one `alltoall` per replica round, zero bytes to
+        every other rank.
+
+        It calls the process group's own `alltoall_base`: `batch_isend_irecv` spent about a
+        millisecond in Python and in the caller's thread per snapshot here, a tenth of a small
+        model's step, and point-to-point sends slowed the training's threads more than a
+        collective, which gloo runs in its own worker thread.
+        """
+        assert self.group is not None
+        own = snap.buffers[self.rank]
+        works = []
+        for dst, src in self._peers:
+            out, into = [0] * self.world_size, [0] * self.world_size
+            out[dst] = own.numel()
+            buf = self._buffer(snap, src)
+            into[src] = buf.numel()
+            works.append(self.group.alltoall_base(buf, own, into, out, tdist.AllToAllOptions()))
+        return works
+
+    def wait(self, timeout: float | None = None) -> None:
+        """wait finishes the exchange in flight, if any: counts its snapshot, or raises its
+        error, after which its buffers are free again (as after `timeout` seconds)."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return
+        limit = None if timeout is None else timedelta(seconds=timeout)
+        for work in flight.works:
+            if limit is None:
+                work.wait()
+            else:  # a timeout closes the group's connections: for a dying process only
+                work.wait(limit)
+        self._count(flight.target, flight.step, flight.meta)
+
+    def _count(self, target: Snapshot, step: int, meta: dict[str, Any]) -> None:
         target.step, target.meta = step, meta
-        self.current = target
+        self.spare, self.previous, self.current = self.previous, self.current, target
+
+    def _state_tensors(self, parts) -> tuple[list[tuple[str, torch.Tensor]], list[Any]]:
+        """_state_tensors returns the state's tensors in layout order and the optimizer's
+        parameter names per group.
+
+        `get_state_dict` costs about a millisecond even for a tiny model, a tenth of its
+        training step; its tensors are the live ones, updated in place, so they are kept while
+        `_identity` says the storage is the same, and looked up again when it is not.
+        """
+        key = _identity(parts.model, parts.optimizer)
+        if self._live is None or self._live[0] != key:
+            model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+            tensors = _flat_tensors({"model": model_sd, "optim": optim_sd})
+            fqns = [list(g["params"]) for g in optim_sd["param_groups"]]
+            if self.layout is None or len(self.layout) != len(tensors):
+                self._plan(tensors)
+            self._copies = self._plan_copies(tensors)
+            for snap in (self.current, self.previous, self.spare):
+                snap.copy_to = []
+            contiguous = all(t.is_contiguous() for _, t in tensors)
+            # A non-contiguous tensor's byte view is a copy, stale at the next step: no cache.
+            self._live = (key if contiguous else (), tensors, fqns)
+        return self._live[1], self._live[2]
 
     def _plan(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        assert self._inflight is None, "replanning under an exchange in flight"
         layout, offset = [], 0
         for key, t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -139,52 +315,54 @@ class MemoryMode:
             offset += nbytes
         self.layout = layout
         self.bounds = slice_bounds(offset, self.world_size)
-        self.current, self.previous = Snapshot(), Snapshot()
+        self.current, self.previous, self.spare = Snapshot(), Snapshot(), Snapshot()
 
-    def _buffer(self, snap: Snapshot, slice_id: int) -> torch.Tensor:
-        a, b = self.bounds[slice_id]
-        buf = snap.slices.get(slice_id)
-        if buf is None or buf.numel() != b - a:
-            buf = torch.empty(b - a, dtype=torch.uint8, pin_memory=self.pin)
-            snap.slices[slice_id] = buf
-        return buf
-
-    def _copy_own(self, tensors: list[tuple[str, torch.Tensor]], snap: Snapshot) -> None:
+    def _plan_copies(self, tensors: list[tuple[str, torch.Tensor]]
+                     ) -> list[tuple[int, int, torch.Tensor]]:
+        """_plan_copies lists the pieces of live tensors that make up this rank's slice."""
         assert self.layout is not None
         a, b = self.bounds[self.rank]
-        buf = self._buffer(snap, self.rank)
+        out = []
         for entry, (_, t) in zip(self.layout, tensors, strict=True):
             lo, hi = entry["offset"], entry["offset"] + entry["nbytes"]
             if hi <= a or lo >= b:
                 continue
             x, y = max(lo, a), min(hi, b)
-            buf[x - a:y - a].copy_(_as_bytes(t)[x - lo:y - lo], non_blocking=self.pin)
+            out.append((x - a, y - a, _as_bytes(t)[x - lo:y - lo]))
+        return out
+
+    def _buffer(self, snap: Snapshot, slice_id: int) -> torch.Tensor:
+        a, b = self.bounds[slice_id]
+        buf = snap.buffers.get(slice_id)
+        if buf is None or buf.numel() != b - a + rng.RNG_BYTES:
+            buf = torch.empty(b - a + rng.RNG_BYTES, dtype=torch.uint8, pin_memory=self.pin)
+            snap.buffers[slice_id] = buf
+            snap.slices[slice_id], snap.rngs[slice_id] = buf[:b - a], buf[b - a:]
+            if slice_id == self.rank:
+                snap.copy_to = []
+        return buf
+
+    def _copy_own(self, snap: Snapshot) -> None:
+        if not snap.copy_to:
+            own = snap.slices[self.rank]
+            snap.copy_to = [own[lo:hi] for lo, hi, _ in self._copies]
+        for dst, (_, _, src) in zip(snap.copy_to, self._copies, strict=True):
+            dst.copy_(src, non_blocking=self.pin)
         if self.pin:
             torch.cuda.current_stream().synchronize()
-
-    def _exchange(self, snap: Snapshot) -> None:
-        if self.replicas < 2 or self.group is None:
-            return
-        own = snap.slices[self.rank]
-        ops = []
-        for k in range(1, self.replicas):
-            dst = holders(self.rank, self.world_size, self.replicas, self.ranks_per_node)[k]
-            src = next(s for s in range(self.world_size)
-                       if holders(s, self.world_size, self.replicas, self.ranks_per_node)[k]
-                       == self.rank)
-            ops.append(tdist.P2POp(tdist.isend, own, dst, group=self.group))
-            ops.append(tdist.P2POp(tdist.irecv, self._buffer(snap, src), src, group=self.group))
-        for work in tdist.batch_isend_irecv(ops):
-            work.wait()
 
     # --- persisting -----------------------------------------------------------------------
 
     def start(self, pending: Pending, parts, train: dict[str, Any]) -> None:
         """start writes this rank's own slice of the snapshot of this step (all ranks alive)."""
         try:
+            self.wait_staged()
+            self.wait()  # the snapshot of this step, if just taken, counts once exchanged
             if self.current.step != pending.step:
                 self.snapshot(pending.step, parts, train)
-            files = self._write(pending.tmp, self.current, [self.rank])
+                self.wait_staged()
+                self.wait()
+            files = self.write(pending.tmp, self.current, [self.rank])
             self._result = (files, "")
         except OSError as exc:
             self._result = ({}, f"{type(exc).__name__}: {exc}")
@@ -193,15 +371,25 @@ class MemoryMode:
         return self._result
 
     def persist_survivor(self, root: Path) -> list[int]:
-        """persist_survivor writes every slice this rank holds, of both snapshots, with no
-        collective: the other ranks may be gone. Returns the steps written."""
+        """persist_survivor writes every slice this rank holds, of its complete snapshots, with
+        no collective: the other ranks may be gone. Returns the steps written.
+
+        The exchange in flight gets `SURVIVOR_WAIT_S` to finish (its data usually arrived long
+        ago) and then counts; if it failed or did not finish, its snapshot is not written:
+        without its replica it would pass for complete here.
+        """
+        try:
+            self.wait_staged()
+            self.wait(timeout=SURVIVOR_WAIT_S)
+        except Exception as exc:  # the peer it exchanged with is gone: expected here
+            log.debug("rank %d: the snapshot exchange in flight failed: %s", self.rank, exc)
         written = []
         for snap in (self.current, self.previous):
             if snap.step < 0:
                 continue
             folder = root / f"{SNAP_PREFIX}{snap.step}"
             folder.mkdir(parents=True, exist_ok=True)
-            files = self._write(folder, snap, sorted(snap.slices))
+            files = self.write(folder, snap, sorted(snap.slices))
             marker = folder / f"done-r{self.rank}.json"
             tmp = marker.with_suffix(".tmp")
             tmp.write_text(json.dumps({"step": snap.step, "rank": self.rank, "files": files,
@@ -213,14 +401,20 @@ class MemoryMode:
             written.append(snap.step)
         return written
 
-    def _write(self, folder: Path, snap: Snapshot, slice_ids: list[int]) -> dict[str, Any]:
+    def write(self, folder: Path, snap: Snapshot, slice_ids: list[int]) -> dict[str, Any]:
+        """write puts slices `slice_ids` of `snap` and this rank's meta into `folder` (each
+        file fsynced) and returns their sizes and checksums."""
         files: dict[str, Any] = {}
         pending = Pending(root=folder.parent, step=snap.step, tmp=folder)
         for s in slice_ids:
             with pending.open(part_name(s, self.rank)) as f:
                 f.write(memoryview(snap.slices[s].numpy()))
+        # Every rank's RNG state this rank holds (that of each slice's owner); `assemble`
+        # merges those of all writers.
+        rngs = [rng.unpack(snap.rngs[r]) if r in snap.rngs else None
+                for r in range(self.world_size)]
         meta = {"step": snap.step, "layout": self.layout, "bounds": self.bounds,
-                "world_size": self.world_size, **snap.meta}
+                "world_size": self.world_size, **snap.meta, "rngs": rngs}
         with pending.open(meta_name(self.rank)) as f:
             torch.save(meta, f)
         files.update(pending.files)
@@ -242,7 +436,13 @@ class MemoryMode:
                         rng=rngs[self.rank] if self.rank < len(rngs) else None)
 
     def close(self) -> None:
-        pass
+        """close lets an exchange in flight finish; its error no longer matters (every
+        checkpoint this run needs was committed before)."""
+        try:
+            self.wait_staged()
+            self.wait()
+        except Exception as exc:
+            log.debug("rank %d: the last snapshot exchange failed: %s", self.rank, exc)
 
 
 def assemble(folder: Path, names: list[str]) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -251,6 +451,13 @@ def assemble(folder: Path, names: list[str]) -> tuple[torch.Tensor, dict[str, An
     if not metas:
         raise CheckpointError(f"{folder}: no meta-r*.pt file")
     meta = torch.load(folder / metas[0], weights_only=True)
+    # Each writer knows the RNG states of the slices it held; together they know every rank's.
+    rngs = list(meta["rngs"])
+    for name in metas[1:]:
+        other = torch.load(folder / name, weights_only=True)["rngs"]
+        rngs = [mine if mine is not None else theirs for mine, theirs in zip(rngs, other,
+                                                                             strict=True)]
+    meta["rngs"] = rngs
     bounds = [tuple(b) for b in meta["bounds"]]
     flat = torch.empty(bounds[-1][1], dtype=torch.uint8)
     missing = []

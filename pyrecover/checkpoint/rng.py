@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import struct
+from array import array
 from typing import Any
 
 import torch
@@ -34,3 +36,51 @@ def _as_tuple(value: Any) -> Any:
     # weights_only loading returns the python state's tuples as they were saved, but a JSON
     # round trip would give lists; random.setstate needs tuples.
     return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+# python version, words, has gauss_next, torch bytes, cuda states, bytes per cuda state
+_HEADER = struct.Struct("<6q")
+RNG_BYTES = 16384  # room for a packed state: about 10 KB on CPU, plus 16 bytes per GPU
+
+
+def pack(state: dict[str, Any]) -> torch.Tensor:
+    """pack lays a `capture()` out as one flat uint8 tensor, with no pickling: cheap enough to
+    send to the peers at every memory-mode snapshot. Same length on every rank of a job."""
+    version, words, gauss = state["python"]
+    cuda = [t.contiguous().view(torch.uint8).reshape(-1) for t in state["cuda"]]
+    torch_bytes = state["torch"].numpy().tobytes()
+    parts = [_HEADER.pack(version, len(words), gauss is not None, len(torch_bytes), len(cuda),
+                          cuda[0].numel() if cuda else 0),
+             array("Q", words).tobytes(), struct.pack("<d", gauss or 0.0), torch_bytes]
+    parts += [t.numpy().tobytes() for t in cuda]
+    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+
+
+def pack_into(state: dict[str, Any], out: torch.Tensor) -> None:
+    """pack_into writes `pack(state)` at the start of the uint8 tensor `out`."""
+    packed = pack(state)
+    if packed.numel() > out.numel():
+        raise ValueError(f"a packed RNG state takes {packed.numel()} bytes; room for "
+                         f"{out.numel()}")
+    out[:packed.numel()].copy_(packed)
+
+
+def unpack(packed: torch.Tensor) -> dict[str, Any]:
+    """unpack is the inverse of `pack` (bytes after the packed state are ignored): the same
+    dict `capture()` returned."""
+    raw = packed.numpy().tobytes()
+    version, n_words, has_gauss, n_torch, n_cuda, cuda_len = _HEADER.unpack_from(raw)
+    at = _HEADER.size
+    words = array("Q")
+    words.frombytes(raw[at:at + 8 * n_words])
+    at += 8 * n_words
+    (gauss,) = struct.unpack_from("<d", raw, at)
+    at += 8
+    torch_state = torch.frombuffer(bytearray(raw[at:at + n_torch]), dtype=torch.uint8)
+    at += n_torch
+    cuda = []
+    for _ in range(n_cuda):
+        cuda.append(torch.frombuffer(bytearray(raw[at:at + cuda_len]), dtype=torch.uint8))
+        at += cuda_len
+    return {"python": (version, tuple(words), gauss if has_gauss else None),
+            "torch": torch_state, "cuda": cuda}

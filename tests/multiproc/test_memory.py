@@ -100,3 +100,50 @@ def test_a_memory_checkpoint_restores_at_another_world_size_in_the_same_data_ord
     want = {m["step"]: m["loss"] for m in read_jsonl(tmp_path / "ref" / "metrics.jsonl")}
     for step in range(1, 11):
         assert got[step] == pytest.approx(want[step], rel=2e-5), step
+
+
+def test_a_rank_killed_inside_an_exchange_leaves_the_previous_snapshot_never_the_partial_one(
+        tmp_path, corpus):
+    # World size 2: rank 1 dies in the background exchange of step 12 before sending its
+    # slice, so rank 0's snapshot of step 12 never got its replica. Rank 0 alone must write
+    # steps 11 and 10, whose exchanges finished, and the run must resume from step 11.
+    extra = (*MEMORY, "train.global_batch_size=8")
+    ref = train(tmp_path, corpus, "ref", 2, *extra)
+    assert ref.returncode == 0, ref.stderr
+
+    env = {**kill("1", 12), "PYRECOVER_KILL_POINT": "exchange"}
+    crashed = train(tmp_path, corpus, "run", 2, *extra, env=env)
+    run_dir = tmp_path / "run"
+    assert crashed.returncode != 0
+    assert "Traceback" not in crashed.stderr
+    (persisted,) = events(run_dir, "snapshot_persisted")
+    assert persisted["rank"] == 0 and sorted(persisted["steps"]) == [10, 11]
+    assert not (run_dir / "checkpoints" / ".snap-step-12").exists()
+
+    resumed = train(tmp_path, corpus, "run", 2, *extra)
+    assert resumed.returncode == 0, resumed.stderr
+    (resume,) = events(run_dir, "resume")
+    assert resume["step"] == 11
+    ref_model, model = export(tmp_path / "ref"), export(run_dir)
+    for key in ref_model:
+        assert torch.equal(ref_model[key], model[key]), key
+
+
+def test_memory_mode_at_world_size_1_and_with_one_replica_still_checkpoints_and_resumes(
+        tmp_path, corpus):
+    # No exchange group at world size 1; no replica, only the RNG gather, with replicas=1.
+    for nproc, replicas in ((1, 2), (2, 1)):
+        extra = ("checkpoint.mode=memory", "checkpoint.snapshot_interval=1",
+                 f"checkpoint.replicas={replicas}", "checkpoint.interval=4", "train.max_steps=8")
+        name, ref_name = f"run{nproc}-{replicas}", f"ref{nproc}-{replicas}"
+        ref = train(tmp_path, corpus, ref_name, nproc, *extra)
+        assert ref.returncode == 0, ref.stderr
+        killed = train(tmp_path, corpus, name, nproc, *extra, env={"PYRECOVER_KILL_AT_STEP": "6"})
+        assert killed.returncode != 0
+        resumed = train(tmp_path, corpus, name, nproc, *extra)
+        assert resumed.returncode == 0, resumed.stderr
+        (resume,) = events(tmp_path / name, "resume")
+        assert resume["step"] == 4
+        ref_model, model = export(tmp_path / ref_name), export(tmp_path / name)
+        for key in ref_model:
+            assert torch.equal(ref_model[key], model[key]), (name, key)

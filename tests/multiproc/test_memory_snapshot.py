@@ -1,0 +1,100 @@
+"""Memory mode's snapshot itself, on two real gloo ranks: what it holds, whatever the loop does
+right after it, and what a survivor writes."""
+
+from __future__ import annotations
+
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+from pyrecover import bench, dist
+from pyrecover.checkpoint import memory, rng
+
+pytestmark = pytest.mark.multiproc
+
+
+def state_of(parts) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": v.clone() for k, v in parts.model.state_dict().items()}
+    names = {p: n for n, p in parts.model.named_parameters()}
+    for p, per_param in parts.optimizer.state.items():
+        for key, value in per_param.items():
+            out[f"optim/{names[p]}/{key}"] = value.clone()
+    return out
+
+
+def restored(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    flat, meta = memory.assemble(folder, [p.name for p in folder.iterdir()])
+    model, optim = memory.unflatten(flat, meta["layout"])
+    out = {f"model/{k}": v for k, v in model.items()}
+    for fqn, per_param in optim.items():
+        out.update({f"optim/{fqn}/{k}": v for k, v in per_param.items()})
+    return out, meta
+
+
+def _rank(rank: int, port: int, root: str, errors) -> None:
+    try:
+        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                 world_size=2, timeout=timedelta(seconds=60))
+        _scenario(rank, Path(root))
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.teardown()
+
+
+def _scenario(rank: int, root: Path) -> None:
+    parts = bench.build_state(8_000_000, seed=0).parts
+    # Every slice is "large": the copy runs in a background thread, as for a big model.
+    mode = memory.MemoryMode(rank, 2, torch.device("cpu"), replicas=2, background_copy_bytes=0)
+    torch.manual_seed(100 + rank)
+    before, before_rng = state_of(parts), rng.capture()
+    mode.snapshot(1, parts, {"step": 1})
+    # What the loop does next: the fence, then an optimizer step that changes every tensor.
+    mode.wait_staged()
+    for p in parts.model.parameters():
+        p.grad = torch.ones_like(p)
+    parts.optimizer.step()
+    torch.rand(3)  # the RNG moves on too
+    mode.snapshot(2, parts, {"step": 2})
+    mode.wait_staged()
+    mode.wait()
+    assert (mode.current.step, mode.previous.step) == (2, 1)
+    if rank == 1:  # leaves without taking part in step 3's exchange
+        tdist.barrier()
+        return
+    tdist.barrier()
+    mode.snapshot(3, parts, {"step": 3})  # its replica from rank 1 never comes
+    assert mode.persist_survivor(root) == [2, 1]  # never 3, which has no replica of slice 1
+    got, meta = restored(root / f"{memory.SNAP_PREFIX}1")
+    assert got.keys() == before.keys()
+    for key, value in before.items():
+        assert torch.equal(got[key], value), key
+    assert meta["train"] == {"step": 1}
+    assert meta["rngs"][0]["python"] == before_rng["python"]
+    assert torch.equal(meta["rngs"][0]["torch"], before_rng["torch"])
+    assert meta["rngs"][1] is not None  # rank 1's, received with its slice
+
+
+def test_a_snapshot_holds_the_state_of_its_step_and_a_survivor_never_writes_a_partial_one(
+        tmp_path):
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = dist.free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert not failures, "\n".join(failures)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"{memory.SNAP_PREFIX}1", f"{memory.SNAP_PREFIX}2"]
