@@ -54,7 +54,8 @@ gpu-test: image
 	apptainer exec --nv --bind "$(CURDIR)" --pwd "$(CURDIR)" pyrecover.sif python -m pytest tests/gpu
 
 # Checkpoint speed on this machine's disk against its raw limit and torch.save/load, then
-# training throughput with each mode vs. none (README "Benchmarks"), on the tiny test model.
+# training throughput with each mode vs. none (README "Benchmarks"), on the tiny test model,
+# then memory mode at world size 2 (2 local processes).
 # About a minute on an idle 2-core machine; point `pyrecover bench ckpt --dir` at real
 # storage with a real --size-gb, and `bench train --config` at a real experiment.
 BENCH_DIR ?= runs/bench
@@ -66,3 +67,5 @@ bench: venv
 	$(VENV)/bin/pyrecover bench ckpt --dir $(BENCH_DIR) --size-gb 0.25 --repeat 3
 	$(VENV)/bin/pyrecover bench train --config launch/experiments/tiny.yaml \
 	  --set data.path=$(BENCH_CORPUS) --interval 10 --steps 30 --warmup 5 --repeat 3
+	$(VENV)/bin/pyrecover bench memory --dir $(BENCH_DIR) --size-gb 0.25 --repeat 3 \
+	  --config launch/experiments/tiny.yaml --set data.path=$(BENCH_CORPUS) --steps 30 --warmup 5

@@ -1,4 +1,4 @@
-"""`pyrecover bench ckpt|train`: checkpoint speed on this storage, and its cost to training."""
+"""`pyrecover bench ckpt|train|memory`: checkpoint speed on this storage, its cost to training."""
 
 from __future__ import annotations
 
@@ -79,3 +79,39 @@ def train(
     except (bench.BenchError, ConfigError) as exc:
         raise _fail(exc) from None
     typer.echo(bench.to_json(report) if as_json else bench.format_train(report))
+
+
+@bench_app.command("memory")
+def memory(
+    directory: Annotated[Path, typer.Option(
+        "--dir", help="Storage for the persist figures and the training runs; a temporary "
+        "folder inside it is removed afterwards.")],
+    size_gb: Annotated[float, typer.Option(
+        help="Size of the synthetic model + AdamW state on each rank, in GB.")] = 1.0,
+    repeat: Annotated[int, typer.Option(help="Runs of every figure; the tables show the "
+                                        "median, min and max.")] = 3,
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="Experiment YAML for the throughput runs; default: the "
+        "embedded CPU demo.")] = None,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", help="Override one config key of the throughput runs, e.g. "
+        "--set data.path=corpus.parquet.")] = None,
+    steps: Annotated[int, typer.Option(help="Measured training steps per throughput run.")]
+    = 60,
+    warmup: Annotated[int, typer.Option(help="Steps before the measurement starts.")] = 5,
+    snapshot_interval: Annotated[int, typer.Option(
+        help="Steps between snapshots in the throughput runs.")] = 1,
+    as_json: JsonOpt = False,
+) -> None:
+    """Memory mode at world size 2 (2 local processes): the loop's wait per snapshot, persist
+    by 2 ranks vs 1, and training tokens/s with a snapshot every step, as ratios."""
+    from pyrecover import bench, bench_memory
+    from pyrecover.config import ConfigError
+    from pyrecover.data import DataError
+
+    try:
+        report = bench_memory.bench_memory(directory, size_gb, repeat, config, overrides or [],
+                                           steps, warmup, snapshot_interval, note=_note)
+    except (bench.BenchError, ConfigError, DataError) as exc:
+        raise _fail(exc) from None
+    typer.echo(bench.to_json(report) if as_json else bench_memory.format_memory(report))

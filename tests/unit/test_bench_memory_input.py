@@ -1,0 +1,38 @@
+"""`pyrecover bench memory` with bad input: one line, exit 2, before any process starts."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import TINY, pyrecover
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--size-gb", "0"], "--size-gb must be > 0"),
+    (["--repeat", "0"], "--repeat >= 1"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--config", str(TINY), "--set", "data.path=no-such.parquet"],
+     "data file 'no-such.parquet' does not exist"),
+    (["--config", str(TINY), "--set", "train.global_batch_size=3"],
+     "train.global_batch_size=3"),
+    (["--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
+])
+def test_bench_memory_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    done = pyrecover("bench", "memory", "--dir", str(tmp_path / "bench"), *args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_bench_memory_refuses_a_file_as_its_directory(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("")
+    done = pyrecover("bench", "memory", "--dir", str(target))
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: --dir {target} is not a directory"
+
+
+def test_bench_memory_refuses_a_snapshot_interval_below_one(tmp_path):
+    done = pyrecover("bench", "memory", "--dir", str(tmp_path), "--snapshot-interval", "0",
+                     "--config", str(TINY))
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: --snapshot-interval must be >= 1 (got 0)"
