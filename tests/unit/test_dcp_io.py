@@ -143,3 +143,15 @@ def test_a_tensors_bytes_are_found_inside_its_torch_save_record(crc):
         ).tobytes(), key
         assert record[start + nbytes:start + nbytes + 4] in dcp_io._AFTER_DATA, key
     assert dcp_io.record_layout(b"not a zip at all" * 40) is None
+
+
+def test_every_file_reuses_the_same_pipeline_buffers(tmp_path):
+    def write_one() -> set[int]:
+        out = dcp_io.HashedFile(str(tmp_path / "f"))
+        out.write(bytes(3 * store.TREE_BLOCK + 5))
+        out.close()
+        return {id(b) for b in dcp_io._POOL}
+
+    first = write_one()
+    assert len(first) >= dcp_io.BUFFERS + 2
+    assert write_one() == first  # no fresh memory to touch on the next save
