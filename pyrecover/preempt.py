@@ -121,21 +121,40 @@ class Deadline:
         return self.end_time - (time.time() if now is None else now)
 
 
-def agree(local_stop: bool, world_size: int) -> bool:
-    """agree is True on every rank if it is True on any rank (one all-reduce of one int).
+DEADLINE_CODE = 1000  # above every signal number
+
+
+def reason_code(reason: str | None) -> int:
+    """reason_code is a stop reason as one int (0: none; a signal's number; the deadline)."""
+    if reason is None:
+        return 0
+    return DEADLINE_CODE if reason == "deadline" else int(signal.Signals[reason])
+
+
+def reason_name(code: int) -> str | None:
+    if code == 0:
+        return None
+    return "deadline" if code == DEADLINE_CODE else signal.Signals(code).name
+
+
+def agree(code: int, world_size: int) -> int:
+    """agree is the largest stop reason code of any rank, on every rank (one all-reduce of one
+    int): all ranks stop after the same step and report the same reason, even when a signal
+    sent to every task reached this one a moment after the others. SIGTERM (preemption)
+    outranks SIGUSR2; the deadline outranks both.
 
     A CPU tensor: the process group routes it to gloo, also on GPUs (`cpu:gloo,cuda:nccl`).
     """
     if world_size < 2:
-        return local_stop
+        return code
     import torch
     import torch.distributed as tdist
 
     if not tdist.is_initialized():
-        return local_stop
-    flag = torch.tensor([1 if local_stop else 0], dtype=torch.int32)
+        return code
+    flag = torch.tensor([code], dtype=torch.int32)
     tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
-    return bool(flag.item())
+    return int(flag.item())
 
 
 @dataclass
@@ -152,9 +171,7 @@ class Stopper:
         reason = self.flag.reason
         if reason is None and self.rank == 0 and self.deadline.must_stop():
             reason = "deadline"
-        if not agree(reason is not None, self.world_size):
-            return None
-        return reason or "stop requested on another rank"
+        return reason_name(agree(reason_code(reason), self.world_size))
 
 
 def env_margin(environ: Mapping[str, str] = os.environ) -> float:

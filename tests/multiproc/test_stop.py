@@ -96,3 +96,44 @@ def test_a_run_stops_on_its_own_before_the_job_ends_when_no_signal_comes(tmp_pat
     report = json.loads(pyrecover("status", str(tmp_path / "run"), "--json").stdout)
     assert report["state"] == "stopped (will resume)"
     assert report["last_checkpoint"]["step"] == stop["step"]
+
+
+def _agree_worker(rank: int, world: int, port: int, codes: list[int], out) -> None:
+    import torch.distributed as tdist
+
+    from pyrecover import preempt
+
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                             world_size=world)
+    try:
+        out.put((rank, preempt.reason_name(preempt.agree(codes[rank], world))))
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("reasons, expected", [
+    ((None, "SIGTERM"), "SIGTERM"),  # the signal reached rank 1 a moment before rank 0
+    (("SIGUSR2", "SIGTERM"), "SIGTERM"),  # preemption outranks the time-limit warning
+    (("deadline", None), "deadline"),
+    ((None, None), None),
+])
+def test_every_rank_stops_for_the_same_reason_whichever_rank_saw_it(reasons, expected):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from pyrecover import preempt
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    codes = [preempt.reason_code(r) for r in reasons]
+    procs = [ctx.Process(target=_agree_worker, args=(r, 2, port, codes, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {0: expected, 1: expected}
