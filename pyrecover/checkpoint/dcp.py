@@ -135,9 +135,8 @@ class DcpMode:
                 future.result()
             files = {}
             for name in own_files(folder, self.rank):
-                if name in writer.digests:  # hashed and fsynced while written
-                    size, digest = writer.digests[name]
-                    files[name] = {"size": size, "sha256_tree": digest}
+                if name in writer.entries:  # checksummed and fsynced while written
+                    files[name] = writer.entries[name]
                     continue
                 path = folder / name
                 with path.open("rb") as f:

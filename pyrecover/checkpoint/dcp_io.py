@@ -4,14 +4,9 @@ The files are exactly what `torch.distributed.checkpoint.FileSystemWriter` write
 `torch.save` record per tensor inside `__<rank>_<n>.distcp`, byte offsets in `.metadata`), so
 plain `dcp.load` reads them. What differs is the path the bytes take:
 
-- `Writer` serialises with torch.save's zip CRC off (every file gets a sha256 for the manifest
-  instead) and streams the bytes through a small pipeline per file: copy into one of a few
-  page-aligned buffers, hashed by a few threads while a writer thread writes them in
-  order (the manifest's `sha256_tree` checksum, see store.py), so the file is never read
-  back to be checksummed. Writes
-  bypass the page cache (O_DIRECT) where the filesystem allows it: on the machines measured,
-  finding page-cache memory for a large write cost more than the device itself. A rank
-  writes `threads` files in parallel, split by bytes.
+- `Writer` serialises with torch.save's zip CRC off (every file gets the manifest's checksum
+  instead) into a `HashedFile` (hashed_file.py: checksummed from memory while written, on a
+  few cores, page cache bypassed). A rank writes `threads` files in parallel, split by bytes.
 - `Reader` finds each tensor's bytes inside its record and reads them straight into the
   destination tensor (`preadv`), in parallel threads; anything it cannot place that way
   (a dtype change, a partial chunk, a non-contiguous destination) goes through DCP's own
@@ -23,18 +18,11 @@ metadata must hold for DCP's reader to find the bytes, and the interop test fail
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
-import fcntl
 import io
-import mmap
 import os
-import queue
 import struct
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future as Task
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -46,10 +34,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.utils.serialization import config as serialization_config
 
-from pyrecover.checkpoint import store
+from pyrecover.checkpoint.hashed_file import HashedFile, pread_into
 
-BLOCK = store.TREE_BLOCK  # one pipeline buffer: a checksum block, a multiple of any sector
-BUFFERS = 3  # per file, besides one per hashing thread: filling, writing, spare
 SMALL_READ = 4096  # enough to hold the zip headers in front of a tensor's bytes
 
 
@@ -60,139 +46,6 @@ def default_threads() -> int:
 
 
 # --- writing --------------------------------------------------------------------------------
-
-# Pipeline buffers are kept for the life of the process and reused by every file of every
-# save: on the VM this was measured on, touching fresh memory cost about 4 ms per MiB, more
-# than writing it to disk. A save keeps (BUFFERS + hashing threads) x BLOCK per file it
-# writes at once: 40 MiB each by default.
-_POOL: list[mmap.mmap] = []
-_POOL_LOCK = threading.Lock()
-
-
-def _take_buffers(n: int) -> list[mmap.mmap]:
-    with _POOL_LOCK:
-        reused = [_POOL.pop() for _ in range(min(n, len(_POOL)))]
-    return reused + [mmap.mmap(-1, BLOCK) for _ in range(n - len(reused))]  # page-aligned
-
-
-def _give_back(buffers: list[mmap.mmap]) -> None:
-    with _POOL_LOCK:
-        _POOL.extend(buffers)
-
-
-class HashedFile:
-    """HashedFile is a write-only file that checksums what it writes, without reading it back.
-
-    `write` copies into a free page-aligned buffer of `store.TREE_BLOCK` bytes; each full
-    buffer is hashed by a small thread pool (blocks in parallel, the `sha256_tree` checksum)
-    while a writer thread writes the buffers in order; a buffer is free again once both are
-    done. `close` flushes, fsyncs and returns (size, sha256_tree hex). An error in the writer
-    is raised by the next `write` or by `close`.
-    """
-
-    def __init__(self, path: str, direct: bool = True, hash_threads: int = 2) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        self.direct = False
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
-                self.direct = True
-            except OSError:  # tmpfs and some FUSE mounts refuse O_DIRECT
-                pass
-        if not self.direct:
-            self.fd = os.open(path, flags, 0o644)
-        self.size = 0
-        self.error: BaseException | None = None
-        self._digests: list[Task] = []
-        self._hashers = ThreadPoolExecutor(hash_threads, thread_name_prefix="pyrecover-hash")
-        self._free: queue.Queue = queue.Queue()
-        for buf in _take_buffers(BUFFERS + hash_threads):
-            self._free.put(buf)
-        self._to_write: queue.Queue = queue.Queue()
-        self._buf: mmap.mmap | None = None
-        self._fill = 0
-        self._writer = threading.Thread(target=self._write_loop, name="pyrecover-dcp-write",
-                                        daemon=True)
-        self._writer.start()
-
-    def tell(self) -> int:
-        return self.size
-
-    def write(self, data: Any) -> int:
-        if self.error is not None:
-            raise self.error
-        view = memoryview(data).cast("B")
-        n, done = view.nbytes, 0
-        while done < n:
-            if self._buf is None:
-                self._buf, self._fill = self._free.get(), 0
-            take = min(n - done, BLOCK - self._fill)
-            self._buf[self._fill:self._fill + take] = view[done:done + take]
-            self._fill += take
-            done += take
-            if self._fill == BLOCK:
-                self._submit()
-        self.size += n
-        return n
-
-    def flush(self) -> None:  # torch.save calls it; data leaves on close
-        pass
-
-    def _submit(self) -> None:
-        block = memoryview(self._buf)[:self._fill]
-        digest = self._hashers.submit(store.block_digest, block)
-        self._digests.append(digest)
-        self._to_write.put((self._buf, self._fill, digest))
-        self._buf = None
-
-    def _write_loop(self) -> None:
-        while (item := self._to_write.get()) is not None:
-            buf, n, digest = item
-            if self.error is None:
-                try:
-                    self._write(buf, n)
-                except BaseException as exc:  # keep the buffers moving; close() raises it
-                    self.error = exc
-            digest.result()  # the hasher may still read this buffer
-            self._free.put(buf)
-
-    def _write(self, buf: mmap.mmap, n: int) -> None:
-        view = memoryview(buf)[:n]
-        if self.direct and n % 4096:
-            self._buffered()  # the file's tail is not a whole number of blocks
-        done = 0
-        while done < n:
-            try:
-                done += os.write(self.fd, view[done:])
-            except OSError as exc:
-                if not (self.direct and exc.errno == errno.EINVAL):
-                    raise
-                self._buffered()  # opened with O_DIRECT, but this filesystem wants more
-
-    def _buffered(self) -> None:
-        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
-        self.direct = False
-
-    def close(self) -> tuple[int, str]:
-        try:
-            if self._buf is not None and self._fill:
-                self._submit()
-            self._to_write.put(None)
-            self._writer.join()
-            self._hashers.shutdown()
-            spare = [self._buf] if self._buf is not None else []
-            while not self._free.empty():
-                spare.append(self._free.get_nowait())
-            self._buf = None
-            _give_back(spare)
-            if self.error is not None:
-                raise self.error
-            os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
-        return self.size, store.tree_digest([d.result() for d in self._digests])
-
 
 def split_by_bytes(items: list[Any], size: Callable[[Any], int], bins: int) -> list[list[Any]]:
     """split_by_bytes deals items into `bins` lists of nearly equal total size (largest first,
@@ -217,7 +70,8 @@ def _item_bytes(item: Any) -> int:
 class Writer(FileSystemWriter):
     """Writer is a DCP storage writer that writes DCP's format with less copying (see above).
 
-    After a save, `digests` maps each file this rank wrote to (size, sha256_tree).
+    After a save, `entries` maps each file this rank wrote to its manifest entry (size and
+    checksum, from HashedFile).
     """
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None,
@@ -225,7 +79,7 @@ class Writer(FileSystemWriter):
         super().__init__(path, single_file_per_rank=True, sync_files=True)
         self.threads = threads or default_threads()
         self.direct = direct
-        self.digests: dict[str, tuple[int, str]] = {}
+        self.entries: dict[str, dict[str, Any]] = {}
 
     def write_data(self, plan, planner) -> Future:
         prefix = plan.storage_data.prefix
@@ -263,10 +117,9 @@ class Writer(FileSystemWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(name, offset, length)))
         except BaseException:
-            with contextlib.suppress(BaseException):
-                out.close()  # stops its threads; the error that matters is the first one
+            out.abandon()
             raise
-        self.digests[name] = out.close()
+        self.entries[name] = out.close()
         return results
 
 
@@ -327,15 +180,6 @@ def record_layout(head: bytes) -> tuple[int, torch.Tensor] | None:
             ok = isinstance(layout, torch.Tensor) and little and start <= len(head)
             return (start, layout) if ok else None
     return None
-
-
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < view.nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise OSError(f"unexpected end of file at byte {offset + done}")
-        done += n
 
 
 class Reader(FileSystemReader):
@@ -415,6 +259,6 @@ class Reader(FileSystemReader):
             return req  # the record holds another number of bytes than the metadata says
         if expected:
             view = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
-            _pread_into(fd, view, info.offset + start)
+            pread_into(fd, view, info.offset + start)
         planner.commit_tensor(req, target)
         return None

@@ -17,7 +17,8 @@ three buffer sets (the newest complete snapshot, the one before, the one in flig
 kill in the middle of an exchange still leaves the survivors one step that every slice
 reached.
 
-On disk, a step folder holds `part-s<slice>-r<rank>.bin` files (raw bytes) and one
+On disk, a step folder holds `part-s<slice>-r<rank>.bin` files (raw bytes, written and
+checksummed as in DCP mode: hashed_file.py; read straight into place on restore) and one
 `meta-r<rank>.pt` per writer (layout, slice bounds, train state, scheduler, optimizer
 hyper-parameters, the RNG states of the ranks whose slices it held). It is complete when its
 parts cover every slice. When a peer dies, each survivor writes what it holds with no
@@ -34,6 +35,7 @@ import logging
 import os
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -45,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from pyrecover import faults
 from pyrecover.checkpoint import rng, store
+from pyrecover.checkpoint.hashed_file import HashedFile, pread_into
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
 
 NAME = "memory"
@@ -407,8 +410,14 @@ class MemoryMode:
         files: dict[str, Any] = {}
         pending = Pending(root=folder.parent, step=snap.step, tmp=folder)
         for s in slice_ids:
-            with pending.open(part_name(s, self.rank)) as f:
-                f.write(memoryview(snap.slices[s].numpy()))
+            name = part_name(s, self.rank)
+            out = HashedFile(str(folder / name))
+            try:
+                out.write(snap.slices[s].numpy())
+            except BaseException:
+                out.abandon()
+                raise
+            pending.files[name] = out.close()
         # Every rank's RNG state this rank holds (that of each slice's owner); `assemble`
         # merges those of all writers.
         rngs = [rng.unpack(snap.rngs[r]) if r in snap.rngs else None
@@ -459,17 +468,28 @@ def assemble(folder: Path, names: list[str]) -> tuple[torch.Tensor, dict[str, An
                                                                              strict=True)]
     meta["rngs"] = rngs
     bounds = [tuple(b) for b in meta["bounds"]]
-    flat = torch.empty(bounds[-1][1], dtype=torch.uint8)
-    missing = []
-    for s, (a, b) in enumerate(bounds):
-        copies = sorted(n for n in names if n.startswith(f"part-s{s}-r"))
-        if not copies:
-            missing.append(s)
-            continue
-        data = (folder / copies[0]).read_bytes()
-        flat[a:b] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    copies = {s: sorted(n for n in names if n.startswith(f"part-s{s}-r"))
+              for s in range(len(bounds))}
+    missing = [s for s, found in copies.items() if not found]
     if missing:
         raise CheckpointError(f"{folder}: slices {missing} are in no part file")
+    flat = torch.empty(bounds[-1][1], dtype=torch.uint8)
+    view = memoryview(flat.numpy())
+
+    def read(s: int) -> None:  # one slice's bytes, straight into their place
+        a, b = bounds[s]
+        path = folder / copies[s][0]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size != b - a:
+                raise CheckpointError(f"{path}: {os.fstat(fd).st_size} bytes, the slice has "
+                                      f"{b - a}")
+            pread_into(fd, view[a:b], 0)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(max(1, min(4, len(bounds)))) as pool:
+        list(pool.map(read, range(len(bounds))))
     return flat, meta
 
 
@@ -504,7 +524,7 @@ def coverage(folder: Path) -> tuple[int, dict[str, Any], list[int], dict[str, An
         for name, info in done["files"].items():
             path = folder / name
             if (path.is_file() and path.stat().st_size == info["size"]
-                    and store.sha256_file(path) == info["sha256"]):
+                    and store.checksum_ok(path, info)):
                 files[name] = info
     metas = sorted(n for n in files if n.startswith("meta-r"))
     if not metas:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
-import random
 import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from pyrecover.checkpoint import dcp_io, store
+from pyrecover.checkpoint import dcp_io
 
 
 @pytest.fixture(autouse=True)
@@ -19,49 +17,6 @@ def _no_process_group_warning():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def tree_of(data: bytes) -> str:
-    block = store.TREE_BLOCK
-    return store.tree_digest([hashlib.sha256(data[i:i + block]).digest()
-                              for i in range(0, len(data), block)])
-
-
-SIZES = [0, 1, 4095, 4096, store.TREE_BLOCK - 1, store.TREE_BLOCK, 2 * store.TREE_BLOCK + 12345]
-
-
-@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
-@pytest.mark.parametrize("size", SIZES)
-def test_a_hashed_file_holds_exactly_what_was_written_and_its_tree_checksum(tmp_path, size,
-                                                                          direct):
-    rnd = random.Random(size)
-    data = rnd.randbytes(size)
-    out = dcp_io.HashedFile(str(tmp_path / "f"), direct)
-    pos = 0
-    while pos < size:  # uneven pieces, as torch.save writes headers and storages
-        n = min(size - pos, rnd.choice([1, 30, 4096, 1_000_003, 9 << 20]))
-        out.write(memoryview(data)[pos:pos + n])
-        pos += n
-    written, digest = out.close()
-    assert written == size
-    assert (tmp_path / "f").read_bytes() == data
-    assert digest == tree_of(data) == store.sha256_tree_file(tmp_path / "f", threads=3)
-
-
-def test_a_flipped_bit_fails_the_tree_checksum(tmp_path):
-    folder = tmp_path / "step"
-    pending = store.begin(tmp_path, 1)
-    out = dcp_io.HashedFile(str(pending.tmp / "part.bin"))
-    out.write(random.Random(0).randbytes(3 * store.TREE_BLOCK // 2))
-    size, digest = out.close()
-    pending.files["part.bin"] = {"size": size, "sha256_tree": digest}
-    folder = pending.commit("dcp", 1, {"step": 1})
-    store.verify(folder)
-    raw = bytearray((folder / "part.bin").read_bytes())
-    raw[store.TREE_BLOCK + 7] ^= 0x10
-    (folder / "part.bin").write_bytes(bytes(raw))
-    with pytest.raises(store.CheckpointError, match="sha256_tree does not match"):
-        store.verify(folder)
 
 
 def sample_state() -> dict[str, torch.Tensor]:
@@ -143,15 +98,3 @@ def test_a_tensors_bytes_are_found_inside_its_torch_save_record(crc):
         ).tobytes(), key
         assert record[start + nbytes:start + nbytes + 4] in dcp_io._AFTER_DATA, key
     assert dcp_io.record_layout(b"not a zip at all" * 40) is None
-
-
-def test_every_file_reuses_the_same_pipeline_buffers(tmp_path):
-    def write_one() -> set[int]:
-        out = dcp_io.HashedFile(str(tmp_path / "f"))
-        out.write(bytes(3 * store.TREE_BLOCK + 5))
-        out.close()
-        return {id(b) for b in dcp_io._POOL}
-
-    first = write_one()
-    assert len(first) >= dcp_io.BUFFERS + 2
-    assert write_one() == first  # no fresh memory to touch on the next save
