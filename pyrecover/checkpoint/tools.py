@@ -90,7 +90,9 @@ def model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         return state["model"]
     if ckpt.mode == memory_mode.NAME:
         flat, meta = memory_mode.assemble(ckpt.path, list(ckpt.manifest["files"]))
-        return memory_mode.unflatten(flat, meta["layout"])[0]
+        model = memory_mode.unflatten(flat, meta["layout"])[0]
+        # Views of the whole flat state: torch.save would write all of it for each one.
+        return {k: v.clone() for k, v in model.items()}
     raise CheckpointError(f"{ckpt.path}: mode {ckpt.mode!r} cannot be read here")
 
 

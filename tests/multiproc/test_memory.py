@@ -36,7 +36,11 @@ def export(run_dir: Path) -> dict[str, torch.Tensor]:
     out = run_dir.parent / f"{run_dir.name}.pt"
     done = pyrecover("ckpt", "export", str(run_dir), "--out", str(out))
     assert done.returncode == 0, done.stderr
-    return load_export(out)
+    model = load_export(out)
+    # The model alone: not the optimizer state that shared its bytes on restore.
+    tensor_bytes = sum(t.numel() * t.element_size() for t in model.values())
+    assert out.stat().st_size < 1.2 * tensor_bytes + (64 << 10)
+    return model
 
 
 def test_a_killed_rank_costs_no_more_than_one_snapshot_and_the_result_is_bitwise(tmp_path,
