@@ -24,20 +24,20 @@ def _no_process_group_warning():
 
 
 class SlowCopy:
-    """Stands in for a slow device-to-host copy: DCP's staging, started 0.5 s late."""
+    """Stands in for a slow device-to-host copy: the staging copy, started 0.5 s late."""
 
     def __init__(self, stager) -> None:
-        self.stager, self.stage_real = stager, stager._state_dict_stager.stage
+        self.stager, self.copy_real = stager, stager._copy
 
     def __enter__(self):
         def late(*args, **kwargs):
             time.sleep(0.5)
-            return self.stage_real(*args, **kwargs)
-        self.stager._state_dict_stager.stage = late
+            return self.copy_real(*args, **kwargs)
+        self.stager._copy = late
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stager._state_dict_stager.stage = self.stage_real
+        self.stager._copy = self.copy_real
 
 
 def test_an_update_right_after_an_async_save_never_reaches_that_save(tmp_path):
@@ -62,3 +62,32 @@ def test_an_update_right_after_an_async_save_never_reaches_that_save(tmp_path):
         assert torch.equal(value, saved[key]), key
     events = [e for e in run.read_events() if e["event"] == "checkpoint"]
     assert events[-1]["blocked"] >= waited
+
+
+def test_staging_reuses_its_buffers_and_holds_the_values_of_the_moment_it_copied():
+    from pyrecover.checkpoint.dcp import ReusedBuffers
+
+    g = torch.Generator().manual_seed(0)
+    live = {"model": {"w": torch.randn(64, 32, generator=g), "t": torch.randn(8, generator=g)[::2]},
+            "optim": {"state": {"w": {"step": torch.tensor(3.0)}},
+                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}]}}
+    stager = ReusedBuffers()
+    try:
+        first = stager.stage(live).result()
+        expect = {"w": live["model"]["w"].clone(), "t": live["model"]["t"].clone()}
+        live["model"]["w"].add_(1.0)  # the optimizer's next update
+        live["optim"]["param_groups"][0]["lr"] = 0.2  # the scheduler's
+        assert torch.equal(first["model"]["w"], expect["w"])
+        assert torch.equal(first["model"]["t"], expect["t"]) and first["model"]["t"].is_contiguous()
+        assert first["optim"]["param_groups"][0] == {"lr": 0.1, "betas": (0.9, 0.95),
+                                                     "params": ["w"]}
+        ptr = first["model"]["w"].data_ptr()
+        second = stager.stage(live).result()
+        assert second["model"]["w"].data_ptr() == ptr  # the same memory, no fresh allocation
+        assert torch.equal(second["model"]["w"], live["model"]["w"])
+        assert second["optim"]["param_groups"][0]["lr"] == 0.2
+        assert second["optim"]["state"]["w"]["step"].item() == 3.0
+        live["model"]["w"] = torch.zeros(10)  # a tensor that changed shape gets a new buffer
+        assert torch.equal(stager.stage(live).result()["model"]["w"], torch.zeros(10))
+    finally:
+        stager.close()
