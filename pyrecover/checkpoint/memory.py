@@ -75,14 +75,24 @@ def slice_bounds(total: int, n: int) -> list[tuple[int, int]]:
 
 
 def holders(slice_id: int, world_size: int, replicas: int, ranks_per_node: int) -> list[int]:
-    """holders lists the ranks holding a slice: its own rank, then peers, on other nodes first.
+    """holders lists the distinct ranks holding a slice: its own rank, then peers, on other
+    nodes first.
 
-    With several nodes the shift is one node's worth of ranks, so a replica never shares a
-    node with the slice's owner; on one node it is the next rank.
+    Round k adds the same offset to every slice (so each rank receives one slice per round):
+    a node's worth of ranks times (k mod nodes), plus k // nodes. The first `nodes` holders
+    are thus on distinct nodes; further replicas go to the next ranks. On one node a slice's
+    replicas are the next ranks.
     """
-    nodes = max(1, world_size // max(ranks_per_node, 1))
-    shift = ranks_per_node if nodes > 1 else 1
-    return [(slice_id + k * shift) % world_size for k in range(min(replicas, world_size))]
+    rpn = max(ranks_per_node, 1)
+    nodes = max(1, world_size // rpn)
+    offsets: list[int] = []
+    k = 0
+    while len(offsets) < min(replicas, world_size):
+        offset = ((k % nodes) * rpn + k // nodes) % world_size
+        if offset not in offsets:  # only when the nodes are not all the same size
+            offsets.append(offset)
+        k += 1
+    return [(slice_id + offset) % world_size for offset in offsets]
 
 
 def _flat_tensors(state: dict[str, Any], prefix: str = "") -> list[tuple[str, torch.Tensor]]:
