@@ -117,15 +117,18 @@ def _param_groups(optimizer: torch.optim.Optimizer, fqns: list[list[str]]) -> li
             for group, names in zip(optimizer.param_groups, fqns, strict=True)]
 
 
-def _identity(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+def _identity(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              buffers: bool = True) -> tuple[int, ...]:
     """_identity names the storage of every live tensor a snapshot copies, in order.
 
     While it is unchanged, the tensors found by `get_state_dict` last time are still the live
     ones (parameters and optimizer state are updated in place); a restore, a re-created
     optimizer state or the first step's lazily created AdamW state changes it.
     """
-    ptrs = [t.data_ptr() for t in model.parameters()]
-    ptrs += [t.data_ptr() for t in model.buffers()]
+    # The optimizer's flat list of parameters stands for the model's (walking the modules cost
+    # 0.1 ms per snapshot of a tiny model); a parameter it does not hold is not trained.
+    ptrs = [p.data_ptr() for group in optimizer.param_groups for p in group["params"]]
+    ptrs += [t.data_ptr() for t in model.buffers()] if buffers else []
     for per_param in optimizer.state.values():
         ptrs += [v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor)]
     return tuple(ptrs)
@@ -194,6 +197,7 @@ class MemoryMode:
         self._inflight: _Exchange | None = None
         self._live: tuple[tuple[int, ...], list[tuple[str, torch.Tensor]], list[Any]] | None = None
         self._copies: list[tuple[int, int, torch.Tensor]] = []  # (lo, hi) in own slice <- bytes
+        self._model_buffers: bool | None = None  # whether _identity must walk the modules
         self._result: tuple[dict[str, Any], str] | None = None
 
     # --- snapshots ----------------------------------------------------------------------
@@ -304,7 +308,9 @@ class MemoryMode:
         training step; its tensors are the live ones, updated in place, so they are kept while
         `_identity` says the storage is the same, and looked up again when it is not.
         """
-        key = _identity(parts.model, parts.optimizer)
+        if self._model_buffers is None:
+            self._model_buffers = next(parts.model.buffers(), None) is not None
+        key = _identity(parts.model, parts.optimizer, self._model_buffers)
         if self._live is None or self._live[0] != key:
             model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
             tensors = _flat_tensors({"model": model_sd, "optim": optim_sd})
@@ -360,8 +366,9 @@ class MemoryMode:
         if not snap.copy_to:
             own = snap.slices[self.rank]
             snap.copy_to = [own[lo:hi] for lo, hi, _ in self._copies]
-        for dst, (_, _, src) in zip(snap.copy_to, self._copies, strict=True):
-            dst.copy_(src, non_blocking=self.pin)
+        if snap.copy_to:  # one dispatch for every piece: 4 us per copy_ call added up
+            torch._foreach_copy_(snap.copy_to, [src for _, _, src in self._copies],
+                                 non_blocking=self.pin)
         if self.pin:
             torch.cuda.current_stream().synchronize()
 
