@@ -270,7 +270,7 @@ def _raw(work: Path, nbytes: int, samples: Samples, system: bool) -> str:
     then what the device takes, without the cost of finding memory for the page cache (which
     on a virtual machine can dominate). The reads go through the page cache, with its
     readahead, of the same bytes written again buffered + fsync: on a virtual disk a file
-    written with O_DIRECT read back cold 2-3x slower the first time. That first read is timed
+    written with O_DIRECT read back cold 2-5x slower the first time. That first read is timed
     too (`raw-direct`): dcp and memory mode write their large files with O_DIRECT.
     """
     path = work / "raw.bin"

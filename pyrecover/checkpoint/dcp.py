@@ -97,20 +97,26 @@ class ReusedBuffers(AsyncStager):
     def _copy(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         sources: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
+        seen: dict[tuple, torch.Tensor] = {}  # a tensor met twice (tied weights): one copy
 
         def place(value: Any, key: tuple) -> Any:
             if isinstance(value, torch.Tensor):
+                same = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+                if same in seen:
+                    return seen[same]
                 buf = self._buffers.get(key)
                 if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
                     buf = torch.empty(value.shape, dtype=value.dtype)
                     self._buffers[key] = buf
                 sources.append(value.detach())
                 targets.append(buf)
+                seen[same] = buf
                 return buf
             if isinstance(value, dict):
                 return {k: place(v, (*key, k)) for k, v in value.items()}
             if isinstance(value, (list, tuple)):
-                return type(value)(place(v, (*key, i)) for i, v in enumerate(value))
+                items = [place(v, (*key, i)) for i, v in enumerate(value)]
+                return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
             return copy.deepcopy(value)
 
         staged = place(state_dict, ())

@@ -17,7 +17,7 @@ import os
 import queue
 import threading
 from concurrent.futures import Future as Task
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from pyrecover.checkpoint import store
@@ -32,6 +32,17 @@ BUFFERS = 3  # per file, besides one per hashing thread: filling, writing, spare
 # writes at once: 40 MiB each by default.
 _POOL: list[mmap.mmap] = []
 _POOL_LOCK = threading.Lock()
+
+
+def _open(path: str, direct: bool) -> tuple[int, bool]:
+    """_open opens `path` for writing: (fd, whether with O_DIRECT)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o644), True
+        except OSError:  # tmpfs and some FUSE mounts refuse O_DIRECT
+            pass
+    return os.open(path, flags, 0o644), False
 
 
 def _take_buffers(n: int) -> list[mmap.mmap]:
@@ -58,27 +69,26 @@ class HashedFile:
 
     def __init__(self, path: str, direct: bool = True, hash_threads: int = 2,
                  kind: str = store.TREE_KIND) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        self.direct = False
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
-                self.direct = True
-            except OSError:  # tmpfs and some FUSE mounts refuse O_DIRECT
-                pass
-        if not self.direct:
-            self.fd = os.open(path, flags, 0o644)
+        if kind not in store.TREE_KINDS or hash_threads < 1:
+            raise ValueError(f"HashedFile: kind must be one of {sorted(store.TREE_KINDS)} and "
+                             f"hash_threads >= 1 (got {kind!r}, {hash_threads})")
         self.size = 0
         self.kind = kind
         self.error: BaseException | None = None
         self._digests: list[Task] = []
-        self._hashers = ThreadPoolExecutor(hash_threads, thread_name_prefix="pyrecover-hash")
         self._free: queue.Queue = queue.Queue()
         for buf in _take_buffers(BUFFERS + hash_threads):
             self._free.put(buf)
         self._to_write: queue.Queue = queue.Queue()
         self._buf: mmap.mmap | None = None
         self._fill = 0
+        self.fd = -1
+        try:  # last, so nothing that can fail leaves it open
+            self.fd, self.direct = _open(path, direct)
+        except BaseException:
+            _give_back(list(self._free.queue))
+            raise
+        self._hashers = ThreadPoolExecutor(hash_threads, thread_name_prefix="pyrecover-hash")
         self._writer = threading.Thread(target=self._write_loop, name="pyrecover-write",
                                         daemon=True)
         self._writer.start()
@@ -116,13 +126,16 @@ class HashedFile:
     def _write_loop(self) -> None:
         while (item := self._to_write.get()) is not None:
             buf, n, digest = item
-            if self.error is None:
-                try:
+            try:
+                if self.error is None:
                     self._write(buf, n)
-                except BaseException as exc:  # keep the buffers moving; close() raises it
+                digest.result()  # the hasher may still read this buffer
+            except BaseException as exc:  # keep the buffers moving; write/close raise it
+                if self.error is None:
                     self.error = exc
-            digest.result()  # the hasher may still read this buffer
-            self._free.put(buf)
+                wait([digest])  # a failed write: the buffer is free once its hashing ended
+            finally:
+                self._free.put(buf)
 
     def _write(self, buf: mmap.mmap, n: int) -> None:
         view = memoryview(buf)[:n]

@@ -119,11 +119,14 @@ def _param_groups(optimizer: torch.optim.Optimizer, fqns: list[list[str]]) -> li
 
 def _identity(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               buffers: bool = True) -> tuple[int, ...]:
-    """_identity names the storage of every live tensor a snapshot copies, in order.
+    """_identity names the storage of the live tensors a snapshot copies, in order: the
+    optimizer's parameters and state, and the model's buffers when `buffers`.
 
     While it is unchanged, the tensors found by `get_state_dict` last time are still the live
     ones (parameters and optimizer state are updated in place); a restore, a re-created
-    optimizer state or the first step's lazily created AdamW state changes it.
+    optimizer state or the first step's lazily created AdamW state changes it. It assumes a
+    parameter the optimizer does not hold (a frozen one) is not replaced by another tensor
+    during the run, and that a model without buffers at the first snapshot gets none later.
     """
     # The optimizer's flat list of parameters stands for the model's (walking the modules cost
     # 0.1 ms per snapshot of a tiny model); a parameter it does not hold is not trained.
@@ -452,8 +455,9 @@ class MemoryMode:
     def restore(self, ckpt: Checkpoint, parts):
         from pyrecover.checkpoint.manager import Restored
 
-        flat, meta = assemble(ckpt.path, list(ckpt.manifest["files"]))
-        model_sd, optim_state = unflatten(flat, meta["layout"])
+        segments, meta = assemble(ckpt.path, list(ckpt.manifest["files"]))
+        model_sd, optim_state = unflatten(segments, meta["layout"])
+        del segments  # the model's segment goes once its bytes are in the parameters
         osd = {"state": optim_state, "param_groups": meta["param_groups"]}
         set_state_dict(parts.model, parts.optimizer, model_state_dict=model_sd,
                        optim_state_dict=osd)
@@ -472,12 +476,25 @@ class MemoryMode:
             log.debug("rank %d: the last snapshot exchange failed: %s", self.rank, exc)
 
 
-def assemble(folder: Path, names: list[str]) -> tuple[torch.Tensor, dict[str, Any]]:
-    """assemble rebuilds the flat state bytes from the part files named in `names`."""
+def first_meta(folder: Path, names: list[str]) -> dict[str, Any]:
+    """first_meta loads one writer's meta file (layout, bounds, train state, config)."""
     metas = sorted(n for n in names if n.startswith("meta-r"))
     if not metas:
         raise CheckpointError(f"{folder}: no meta-r*.pt file")
-    meta = torch.load(folder / metas[0], weights_only=True)
+    return torch.load(folder / metas[0], weights_only=True)
+
+
+def assemble(folder: Path, names: list[str]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """assemble rebuilds the state's bytes from the part files named in `names`.
+
+    Returns (segments, meta): the flat state cut at the first optimizer tensor into two CPU
+    byte tensors, model then optimizer, so that once the model's bytes are copied into the
+    live parameters their memory is freed while the optimizer state keeps its views of the
+    other segment (`unflatten`). Parts are read in READ_PIECE pieces by several threads
+    straight into place.
+    """
+    meta = first_meta(folder, names)
+    metas = sorted(n for n in names if n.startswith("meta-r"))
     # Each writer knows the RNG states of the slices it held; together they know every rank's.
     rngs = list(meta["rngs"])
     for name in metas[1:]:
@@ -491,37 +508,51 @@ def assemble(folder: Path, names: list[str]) -> tuple[torch.Tensor, dict[str, An
     missing = [s for s, found in copies.items() if not found]
     if missing:
         raise CheckpointError(f"{folder}: slices {missing} are in no part file")
-    flat = torch.empty(bounds[-1][1], dtype=torch.uint8)
-    view = memoryview(flat.numpy())
-    fds: dict[int, int] = {}
-    try:
-        for s, (a, b) in enumerate(bounds):
-            path = folder / copies[s][0]
-            fds[s] = os.open(path, os.O_RDONLY)
-            if os.fstat(fds[s]).st_size != b - a:
-                raise CheckpointError(f"{path}: {os.fstat(fds[s]).st_size} bytes, the slice "
-                                      f"has {b - a}")
-        # Pieces of READ_PIECE bytes read in parallel, straight into place: a single stream
-        # did not get the disk's speed here, least of all on a file's first read.
-        pieces = [(s, x, min(x + READ_PIECE, b)) for s, (a, b) in enumerate(bounds)
-                  for x in range(a, b, READ_PIECE)]
-        with ThreadPoolExecutor(max(1, min(4, len(pieces)))) as pool:
-            list(pool.map(lambda p: pread_into(fds[p[0]], view[p[1]:p[2]],
-                                               p[1] - bounds[p[0]][0]), pieces))
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return flat, meta
+    for s, (a, b) in enumerate(bounds):
+        size = (folder / copies[s][0]).stat().st_size
+        if size != b - a:
+            raise CheckpointError(f"{folder / copies[s][0]}: {size} bytes, the slice has {b - a}")
+    total = bounds[-1][1]
+    split = min((e["offset"] for e in meta["layout"] if e["key"].startswith("optim/")),
+                default=total)
+    segments = [torch.empty(split, dtype=torch.uint8), torch.empty(total - split,
+                                                                   dtype=torch.uint8)]
+    starts = [0, split]
+    # Pieces never cross a slice's end or the split, so each lands in one segment.
+    cuts = sorted({x for a, b in bounds for x in range(a, b, READ_PIECE)} | {split, total})
+    pieces = [(x, y) for x, y in zip(cuts[:-1], cuts[1:], strict=True) if y > x]
+
+    def read(piece: tuple[int, int]) -> None:
+        x, y = piece
+        s = next(i for i, (a, b) in enumerate(bounds) if a <= x < b)
+        g = 0 if x < split else 1
+        view = memoryview(segments[g].numpy())[x - starts[g]:y - starts[g]]
+        path = folder / copies[s][0]
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                pread_into(fd, view, x - bounds[s][0])
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: {exc.strerror or exc}") from exc
+
+    with ThreadPoolExecutor(max(1, min(4, len(pieces)))) as pool:
+        list(pool.map(read, pieces))
+    return segments, meta
 
 
-def unflatten(flat: torch.Tensor, layout: list[dict[str, Any]]):
-    """unflatten cuts the flat state into its tensors: views of `flat` where the offset suits
-    the dtype (no copy; on CPU the optimizer state then keeps `flat` alive), else copies."""
+def unflatten(segments: list[torch.Tensor], layout: list[dict[str, Any]]):
+    """unflatten cuts the state into its tensors: views of the segment that holds them where
+    the offset suits the dtype (no copy), else copies."""
+    split = segments[0].numel()
     model: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for e in layout:
-        raw = flat[e["offset"]:e["offset"] + e["nbytes"]]
-        if e["offset"] % getattr(torch, e["dtype"]).itemsize:
+        g = 0 if e["offset"] < split else 1
+        at = e["offset"] - (0 if g == 0 else split)
+        raw = segments[g][at:at + e["nbytes"]]
+        if at % getattr(torch, e["dtype"]).itemsize:
             raw = raw.clone()  # a view of another dtype must start at a multiple of its size
         t = raw.view(getattr(torch, e["dtype"])).reshape(e["shape"])
         top, _, rest = e["key"].partition("/")
@@ -548,8 +579,12 @@ def coverage(folder: Path) -> tuple[int, dict[str, Any], list[int], dict[str, An
             continue
         for name, info in done["files"].items():
             path = folder / name
-            if (path.is_file() and path.stat().st_size == info["size"]
-                    and store.checksum_ok(path, info)):
+            try:
+                ok = (path.is_file() and path.stat().st_size == info["size"]
+                      and store.checksum_ok(path, info))
+            except CheckpointError:  # a checksum this version does not know: unusable here
+                ok = False
+            if ok:
                 files[name] = info
     metas = sorted(n for n in files if n.startswith("meta-r"))
     if not metas:

@@ -89,9 +89,9 @@ def model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
             dcp.load(state, storage_reader=dcp_io.Reader(ckpt.path), no_dist=True)
         return state["model"]
     if ckpt.mode == memory_mode.NAME:
-        flat, meta = memory_mode.assemble(ckpt.path, list(ckpt.manifest["files"]))
-        model = memory_mode.unflatten(flat, meta["layout"])[0]
-        # Views of the whole flat state: torch.save would write all of it for each one.
+        segments, meta = memory_mode.assemble(ckpt.path, list(ckpt.manifest["files"]))
+        model = memory_mode.unflatten(segments, meta["layout"])[0]
+        # Views of the model's segment: torch.save would write all of it for each one.
         return {k: v.clone() for k, v in model.items()}
     raise CheckpointError(f"{ckpt.path}: mode {ckpt.mode!r} cannot be read here")
 
@@ -136,7 +136,7 @@ def config_of(ckpt: Checkpoint) -> dict:
     if ckpt.mode == dcp_mode.NAME:
         return json.loads((ckpt.path / dcp_mode.EXTRA_FILE).read_text())["config"]
     if ckpt.mode == memory_mode.NAME:
-        return memory_mode.assemble(ckpt.path, list(ckpt.manifest["files"]))[1]["config"]
+        return memory_mode.first_meta(ckpt.path, list(ckpt.manifest["files"]))["config"]
     return vanilla.load_file(ckpt)["config"]
 
 

@@ -87,6 +87,9 @@ def test_staging_reuses_its_buffers_and_holds_the_values_of_the_moment_it_copied
         assert torch.equal(second["model"]["w"], live["model"]["w"])
         assert second["optim"]["param_groups"][0]["lr"] == 0.2
         assert second["optim"]["state"]["w"]["step"].item() == 3.0
+        live["model"]["tied"] = live["model"]["w"]  # tied weights: one buffer, one copy
+        tied = stager.stage(live).result()
+        assert tied["model"]["tied"] is tied["model"]["w"]
         live["model"]["w"] = torch.zeros(10)  # a tensor that changed shape gets a new buffer
         assert torch.equal(stager.stage(live).result()["model"]["w"], torch.zeros(10))
     finally:

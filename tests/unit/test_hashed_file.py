@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import random
+import threading
 import zlib
 
 import pytest
@@ -24,6 +26,17 @@ def tree_of(data: bytes, kind: str) -> str:
                                    for i in range(0, len(data), BLOCK))).hexdigest()
 
 
+def direct_io_works(folder) -> bool:
+    """Whether this filesystem takes O_DIRECT (tmpfs does not; then both cases are buffered)."""
+    try:
+        fd = os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(folder / "probe")
+    return True
+
+
 SIZES = [0, 1, 4095, 4096, BLOCK - 1, BLOCK, 2 * BLOCK + 12345]
 
 
@@ -35,6 +48,7 @@ def test_a_hashed_file_holds_exactly_what_was_written_and_its_checksum(tmp_path,
     rnd = random.Random(size)
     data = rnd.randbytes(size)
     out = hashed_file.HashedFile(str(tmp_path / "f"), direct, kind=kind)
+    assert out.direct == (direct and direct_io_works(tmp_path))  # (a tail goes buffered)
     pos = 0
     while pos < size:  # uneven pieces, as torch.save writes headers and storages
         n = min(size - pos, rnd.choice([1, 30, 4096, 1_000_003, 9 << 20]))
@@ -92,6 +106,40 @@ def test_a_full_disk_is_raised_as_the_os_error_and_the_buffers_come_back():
     assert caught.value.errno == errno.ENOSPC
     out.abandon()
     assert len(hashed_file._POOL) >= max(before, hashed_file.BUFFERS + 2)
+
+
+def test_a_failing_checksum_is_raised_and_never_hangs_the_writer(tmp_path, monkeypatch):
+    calls = []
+
+    def flaky(block):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("checksum thread failed")
+        return b"x"
+
+    monkeypatch.setitem(store.TREE_KINDS, "flaky", flaky)
+    out = hashed_file.HashedFile(str(tmp_path / "f"), kind="flaky")
+    outcome: list[BaseException] = []
+
+    def run() -> None:  # more blocks than there are buffers: a lost buffer would hang here
+        try:
+            out.write(bytes(3 * (hashed_file.BUFFERS + 2) * BLOCK))
+            out.close()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "HashedFile hung after a checksum failed"
+    assert len(outcome) == 1 and isinstance(outcome[0], MemoryError)
+    out.abandon()
+
+
+def test_a_checksum_kind_that_is_not_a_tree_is_refused_before_the_file_exists(tmp_path):
+    with pytest.raises(ValueError, match="kind must be one of"):
+        hashed_file.HashedFile(str(tmp_path / "f"), kind="sha256")
+    assert not (tmp_path / "f").exists()
 
 
 def test_every_file_reuses_the_same_pipeline_buffers(tmp_path):
