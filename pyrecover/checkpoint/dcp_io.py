@@ -97,9 +97,8 @@ class Writer(FileSystemWriter):
         return done
 
     def _write_file(self, name: str, items: list[Any], planner) -> list[WriteResult]:
-        out = HashedFile(os.path.join(self.path, name), self.direct)
         results = []
-        try:
+        with HashedFile(os.path.join(self.path, name), self.direct) as out:
             for item in items:
                 offset = out.tell()
                 data = planner.resolve_data(item)
@@ -116,10 +115,7 @@ class Writer(FileSystemWriter):
                 length = out.tell() - offset
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(name, offset, length)))
-        except BaseException:
-            out.abandon()
-            raise
-        self.entries[name] = out.close()
+            self.entries[name] = out.close()
         return results
 
 

@@ -178,6 +178,15 @@ class HashedFile:
         return {"size": self.size,
                 self.kind: store.tree_digest([d.result() for d in self._digests])}
 
+    def __enter__(self) -> HashedFile:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Leaving a `with` block by an error abandons the file; `close` stays explicit, since
+        it returns the manifest entry."""
+        if exc_type is not None:
+            self.abandon()
+
     def abandon(self) -> None:
         """abandon stops the threads after a failed write; the file is left as it is."""
         if self.fd >= 0:

@@ -30,6 +30,7 @@ does not.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -432,13 +433,9 @@ class MemoryMode:
         pending = Pending(root=folder.parent, step=snap.step, tmp=folder)
         for s in slice_ids:
             name = part_name(s, self.rank)
-            out = HashedFile(str(folder / name))
-            try:
+            with HashedFile(str(folder / name)) as out:
                 out.write(snap.slices[s].numpy())
-            except BaseException:
-                out.abandon()
-                raise
-            pending.files[name] = out.close()
+                pending.files[name] = out.close()
         # Every rank's RNG state this rank holds (that of each slice's owner); `assemble`
         # merges those of all writers.
         rngs = [rng.unpack(snap.rngs[r]) if r in snap.rngs else None
@@ -518,13 +515,14 @@ def assemble(folder: Path, names: list[str]) -> tuple[list[torch.Tensor], dict[s
     segments = [torch.empty(split, dtype=torch.uint8), torch.empty(total - split,
                                                                    dtype=torch.uint8)]
     starts = [0, split]
+    slice_starts = [a for a, _ in bounds]
     # Pieces never cross a slice's end or the split, so each lands in one segment.
     cuts = sorted({x for a, b in bounds for x in range(a, b, READ_PIECE)} | {split, total})
     pieces = [(x, y) for x, y in zip(cuts[:-1], cuts[1:], strict=True) if y > x]
 
     def read(piece: tuple[int, int]) -> None:
         x, y = piece
-        s = next(i for i, (a, b) in enumerate(bounds) if a <= x < b)
+        s = bisect.bisect_right(slice_starts, x) - 1  # an empty slice shares the next start
         g = 0 if x < split else 1
         view = memoryview(segments[g].numpy())[x - starts[g]:y - starts[g]]
         path = folder / copies[s][0]

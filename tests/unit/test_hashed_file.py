@@ -142,6 +142,14 @@ def test_a_checksum_kind_that_is_not_a_tree_is_refused_before_the_file_exists(tm
     assert not (tmp_path / "f").exists()
 
 
+def test_an_error_inside_a_with_block_stops_the_file_and_returns_its_buffers(tmp_path):
+    with pytest.raises(KeyError), hashed_file.HashedFile(str(tmp_path / "f")) as out:
+        out.write(bytes(BLOCK + 1))
+        raise KeyError("the caller's own error")
+    assert out.fd < 0 and not out._writer.is_alive()
+    assert len(hashed_file._POOL) >= hashed_file.BUFFERS + 2
+
+
 def test_every_file_reuses_the_same_pipeline_buffers(tmp_path):
     def write_one() -> set[int]:
         out = hashed_file.HashedFile(str(tmp_path / "f"))
