@@ -38,8 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pyrecover import bench
-from pyrecover.bench import BenchError, Note, build_state, machine, remove
+from pyrecover.bench import ckpt as bench
+from pyrecover.bench.ckpt import BenchError, Note, build_state, machine, remove
 
 WORLD_SIZE = 2
 SEQUENCE = 16  # tokens per training step of the big state: the step exercises, not measures

@@ -13,12 +13,12 @@ from typing import Annotated
 
 import typer
 
-from pyrecover.cli_bench import bench_app
-from pyrecover.cli_ckpt import ckpt_app
-from pyrecover.cli_data import data_app
-from pyrecover.cli_image import image_app
-from pyrecover.cli_launch import launch
-from pyrecover.cli_plot import plot
+from pyrecover.cli.bench import bench_app
+from pyrecover.cli.ckpt import ckpt_app
+from pyrecover.cli.data import data_app
+from pyrecover.cli.image import image_app
+from pyrecover.cli.launch import launch
+from pyrecover.cli.plot import plot
 from pyrecover.config import ConfigError
 
 EXIT_USER_ERROR = 2

@@ -45,7 +45,7 @@ def ckpt(
 
     One process (world size 1). Cold reads follow posix_fadvise(DONTNEED) of the files.
     """
-    from pyrecover import bench
+    from pyrecover.bench import ckpt as bench
 
     try:
         report = bench.bench_ckpt(directory, size_gb, repeat, tuple(mode or bench.MODES),
@@ -70,7 +70,7 @@ def train(
     as_json: JsonOpt = False,
 ) -> None:
     """Training tokens/s with each checkpoint mode, as a ratio to no checkpoints at all."""
-    from pyrecover import bench
+    from pyrecover.bench import ckpt as bench
     from pyrecover.config import ConfigError
 
     try:
@@ -105,7 +105,8 @@ def memory(
 ) -> None:
     """Memory mode at world size 2 (2 local processes): the loop's wait per snapshot, persist
     by 2 ranks vs 1, and training tokens/s with a snapshot every step, as ratios."""
-    from pyrecover import bench, bench_memory
+    from pyrecover.bench import ckpt as bench
+    from pyrecover.bench import memory as bench_memory
     from pyrecover.config import ConfigError
     from pyrecover.data import DataError
 

@@ -18,7 +18,14 @@ from typer.testing import CliRunner
 
 from pyrecover import container
 from pyrecover.cli import app
-from pyrecover.container import Bind, ContainerError, check_definition, exec_argv, parse_bind
+from pyrecover.container import (
+    Bind,
+    ContainerError,
+    check_definition,
+    definition,
+    exec_argv,
+    parse_bind,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DEF = REPO / "containers" / "pyrecover.def"
@@ -73,7 +80,7 @@ def test_the_real_definition_copies_in_what_make_gpu_test_needs():
 
 
 def test_spython_reads_the_real_definition_as_written():
-    recipes, error, _ = container._spython_parse(real_text())
+    recipes, error, _ = definition._spython_parse(real_text())
     assert error is None
     recipe = list(recipes.values())[-1]
     assert recipe.fromHeader == "pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime"

@@ -7,7 +7,7 @@ import json
 import pytest
 from helpers import TINY, pyrecover
 
-from pyrecover import bench_memory
+from pyrecover.bench import memory as bench_memory
 
 pytestmark = pytest.mark.multiproc
 

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from pyrecover import bench, dist
+from pyrecover import dist
+from pyrecover.bench import ckpt as bench
 from pyrecover.checkpoint import memory, rng
 
 pytestmark = pytest.mark.multiproc

@@ -7,7 +7,7 @@ import json
 import pytest
 from helpers import TINY, pyrecover
 
-from pyrecover import bench
+from pyrecover.bench import ckpt as bench
 
 
 def by_key(rows: list[dict]) -> dict[tuple[str, str], dict]:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyrecover.bench import build_state
-from pyrecover.checkpoint import CheckpointManager, memory, store
+from pyrecover.bench.ckpt import build_state
+from pyrecover.checkpoint import CheckpointManager, store
+from pyrecover.checkpoint.memory import mode as memory
 from pyrecover.rundir import RunDir
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: one module per benchmark, on shared timing and reporting helpers."""
