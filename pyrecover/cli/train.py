@@ -1,0 +1,67 @@
+"""`pyrecover train` and `pyrecover demo`: train here, or show a kill and a resume."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ConfigOpt = Annotated[Path | None, typer.Option(
+    "--config", "-c", help="Experiment YAML (e.g. launch/experiments/tiny.yaml). "
+    "Without it the embedded CPU demo defaults are used.")]
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", "-s", help="Override one config key, e.g. --set train.max_steps=100. Repeatable.")]
+
+
+def train(
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    run_dir: Annotated[Path | None, typer.Option(
+        help="Run directory; default <run.storage>/<run.exp_name>.")] = None,
+    nproc: Annotated[int, typer.Option(
+        min=1, help="Start this many local worker processes (when not already under SLURM "
+        "or torchrun): CPU with gloo, or one GPU each.")] = 1,
+) -> None:
+    """Train, resuming from the newest valid checkpoint in the run directory.
+
+    Run the same command again after any interruption: it picks up where the last committed
+    checkpoint left off, with the same data position and random state.
+    """
+    from pyrecover import config as config_mod
+    from pyrecover import data, dist
+
+    cfg = config_mod.load(config, overrides or [])
+    target = run_dir if run_dir is not None else cfg.run_dir()
+    env = dist.detect(os.environ)
+    if nproc > 1 and env.launcher == "single":
+        config_mod.check_world_size(cfg, nproc)
+        data.check_source(cfg.data.path, cfg.data.column)
+        argv = dist.python_argv() + ["train", "--run-dir", str(target)]
+        if config is not None:
+            argv += ["--config", str(config)]
+        for item in overrides or []:
+            argv += ["--set", item]
+        code = dist.spawn_local(argv, nproc, os.environ)
+        raise typer.Exit(code)
+    if nproc > 1:
+        typer.echo(f"note: --nproc {nproc} ignored; this process is rank {env.rank} of "
+                   f"{env.world_size} under {env.launcher}", err=True)
+    from pyrecover import train as train_mod
+
+    train_mod.main(cfg, target)
+
+
+def demo(
+    workdir: Annotated[Path, typer.Option(help="Where the corpus and the run directory go.")] =
+    Path("runs"),
+    nproc: Annotated[int, typer.Option(min=1, help="Local worker processes.")] = 2,
+) -> None:
+    """Build a corpus from Python's own sources, train, kill -9 part-way, resume, finish.
+
+    Needs no cluster and no GPU. Takes a few minutes on a 2-core laptop.
+    """
+    from pyrecover.cli import demo as demo_mod
+
+    raise typer.Exit(demo_mod.run(workdir, nproc))
