@@ -45,14 +45,14 @@ def ckpt(
 
     One process (world size 1). Cold reads follow posix_fadvise(DONTNEED) of the files.
     """
-    from pyrecover.bench import ckpt as bench
+    from pyrecover.bench import ckpt, common
 
     try:
-        report = bench.bench_ckpt(directory, size_gb, repeat, tuple(mode or bench.MODES),
-                                  drop_all_caches, note=_note)
-    except bench.BenchError as exc:
+        report = ckpt.bench_ckpt(directory, size_gb, repeat, tuple(mode or common.MODES),
+                                 drop_all_caches, note=_note)
+    except common.BenchError as exc:
         raise _fail(exc) from None
-    typer.echo(bench.to_json(report) if as_json else bench.format_ckpt(report))
+    typer.echo(common.to_json(report) if as_json else ckpt.format_ckpt(report))
 
 
 @bench_app.command("train")
@@ -70,15 +70,17 @@ def train(
     as_json: JsonOpt = False,
 ) -> None:
     """Training tokens/s with each checkpoint mode, as a ratio to no checkpoints at all."""
-    from pyrecover.bench import ckpt as bench
+    from pyrecover.bench import common
+    from pyrecover.bench import train as bench_train
     from pyrecover.config import ConfigError
 
     try:
-        report = bench.bench_train(config, overrides or [], interval, steps, warmup, repeat,
-                                   tuple(mode or bench.TRAIN_MODES), note=_note)
-    except (bench.BenchError, ConfigError) as exc:
+        report = bench_train.bench_train(config, overrides or [], interval, steps, warmup,
+                                         repeat, tuple(mode or bench_train.TRAIN_MODES),
+                                         note=_note)
+    except (common.BenchError, ConfigError) as exc:
         raise _fail(exc) from None
-    typer.echo(bench.to_json(report) if as_json else bench.format_train(report))
+    typer.echo(common.to_json(report) if as_json else bench_train.format_train(report))
 
 
 @bench_app.command("memory")
@@ -105,14 +107,13 @@ def memory(
 ) -> None:
     """Memory mode at world size 2 (2 local processes): the loop's wait per snapshot, persist
     by 2 ranks vs 1, and training tokens/s with a snapshot every step, as ratios."""
-    from pyrecover.bench import ckpt as bench
-    from pyrecover.bench import memory as bench_memory
+    from pyrecover.bench import common, memory
     from pyrecover.config import ConfigError
     from pyrecover.data import DataError
 
     try:
-        report = bench_memory.bench_memory(directory, size_gb, repeat, config, overrides or [],
+        report = memory.bench_memory(directory, size_gb, repeat, config, overrides or [],
                                            steps, warmup, snapshot_interval, note=_note)
-    except (bench.BenchError, ConfigError, DataError) as exc:
+    except (common.BenchError, ConfigError, DataError) as exc:
         raise _fail(exc) from None
-    typer.echo(bench.to_json(report) if as_json else bench_memory.format_memory(report))
+    typer.echo(common.to_json(report) if as_json else memory.format_memory(report))

@@ -13,7 +13,7 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 from pyrecover import dist
-from pyrecover.bench import ckpt as bench
+from pyrecover.bench import state as bench
 from pyrecover.checkpoint import memory, rng
 
 pytestmark = pytest.mark.multiproc

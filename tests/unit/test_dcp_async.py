@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from pyrecover.bench.ckpt import build_state
+from pyrecover.bench.state import build_state
 from pyrecover.checkpoint import CheckpointManager, store
 from pyrecover.model import GPT, GPTConfig
 from pyrecover.rundir import RunDir

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyrecover.bench.ckpt import build_state
+from pyrecover.bench.state import build_state
 from pyrecover.checkpoint import CheckpointManager, store
 from pyrecover.checkpoint.memory import mode as memory
 from pyrecover.rundir import RunDir

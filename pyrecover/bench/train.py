@@ -1,0 +1,150 @@
+"""`pyrecover bench train`: training tokens/s with each checkpoint mode against none.
+
+`bench_train` runs the real trainer (`pyrecover.train.main`, world size 1) once per mode and
+repeat, all in this process, modes interleaved so that a noisy neighbour hits them alike, and
+compares steady-state throughput (tokens/s over the steps after a warm-up) with a run that
+saves no checkpoint in the measured steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pyrecover.bench.common import MODES, BenchError, Note, machine, quiet
+
+TRAIN_MODES: dict[str, tuple[str, bool] | None] = {"none": None, **MODES}
+
+
+def bench_train(config: Path | None, overrides: Sequence[str], interval: int, steps: int,
+                warmup: int = 5, repeat: int = 1, modes: Sequence[str] = tuple(TRAIN_MODES),
+                workdir: Path | None = None, note: Note = quiet) -> dict[str, Any]:
+    """bench_train trains `warmup + steps` steps per mode and compares tokens/s with `none`.
+
+    `none` saves nothing within the measured steps (its interval is past the end); the final
+    save every run makes after its last step is outside the measurement.
+    """
+    from pyrecover import config as config_mod
+
+    if interval < 1 or steps < 1 or warmup < 0 or repeat < 1:
+        raise BenchError("--interval and --steps must be >= 1, --warmup >= 0, --repeat >= 1")
+    unknown = [m for m in modes if m not in TRAIN_MODES]
+    if unknown:
+        raise BenchError(f"unknown mode {unknown[0]!r}; known: {', '.join(TRAIN_MODES)}")
+    if "none" not in modes:
+        modes = ("none", *modes)
+    from pyrecover import dist
+
+    if dist.detect(os.environ).launcher != "single":
+        raise BenchError("pyrecover bench train runs one process; start it outside srun and "
+                         "torchrun (unset RANK/WORLD_SIZE or SLURM_PROCID/SLURM_STEP_ID)")
+    total = warmup + steps
+    base = list(overrides) + [f"train.max_steps={total}", "train.log_interval=1",
+                              "tracking.wandb=disabled", "checkpoint.keep=2"]
+    cfg = config_mod.load(config, base)  # a bad config fails here, before any run
+    work = Path(tempfile.mkdtemp(prefix="pyrecover-bench-train-", dir=workdir))
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    try:
+        for r in range(repeat):
+            turn = r % len(modes)  # rotate, so no mode always runs first
+            for name in (*modes[turn:], *modes[:turn]):
+                spec = TRAIN_MODES[name]
+                extra = [f"checkpoint.interval={total + 1}"] if spec is None else [
+                    f"checkpoint.mode={spec[0]}", f"checkpoint.async_save={spec[1]}",
+                    f"checkpoint.interval={interval}"]
+                note(f"repeat {r + 1}/{repeat}: training {total} steps with checkpoints "
+                     f"{'never' if spec is None else f'every {interval} steps ({name})'}")
+                run_dir = work / f"{name}-{r}"
+                _train_once(config, base + extra, run_dir)
+                results[name].append(_throughput(run_dir, warmup))
+                shutil.rmtree(run_dir, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows_out = []
+    baseline = statistics.median(x["tokens_per_s"] for x in results["none"])
+    for name in modes:
+        tps = [x["tokens_per_s"] for x in results[name]]
+        med = statistics.median(tps)
+        rows_out.append({
+            "mode": name, "tokens_per_s": med, "min": min(tps), "max": max(tps),
+            "vs_none": med / baseline,
+            "saves": statistics.median(x["saves"] for x in results[name]),
+            "blocked_s": statistics.median(x["blocked_s"] for x in results[name]),
+            "blocked_share": statistics.median(x["blocked_share"] for x in results[name]),
+            "checkpoint_bytes": max(x["checkpoint_bytes"] for x in results[name]),
+        })
+    return {"kind": "train", "config": str(config) if config else "defaults",
+            "machine": machine(work.parent), "steps": steps, "warmup": warmup,
+            "interval": interval, "repeat": repeat, "world_size": 1,
+            "model": config_mod.to_dict(cfg)["model"], "rows": rows_out}
+
+
+def _train_once(config: Path | None, overrides: Sequence[str], run_dir: Path) -> None:
+    """_train_once runs the real trainer in this process, its log captured, not shown."""
+    from pyrecover import config as config_mod
+    from pyrecover import train as train_mod
+
+    cfg = config_mod.load(config, list(overrides))
+    logger = logging.getLogger("pyrecover")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            train_mod.main(cfg, run_dir)
+    except Exception as exc:
+        tail = "\n".join(captured.getvalue().strip().splitlines()[-10:])
+        raise BenchError(f"the training run in {run_dir} failed: {type(exc).__name__}: {exc}"
+                         + (f"\n{tail}" if tail else "")) from exc
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved
+
+
+def _throughput(run_dir: Path, warmup: int) -> dict[str, float]:
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(run_dir)
+    measured = [m for m in run.read_metrics() if m.get("step", 0) > warmup]
+    if not measured:
+        raise BenchError(f"{run.metrics}: no steps after the warm-up were logged")
+    last = max(m["step"] for m in measured)
+    seconds = sum(m["step_time"] for m in measured)
+    tokens = sum(m["tokens_per_s"] * m["step_time"] for m in measured)
+    saves = [e for e in run.read_events()
+             if e.get("event") == "checkpoint" and warmup <= e.get("step", 0) < last]
+    blocked = sum(e.get("blocked", 0.0) for e in saves)
+    return {"tokens_per_s": tokens / seconds, "saves": len(saves), "blocked_s": blocked,
+            "blocked_share": blocked / seconds,
+            "checkpoint_bytes": max((e.get("bytes", 0) for e in saves), default=0)}
+
+
+def format_train(report: dict[str, Any]) -> str:
+    """format_train renders the training-throughput report as a table for people."""
+    m = report["machine"]
+    model = report["model"]
+    lines = [
+        f"config {report['config']}: GPT {model['n_layer']} layers x {model['n_embd']}, "
+        f"{report['steps']} measured steps after {report['warmup']} warm-up, checkpoint every "
+        f"{report['interval']} steps, world size 1; {m.get('cpu', '?')}, {m['cpus']} CPUs, "
+        f"load {m['load_avg_1m']}; median of {report['repeat']}",
+        "",
+        "x none: tokens/s over the no-checkpoint run's; blocked: the loop's wait for saves, "
+        "in seconds and as a share of the measured time (less noisy on a busy machine)",
+        "",
+        f"{'mode':<10} {'tokens/s (min-max)':<26} {'x none':>7} {'saves':>6} {'blocked s':>10} "
+        f"{'blocked %':>10} {'ckpt MB':>8}",
+    ]
+    for r in report["rows"]:
+        span = f"{r['tokens_per_s']:.0f} ({r['min']:.0f}-{r['max']:.0f})"
+        lines.append(f"{r['mode']:<10} {span:<26} {r['vs_none']:>7.3f} {r['saves']:>6.0f} "
+                     f"{r['blocked_s']:>10.3f} {100 * r['blocked_share']:>10.2f} "
+                     f"{r['checkpoint_bytes'] / 1e6:>8.1f}")
+    return "\n".join(lines)
+
