@@ -1,23 +1,23 @@
-"""`pyrecover plot`: loss against step, with the run's checkpoints and interruptions marked.
+"""`pyrecover plot`: where a run's time went, from its `metrics.jsonl` and `events.jsonl`.
 
-Reads `metrics.jsonl` and `events.jsonl` and writes a PNG with nothing but the standard
-library: a small RGB canvas, straight lines, a 5x7 bitmap font, and zlib for the PNG. A plot
-of a few curves and marks does not need matplotlib, and the login node stays free of it.
+Two panels over the same steps, drawn with matplotlib (Agg: no display needed), which is
+imported only when a plot is drawn. The top panel is the loss with the run's marks:
 
-Marks (vertical lines at the step they happened):
-- checkpoint: a green tick along the bottom of the plot and a faint dotted line;
-- resume: blue, at the step the run resumed from, labelled with the steps it had to redo;
+- checkpoint: a green tick along the bottom and a faint dotted line;
+- resume: blue, at the step the run resumed from, labelled with the steps it had to redo,
+  which are shaded (the lost work);
 - crash / error: red, at the last step logged before the event;
 - stop / requeue / signal: orange.
-A resumed run redoes the steps after its checkpoint: each start's curve is drawn in turn, so
-the redone stretch is drawn over the lost one.
+
+The bottom panel is the training throughput (tokens/s) and, on its right axis, how long each
+checkpoint stalled the loop. A resumed run redoes the steps after its checkpoint: each
+start's curve is drawn in turn, so the redone stretch is drawn over the lost one. The file's
+suffix picks the format: `.png`, `.svg` or `.pdf`.
 """
 
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,168 +26,29 @@ from typing import Any
 from pyrecover.rundir import RunDir, read_jsonl
 
 Color = tuple[int, int, int]
-WHITE: Color = (255, 255, 255)
-BLACK: Color = (0, 0, 0)
-GRID: Color = (228, 228, 228)
-AXIS: Color = (90, 90, 90)
 LOSS: Color = (40, 40, 40)
+THROUGHPUT: Color = (100, 100, 100)
 CHECKPOINT: Color = (44, 160, 44)
 CHECKPOINT_LINE: Color = (190, 225, 190)
 RESUME: Color = (31, 119, 180)
 CRASH: Color = (214, 39, 40)
 STOP: Color = (255, 127, 14)
+LOST: Color = (198, 219, 239)
 
 # Which events mark an interruption, and in which color.
 MARKS: dict[str, Color] = {"resume": RESUME, "crash": CRASH, "error": CRASH, "stop": STOP,
                            "requeue": STOP, "signal": STOP}
+FORMATS = (".png", ".svg", ".pdf")
+DPI = 100
 
 
 class PlotError(ValueError):
-    """The run directory has nothing to plot; the message says what is missing."""
+    """The run directory has nothing to plot, or the plot cannot be written; says why."""
 
-
-# --- a 5x7 bitmap font: each glyph is 7 rows of 5 pixels ('#' = ink) -------------------------
-
-_FONT_ROWS = {
-    "0": (".###.", "#...#", "#..##", "#.#.#", "##..#", "#...#", ".###."),
-    "1": ("..#..", ".##..", "..#..", "..#..", "..#..", "..#..", ".###."),
-    "2": (".###.", "#...#", "....#", "...#.", "..#..", ".#...", "#####"),
-    "3": ("#####", "...#.", "..#..", "...#.", "....#", "#...#", ".###."),
-    "4": ("...#.", "..##.", ".#.#.", "#..#.", "#####", "...#.", "...#."),
-    "5": ("#####", "#....", "####.", "....#", "....#", "#...#", ".###."),
-    "6": ("..##.", ".#...", "#....", "####.", "#...#", "#...#", ".###."),
-    "7": ("#####", "....#", "...#.", "..#..", ".#...", ".#...", ".#..."),
-    "8": (".###.", "#...#", "#...#", ".###.", "#...#", "#...#", ".###."),
-    "9": (".###.", "#...#", "#...#", ".####", "....#", "...#.", ".##.."),
-    "A": (".###.", "#...#", "#...#", "#####", "#...#", "#...#", "#...#"),
-    "B": ("####.", "#...#", "#...#", "####.", "#...#", "#...#", "####."),
-    "C": (".###.", "#...#", "#....", "#....", "#....", "#...#", ".###."),
-    "D": ("###..", "#..#.", "#...#", "#...#", "#...#", "#..#.", "###.."),
-    "E": ("#####", "#....", "#....", "####.", "#....", "#....", "#####"),
-    "F": ("#####", "#....", "#....", "####.", "#....", "#....", "#...."),
-    "G": (".###.", "#...#", "#....", "#.###", "#...#", "#...#", ".####"),
-    "H": ("#...#", "#...#", "#...#", "#####", "#...#", "#...#", "#...#"),
-    "I": (".###.", "..#..", "..#..", "..#..", "..#..", "..#..", ".###."),
-    "J": ("..###", "...#.", "...#.", "...#.", "...#.", "#..#.", ".##.."),
-    "K": ("#...#", "#..#.", "#.#..", "##...", "#.#..", "#..#.", "#...#"),
-    "L": ("#....", "#....", "#....", "#....", "#....", "#....", "#####"),
-    "M": ("#...#", "##.##", "#.#.#", "#.#.#", "#...#", "#...#", "#...#"),
-    "N": ("#...#", "#...#", "##..#", "#.#.#", "#..##", "#...#", "#...#"),
-    "O": (".###.", "#...#", "#...#", "#...#", "#...#", "#...#", ".###."),
-    "P": ("####.", "#...#", "#...#", "####.", "#....", "#....", "#...."),
-    "Q": (".###.", "#...#", "#...#", "#...#", "#.#.#", "#..#.", ".##.#"),
-    "R": ("####.", "#...#", "#...#", "####.", "#.#..", "#..#.", "#...#"),
-    "S": (".####", "#....", "#....", ".###.", "....#", "....#", "####."),
-    "T": ("#####", "..#..", "..#..", "..#..", "..#..", "..#..", "..#.."),
-    "U": ("#...#", "#...#", "#...#", "#...#", "#...#", "#...#", ".###."),
-    "V": ("#...#", "#...#", "#...#", "#...#", "#...#", ".#.#.", "..#.."),
-    "W": ("#...#", "#...#", "#...#", "#.#.#", "#.#.#", "#.#.#", ".#.#."),
-    "X": ("#...#", "#...#", ".#.#.", "..#..", ".#.#.", "#...#", "#...#"),
-    "Y": ("#...#", "#...#", ".#.#.", "..#..", "..#..", "..#..", "..#.."),
-    "Z": ("#####", "....#", "...#.", "..#..", ".#...", "#....", "#####"),
-    ".": (".....", ".....", ".....", ".....", ".....", ".##..", ".##.."),
-    ",": (".....", ".....", ".....", ".....", ".##..", "..#..", ".#..."),
-    "-": (".....", ".....", ".....", "#####", ".....", ".....", "....."),
-    "+": (".....", "..#..", "..#..", "#####", "..#..", "..#..", "....."),
-    ":": (".....", ".##..", ".##..", ".....", ".##..", ".##..", "....."),
-    "/": (".....", "....#", "...#.", "..#..", ".#...", "#....", "....."),
-    "_": (".....", ".....", ".....", ".....", ".....", ".....", "#####"),
-    "(": ("...#.", "..#..", ".#...", ".#...", ".#...", "..#..", "...#."),
-    ")": (".#...", "..#..", "...#.", "...#.", "...#.", "..#..", ".#..."),
-    "=": (".....", ".....", "#####", ".....", "#####", ".....", "....."),
-    "?": (".###.", "#...#", "....#", "...#.", "..#..", ".....", "..#.."),
-    " ": (".....",) * 7,
-}
-GLYPH_W, GLYPH_H = 5, 7
-
-
-class Canvas:
-    """An RGB image in memory with the few drawing operations a line plot needs."""
-
-    def __init__(self, width: int, height: int, background: Color = WHITE) -> None:
-        self.width, self.height = width, height
-        self.pixels = bytearray(bytes(background) * (width * height))
-
-    def set(self, x: int, y: int, color: Color) -> None:
-        if 0 <= x < self.width and 0 <= y < self.height:
-            i = 3 * (y * self.width + x)
-            self.pixels[i:i + 3] = bytes(color)
-
-    def get(self, x: int, y: int) -> Color:
-        i = 3 * (y * self.width + x)
-        return (self.pixels[i], self.pixels[i + 1], self.pixels[i + 2])
-
-    def rect(self, x0: int, y0: int, x1: int, y1: int, color: Color) -> None:
-        """rect fills the box from (x0, y0) to (x1, y1), both included."""
-        for y in range(max(0, y0), min(self.height, y1 + 1)):
-            for x in range(max(0, x0), min(self.width, x1 + 1)):
-                self.set(x, y, color)
-
-    def vline(self, x: int, y0: int, y1: int, color: Color, dash: int = 0) -> None:
-        for y in range(min(y0, y1), max(y0, y1) + 1):
-            if not dash or (y // dash) % 2 == 0:
-                self.set(x, y, color)
-
-    def hline(self, x0: int, x1: int, y: int, color: Color, dash: int = 0) -> None:
-        for x in range(min(x0, x1), max(x0, x1) + 1):
-            if not dash or (x // dash) % 2 == 0:
-                self.set(x, y, color)
-
-    def line(self, x0: int, y0: int, x1: int, y1: int, color: Color, width: int = 1) -> None:
-        """line draws with Bresenham's algorithm; width > 1 thickens it downwards."""
-        dx, dy = abs(x1 - x0), -abs(y1 - y0)
-        sx, sy = (1 if x0 < x1 else -1), (1 if y0 < y1 else -1)
-        err = dx + dy
-        while True:
-            for k in range(width):
-                self.set(x0, y0 + k, color)
-            if x0 == x1 and y0 == y1:
-                return
-            e2 = 2 * err
-            if e2 >= dy:
-                err += dy
-                x0 += sx
-            if e2 <= dx:
-                err += dx
-                y0 += sy
-
-    def text(self, x: int, y: int, text: str, color: Color, scale: int = 2) -> int:
-        """text draws upper-cased `text` with its top-left corner at (x, y); returns its width."""
-        cx = x
-        for ch in text.upper():
-            rows = _FONT_ROWS.get(ch, _FONT_ROWS["?"])
-            for r, row in enumerate(rows):
-                for c, ink in enumerate(row):
-                    if ink == "#":
-                        self.rect(cx + c * scale, y + r * scale, cx + (c + 1) * scale - 1,
-                                  y + (r + 1) * scale - 1, color)
-            cx += (GLYPH_W + 1) * scale
-        return cx - x
-
-    def png(self) -> bytes:
-        """png encodes the canvas as an 8-bit RGB PNG (filter 0 on every row)."""
-        stride = 3 * self.width
-        raw = b"".join(b"\x00" + bytes(self.pixels[y * stride:(y + 1) * stride])
-                       for y in range(self.height))
-        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)
-        return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header)
-                + _chunk(b"IDAT", zlib.compress(raw, 6)) + _chunk(b"IEND", b""))
-
-
-def text_width(text: str, scale: int = 2) -> int:
-    return len(text) * (GLYPH_W + 1) * scale
-
-
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    return (struct.pack(">I", len(data)) + kind + data
-            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
-
-
-# --- what to draw --------------------------------------------------------------------------
 
 @dataclass
 class Series:
-    """One start's logged losses, in step order."""
+    """One start's logged values of one metric, in step order."""
 
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -198,22 +59,24 @@ class Mark:
     step: int
     kind: str  # checkpoint, resume, crash, error, stop, requeue, signal
     label: str = ""  # drawn beside the mark: the steps a resume had to redo
+    lost: int = 0  # steps a resume redoes
+    stall: float | None = None  # seconds a checkpoint blocked the loop
 
 
-def segments(metrics: Iterable[Mapping[str, Any]]) -> list[Series]:
+def segments(metrics: Iterable[Mapping[str, Any]], key: str = "loss") -> list[Series]:
     """segments splits metrics.jsonl into one series per start: a new one where step drops."""
     out: list[Series] = []
     last = None
     for m in metrics:
-        step, loss = m.get("step"), m.get("loss")
-        if not isinstance(step, int) or not isinstance(loss, (int, float)):
+        step, value = m.get("step"), m.get(key)
+        if not isinstance(step, int) or not isinstance(value, (int, float)):
             continue
-        if not math.isfinite(loss):
+        if not math.isfinite(value):
             continue
         if last is None or step <= last:
             out.append(Series())
         out[-1].steps.append(step)
-        out[-1].losses.append(float(loss))
+        out[-1].losses.append(float(value))
         last = step
     return out
 
@@ -239,13 +102,16 @@ def marks(events: Iterable[Mapping[str, Any]],
                 continue
             step = before[-1]
         lost = e.get("steps_lost") if kind == "resume" else None
-        out.append(Mark(step, str(kind), f"lost {lost}" if isinstance(lost, int) else ""))
+        stall = e.get("blocked") if kind == "checkpoint" else None
+        out.append(Mark(step, str(kind), f"lost {lost}" if isinstance(lost, int) else "",
+                        lost if isinstance(lost, int) else 0,
+                        float(stall) if isinstance(stall, (int, float)) else None))
     return out
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where the data lands in the picture: the plot box and the axis ranges."""
+    """Where the loss panel's data lands in the picture, in pixels from the top left."""
 
     left: int
     top: int
@@ -265,116 +131,108 @@ class Layout:
         return round(self.bottom - (value - self.y_min) / span * (self.bottom - self.top))
 
 
-def nice_ticks(lo: float, hi: float, count: int = 6) -> list[float]:
-    """nice_ticks returns round values (1, 2 or 5 times a power of ten) covering lo..hi."""
-    if not math.isfinite(lo) or not math.isfinite(hi):
-        return []
-    if hi <= lo:
-        hi = lo + 1.0
-    raw = (hi - lo) / max(1, count)
-    power = 10 ** math.floor(math.log10(raw))
-    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
-    first = math.ceil(lo / step - 1e-9) * step
-    ticks, k = [], 0
-    while first + k * step <= hi + 1e-9 * step:
-        ticks.append(first + k * step)
-        k += 1
-    return ticks
-
-
-def _fmt(value: float, step: float) -> str:
-    if abs(value) < 1e-12:
-        return "0"
-    if step >= 1 and abs(value) < 1e6:
-        return f"{value:.0f}"
-    digits = max(0, -math.floor(math.log10(step))) if step > 0 else 2
-    return f"{value:.{min(digits, 6)}f}"
-
-
-def render(run: RunDir, width: int = 960, height: int = 540) -> tuple[bytes, Layout]:
-    """render draws the run's loss and marks; returns the PNG bytes and the layout used."""
-    metrics = list(read_jsonl(run.metrics))
-    events = list(read_jsonl(run.events))
-    series = segments(metrics)
-    if not series:
-        raise PlotError(f"{run.metrics}: no logged losses to plot yet")
-    found = marks(events, metrics)
-    steps = [s for ser in series for s in ser.steps] + [m.step for m in found]
-    losses = [v for ser in series for v in ser.losses]
-    lo, hi = min(losses), max(losses)
-    pad = (hi - lo) * 0.05 or max(abs(lo) * 0.05, 0.5)
-    y_ticks = nice_ticks(lo - pad, hi + pad)
-    x_ticks = nice_ticks(0, max(steps))
-    layout = Layout(left=90, top=70, right=width - 30, bottom=height - 60,
-                    x_min=0, x_max=max(x_ticks[-1], max(steps)),
-                    y_min=min(y_ticks[0], lo - pad), y_max=max(y_ticks[-1], hi + pad))
-    canvas = Canvas(width, height)
-    _axes(canvas, layout, x_ticks, y_ticks)
-    for m in found:  # checkpoints first: interruptions are drawn over them
-        if m.kind == "checkpoint":
-            x = layout.x(m.step)
-            canvas.vline(x, layout.top, layout.bottom, CHECKPOINT_LINE, dash=4)
-            canvas.rect(x - 1, layout.bottom - 12, x + 1, layout.bottom - 1, CHECKPOINT)
-    for ser in series:
-        points = [(layout.x(s), layout.y(v)) for s, v in zip(ser.steps, ser.losses, strict=True)]
-        if len(points) == 1:
-            canvas.rect(points[0][0] - 1, points[0][1] - 1, points[0][0] + 1, points[0][1] + 1,
-                        LOSS)
-        for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
-            canvas.line(x0, y0, x1, y1, LOSS, width=2)
-    for m in found:
-        if m.kind in MARKS:
-            x = layout.x(m.step)
-            canvas.rect(x - 1, layout.top, x, layout.bottom, MARKS[m.kind])
-            if m.label:
-                canvas.text(x + 5, layout.top + 4, m.label, MARKS[m.kind])
-    _legend(canvas, layout, run.root.name, {m.kind for m in found})
-    return canvas.png(), layout
-
-
 def write(run_dir: str | Path, out: str | Path, width: int = 960, height: int = 540) -> Layout:
-    """write renders the plot of `run_dir` into the PNG file `out`."""
+    """write draws the plot of `run_dir` into `out`, in the format its suffix names."""
     run = RunDir(Path(run_dir))
+    out = Path(out)
     if not run.root.is_dir():
         raise PlotError(f"run directory {str(run.root)!r} does not exist")
     if width < 320 or height < 200:
         raise PlotError(f"{width}x{height} is too small; use at least 320x200")
-    data, layout = render(run, width, height)
-    Path(out).write_bytes(data)
+    if out.suffix.lower() not in FORMATS:
+        raise PlotError(f"{out}: unknown format {out.suffix or '(no suffix)'!r}; "
+                        f"use {', '.join(FORMATS)}")
+    metrics = list(read_jsonl(run.metrics))
+    series = segments(metrics)
+    if not series:
+        raise PlotError(f"{run.metrics}: no logged losses to plot yet")
+    found = marks(read_jsonl(run.events), metrics)
+    fig, layout = _draw(run.root.name, series, segments(metrics, "tokens_per_s"), found,
+                        width, height)
+    try:
+        fig.savefig(out, format=out.suffix.lower()[1:], dpi=DPI)
+    except OSError as exc:
+        raise PlotError(f"{out}: {exc.strerror or exc}") from None
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
     return layout
 
 
-def _axes(canvas: Canvas, lay: Layout, x_ticks: list[float], y_ticks: list[float]) -> None:
-    x_step = x_ticks[1] - x_ticks[0] if len(x_ticks) > 1 else 1.0
-    y_step = y_ticks[1] - y_ticks[0] if len(y_ticks) > 1 else 1.0
-    for v in y_ticks:
-        y = lay.y(v)
-        canvas.hline(lay.left, lay.right, y, GRID)
-        canvas.hline(lay.left - 5, lay.left - 1, y, AXIS)
-        label = _fmt(v, y_step)
-        canvas.text(lay.left - 8 - text_width(label), y - GLYPH_H, label, AXIS)
-    for v in x_ticks:
-        x = lay.x(v)
-        canvas.vline(x, lay.bottom + 1, lay.bottom + 5, AXIS)
-        label = _fmt(v, x_step)
-        canvas.text(x - text_width(label) // 2, lay.bottom + 10, label, AXIS)
-    canvas.hline(lay.left, lay.right, lay.bottom, AXIS)
-    canvas.vline(lay.left, lay.top, lay.bottom, AXIS)
-    canvas.text((lay.left + lay.right - text_width("step")) // 2, lay.bottom + 34, "step", AXIS)
-    canvas.text(10, lay.top - 24, "loss", AXIS)
+def _rgb(color: Color) -> tuple[float, float, float]:
+    return (color[0] / 255, color[1] / 255, color[2] / 255)
 
 
-def _legend(canvas: Canvas, lay: Layout, title: str, kinds: set[str]) -> None:
-    canvas.text(lay.left, 12, title[:60], BLACK)
-    entries = [("loss", LOSS), ("checkpoint", CHECKPOINT), ("resume", RESUME),
-               ("crash/error", CRASH), ("stop/requeue", STOP)]
-    present = {"loss", "checkpoint" if "checkpoint" in kinds else "",
-               "resume" if "resume" in kinds else "",
-               "crash/error" if kinds & {"crash", "error"} else "",
-               "stop/requeue" if kinds & {"stop", "requeue", "signal"} else ""}
-    x, y = lay.left, 40
-    for label, color in entries:
-        if label not in present:
+def _draw(title: str, losses: list[Series], speed: list[Series], found: list[Mark],
+          width: int, height: int):
+    """_draw builds the figure; returns it and the loss panel's layout in pixels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.fonttype"] = "none"  # text stays text in an SVG: searchable
+    fig, (top, low) = plt.subplots(2, 1, sharex=True, figsize=(width / DPI, height / DPI),
+                                   dpi=DPI, height_ratios=(3, 2), layout="constrained")
+    fig.suptitle(title[:80], fontsize="medium", x=0.02, ha="left")
+    steps = [s for ser in losses for s in ser.steps] + [m.step for m in found]
+    for m in found:  # checkpoints first: interruptions are drawn over them
+        if m.kind == "checkpoint":
+            top.axvline(m.step, color=_rgb(CHECKPOINT_LINE), linestyle=":", linewidth=1,
+                        zorder=1)
+        elif m.kind == "resume" and m.lost:
+            top.axvspan(m.step, m.step + m.lost, color=_rgb(LOST), zorder=0, linewidth=0)
+    ticks = [m.step for m in found if m.kind == "checkpoint"]
+    top.plot(ticks, [0] * len(ticks), linestyle="none", marker="|", markersize=12,
+             markeredgewidth=2, color=_rgb(CHECKPOINT), label="checkpoint",
+             transform=top.get_xaxis_transform(), clip_on=False, zorder=4)
+    for i, ser in enumerate(losses):
+        top.plot(ser.steps, ser.losses, color=_rgb(LOSS), linewidth=1.5, zorder=3,
+                 marker="o" if len(ser.steps) == 1 else None, label="loss" if i == 0 else None)
+    shown: set[str] = set()
+    for m in found:
+        if m.kind not in MARKS:
             continue
-        canvas.rect(x, y + 2, x + 15, y + 11, color)
-        x += 22 + canvas.text(x + 22, y, label, AXIS) + 16
+        name = {"error": "crash", "requeue": "stop", "signal": "stop"}.get(m.kind, m.kind)
+        for ax in (top, low):
+            ax.axvline(m.step, color=_rgb(MARKS[m.kind]), linewidth=2, antialiased=False,
+                       zorder=5, label=None if name in shown or ax is low else name)
+        shown.add(name)
+        if m.kind == "resume":
+            top.annotate(f"resume at {m.step}" + (f", {m.label} steps" if m.label else ""),
+                         (m.step, 1), xycoords=top.get_xaxis_transform(), xytext=(4, -4),
+                         textcoords="offset points", va="top", fontsize="small",
+                         color=_rgb(RESUME))
+    top.set_ylabel("loss")
+    top.grid(True, color="0.9")
+    # Above the panels, where it hides no mark.
+    fig.legend(loc="outside upper right", fontsize="small", ncols=5, frameon=False)
+    _throughput_panel(low, speed, found)
+    top.set_xlim(0, max(steps) * 1.02 or 1)
+    fig.canvas.draw()  # fixes the layout, so the pixel positions below are final
+    box = top.get_window_extent()
+    (x0, x1), (y0, y1) = top.get_xlim(), top.get_ylim()
+    layout = Layout(left=round(box.x0), top=height - round(box.y1), right=round(box.x1),
+                    bottom=height - round(box.y0), x_min=x0, x_max=x1, y_min=y0, y_max=y1)
+    return fig, layout
+
+
+def _throughput_panel(ax, speed: list[Series], found: list[Mark]) -> None:
+    """_throughput_panel draws tokens/s per start and each checkpoint's stall of the loop."""
+    for i, ser in enumerate(speed):
+        ax.plot(ser.steps, ser.losses, color=_rgb(THROUGHPUT), linewidth=1,
+                label="tokens/s" if i == 0 else None)
+    ax.set_ylabel("tokens/s")
+    ax.set_xlabel("step")
+    ax.grid(True, color="0.9")
+    stalls = [(m.step, m.stall) for m in found if m.kind == "checkpoint" and m.stall is not None]
+    right = ax.twinx()
+    right.set_ylabel("checkpoint stall (s)")
+    if stalls:
+        right.plot([s for s, _ in stalls], [v for _, v in stalls], linestyle="none",
+                   marker="v", color=_rgb(CHECKPOINT), label="checkpoint stall")
+        right.set_ylim(0, max(v for _, v in stalls) * 1.2 or 1)
+    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    if handles:
+        ax.legend(handles=handles, loc="best", fontsize="small", framealpha=0.9)

@@ -1,4 +1,4 @@
-"""`pyrecover plot RUN_DIR --out run.png`: the loss curve with checkpoints and interruptions."""
+"""`pyrecover plot RUN_DIR --out run.png`: loss, throughput and checkpoint stalls, marked."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ import typer
 
 def plot(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="The PNG file to write.")] =
+    out: Annotated[Path, typer.Option("--out", "-o", help="The file to write: .png, .svg or .pdf "
+                                       "(the suffix picks the format).")] =
     Path("run.png"),
     width: Annotated[int, typer.Option(help="Image width in pixels.")] = 960,
     height: Annotated[int, typer.Option(help="Image height in pixels.")] = 540,
 ) -> None:
     """Plot loss against step, marking checkpoints, resumes, crashes and stops.
 
-    Reads metrics.jsonl and events.jsonl of the run directory; needs no plotting library.
+    A second panel shows tokens/s and how long each checkpoint stalled the loop. Reads
+    metrics.jsonl and events.jsonl of the run directory.
     """
     from pyrecover import plot as plot_mod
 
