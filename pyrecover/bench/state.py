@@ -27,7 +27,7 @@ def gpt_shape(target_bytes: int) -> dict[str, int]:
 class State:
     """A live model + AdamW (with its state filled in) as pyrecover's checkpoint code sees it."""
 
-    parts: Any  # pyrecover.checkpoint.manager.Parts
+    parts: Any  # pyrecover.checkpoint.mode.Parts
     shape: dict[str, int]
 
     def tensors(self) -> list[Any]:
@@ -52,7 +52,7 @@ def build_state(target_bytes: int, seed: int = 0) -> State:
     """build_state makes a GPT + AdamW of about `target_bytes` with every optimizer slot filled."""
     import torch
 
-    from pyrecover.checkpoint.manager import Parts
+    from pyrecover.checkpoint.mode import Parts
     from pyrecover.model import GPT, GPTConfig
 
     shape = gpt_shape(target_bytes)

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from pyrecover import faults
 from pyrecover.checkpoint import dcp_io, rng
+from pyrecover.checkpoint.mode import Restored, WriteResult
 from pyrecover.checkpoint.store import Checkpoint, Pending, sha256_file
 
 NAME = "dcp"
@@ -152,7 +153,7 @@ class DcpMode:
             use_non_blocking_copy=True)) if cuda else ReusedBuffers()
         self._staged = None  # the copy of the save in flight, until it is complete
         self._thread: threading.Thread | None = None
-        self._result: tuple[dict[str, Any], str] | None = None
+        self._result: WriteResult | None = None
 
     def start(self, pending: Pending, parts, train: dict[str, Any]) -> None:
         folder = pending.tmp
@@ -202,13 +203,13 @@ class DcpMode:
                 with path.open("rb") as f:
                     os.fsync(f.fileno())
                 files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-            self._result = (files, "")
+            self._result = WriteResult(files)
         # DCP's CheckpointException is a BaseException: catch it too, or the manager would only
         # learn that the write ended without a result.
         except BaseException as exc:  # reported to the manager, which discards the whole save
-            self._result = ({}, describe(exc))
+            self._result = WriteResult({}, describe(exc))
 
-    def result(self, wait: bool) -> tuple[dict[str, Any], str] | None:
+    def result(self, wait: bool) -> WriteResult | None:
         """result is (files, error) once this rank's write is durable and hashed, else None.
 
         Asking again returns the same answer until the next `start`, because the manager
@@ -220,9 +221,7 @@ class DcpMode:
             self._thread.join()
         return None if self._thread.is_alive() else self._result
 
-    def restore(self, ckpt: Checkpoint, parts):
-        from pyrecover.checkpoint.manager import Restored
-
+    def restore(self, ckpt: Checkpoint, parts) -> Restored:
         model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         with quiet_single_process():

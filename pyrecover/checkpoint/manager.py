@@ -28,45 +28,30 @@ import torch
 import torch.distributed as tdist
 
 from pyrecover.checkpoint import store
+from pyrecover.checkpoint.dcp import DcpMode
+from pyrecover.checkpoint.memory import MemoryMode, finalize_snapshots
+from pyrecover.checkpoint.mode import Mode, ModeSettings, Parts, Restored, Snapshotting
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
+from pyrecover.checkpoint.vanilla import VanillaMode
 from pyrecover.rundir import RunDir
 
 log = logging.getLogger("pyrecover")
 
 
-@dataclass
-class Parts:
-    """The live objects a checkpoint captures and restores (the model unwrapped from DDP)."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    config: dict[str, Any]
-    train_state: Callable[[], dict[str, Any]]
+# The modes a run can use: its `checkpoint.mode` -> how to make one for a rank.
+MODES: dict[str, Callable[[int, int, ModeSettings], Mode]] = {
+    VanillaMode.name: lambda rank, world_size, s: VanillaMode(rank, world_size),
+    DcpMode.name: lambda rank, world_size, s: DcpMode(rank, world_size, s.device, s.async_save),
+    MemoryMode.name: lambda rank, world_size, s: MemoryMode(rank, world_size, s.device,
+                                                            s.replicas, s.ranks_per_node),
+}
 
 
-@dataclass
-class Restored:
-    train: dict[str, Any]
-    rng: dict[str, Any] | None  # this rank's generators, None when it had no saved rank
-
-
-def make_mode(name: str, rank: int, world_size: int, device: torch.device,
-              async_save: bool = True, replicas: int = 2, ranks_per_node: int | None = None):
+def make_mode(name: str, rank: int, world_size: int, settings: ModeSettings) -> Mode:
     """make_mode returns the writer/reader of one checkpoint format."""
-    if name == "vanilla":
-        from pyrecover.checkpoint.vanilla import VanillaMode
-
-        return VanillaMode(rank, world_size)
-    if name == "dcp":
-        from pyrecover.checkpoint.dcp import DcpMode
-
-        return DcpMode(rank, world_size, device, async_save)
-    if name == "memory":
-        from pyrecover.checkpoint.memory import MemoryMode
-
-        return MemoryMode(rank, world_size, device, replicas, ranks_per_node)
-    raise CheckpointError(f"checkpoint mode {name!r} is not supported here")
+    if name not in MODES:
+        raise CheckpointError(f"checkpoint mode {name!r} is not supported here")
+    return MODES[name](rank, world_size, settings)
 
 
 class SaveFailed(RuntimeError):
@@ -91,10 +76,11 @@ class CheckpointManager:
         self.run, self.mode_name, self.interval, self.keep = run, mode, interval, keep
         self.rank, self.world_size, self.parts = rank, world_size, parts
         self.root = run.checkpoints
-        self.mode = make_mode(mode, rank, world_size, device or torch.device("cpu"), async_save,
-                              replicas, ranks_per_node)
-        # Memory mode only: steps between in-memory snapshots (0: none).
-        self.snapshot_interval = snapshot_interval if hasattr(self.mode, "snapshot") else 0
+        self.mode = make_mode(mode, rank, world_size, ModeSettings(
+            device or torch.device("cpu"), async_save, replicas, ranks_per_node))
+        # A snapshotting mode only: steps between in-memory snapshots (0: none).
+        self.snapshot_interval = (snapshot_interval if isinstance(self.mode, Snapshotting)
+                                  else 0)
         self.inflight: _InFlight | None = None
         self.last_saved_step: int | None = None
         self.last_error = ""  # why the newest save failed, if it did
@@ -114,6 +100,7 @@ class CheckpointManager:
         if self.inflight is not None:
             self._try_commit(wait=False)
         if self.snapshot_interval and step % self.snapshot_interval == 0:
+            assert isinstance(self.mode, Snapshotting)
             self.mode.snapshot(step, self.parts, self.parts.train_state())
         if step % self.interval == 0 or final:
             if self.inflight is not None:
@@ -132,12 +119,11 @@ class CheckpointManager:
         """before_update is called just before the optimizer (or the scheduler) changes the
         state: a background save that is still copying the state waits here until its copy
         is complete. Returns the seconds the loop waited (also counted as blocked)."""
-        wait = getattr(self.mode, "wait_staged", None)
-        # Memory mode's snapshots are no disk save in flight but may be copying too.
-        if wait is None or (self.inflight is None and not self.snapshot_interval):
+        # Snapshots are no disk save in flight but may be copying too.
+        if self.inflight is None and not self.snapshot_interval:
             return 0.0
         started = time.perf_counter()
-        wait()
+        self.mode.wait_staged()
         waited = time.perf_counter() - started
         self.stall_seconds += waited
         if self.inflight is not None:
@@ -172,11 +158,10 @@ class CheckpointManager:
         Uses no collective; the next start's rank 0 commits the result if it covers every
         slice of one step.
         """
-        persist = getattr(self.mode, "persist_survivor", None)
-        if persist is None:
+        if not isinstance(self.mode, Snapshotting):
             return
         try:
-            steps = persist(self.root)
+            steps = self.mode.persist_survivor(self.root)
         except Exception as exc:  # the original failure matters more than this one
             log.error("rank %d could not persist its snapshots: %s", self.rank, exc)
             return
@@ -205,7 +190,7 @@ class CheckpointManager:
 
     def _try_commit(self, wait: bool) -> bool:
         assert self.inflight is not None
-        local = self.mode.result(wait)  # None while still writing; else (files, error)
+        local = self.mode.result(wait)  # None while still writing
         if self.world_size > 1 and tdist.is_initialized():
             flag = torch.tensor([0 if local is None else 1], dtype=torch.int32)
             tdist.all_reduce(flag, op=tdist.ReduceOp.MIN)
@@ -218,7 +203,7 @@ class CheckpointManager:
                 return False
             results = [local]
         flight, self.inflight = self.inflight, None
-        errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(results) if err]
+        errors = [f"rank {r}: {res.error}" for r, res in enumerate(results) if res.error]
         self.last_error = "; ".join(errors)
         if errors:
             self.failed_step = flight.pending.step
@@ -235,8 +220,8 @@ class CheckpointManager:
             log.warning("checkpoint of step %d failed and was discarded: %s", pending.step, error)
             self.run.event("checkpoint_failed", step=pending.step, reason=error)
             return
-        for files, _ in results:
-            pending.files.update(files)
+        for res in results:
+            pending.files.update(res.files)
         folder = pending.commit(self.mode_name, self.world_size, flight.train)
         seconds = time.perf_counter() - flight.started
         self.last_save_seconds = seconds
@@ -284,8 +269,6 @@ class CheckpointManager:
         choice: list[Any] = [None]
         found: Checkpoint | None = None
         if self.rank == 0:
-            from pyrecover.checkpoint.memory import finalize_snapshots
-
             finalize_snapshots(self.root, self.run.event)
             for tmp in store.clean_uncommitted(self.root):
                 log.warning("removed uncommitted checkpoint folder %s", tmp.name)
@@ -305,6 +288,7 @@ class CheckpointManager:
     def restore(self, ckpt: Checkpoint) -> Restored:
         """restore loads `ckpt` (of any mode) into the live parts and returns the train state."""
         mode = self.mode if ckpt.mode == self.mode_name else make_mode(
-            ckpt.mode, self.rank, self.world_size, torch.device("cpu"), False, 1)
+            ckpt.mode, self.rank, self.world_size,
+            ModeSettings(torch.device("cpu"), async_save=False, replicas=1))
         return mode.restore(ckpt, self.parts)
 

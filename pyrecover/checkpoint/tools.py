@@ -142,7 +142,7 @@ def config_of(ckpt: Checkpoint) -> dict:
 
 def _parts_for(cfg: dict):
     from pyrecover import config as config_mod
-    from pyrecover.checkpoint.manager import Parts
+    from pyrecover.checkpoint.mode import Parts
     from pyrecover.model import GPT, GPTConfig
     from pyrecover.optim import build_optimizer, build_scheduler
 

@@ -13,7 +13,7 @@ import torch
 
 from pyrecover import dist
 from pyrecover.checkpoint import rng
-from pyrecover.checkpoint.store import Checkpoint, Pending
+from pyrecover.checkpoint.mode import Checkpoint, Parts, Pending, Restored, WriteResult
 
 NAME = "vanilla"
 STATE_FILE = "state.pt"
@@ -42,9 +42,9 @@ class VanillaMode:
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
-        self._result: tuple[dict[str, Any], str] | None = None
+        self._result: WriteResult | None = None
 
-    def start(self, pending: Pending, parts, train: dict[str, Any]) -> None:
+    def start(self, pending: Pending, parts: Parts, train: dict[str, Any]) -> None:
         rngs = dist.gather_objects(rng.capture(), self.world_size)  # every rank takes part
         files, error = {}, ""
         if self.rank == 0:
@@ -54,14 +54,15 @@ class VanillaMode:
                 files = dict(pending.files)
             except OSError as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        self._result = (files, error)
+        self._result = WriteResult(files, error)
 
-    def result(self, wait: bool) -> tuple[dict[str, Any], str] | None:
+    def wait_staged(self) -> None:
+        pass  # start() returns once the state is written
+
+    def result(self, wait: bool) -> WriteResult | None:
         return self._result  # written synchronously in start()
 
-    def restore(self, ckpt: Checkpoint, parts):
-        from pyrecover.checkpoint.manager import Restored
-
+    def restore(self, ckpt: Checkpoint, parts: Parts) -> Restored:
         state = load_file(ckpt)
         parts.model.load_state_dict(state["model"])
         parts.optimizer.load_state_dict(state["optimizer"])

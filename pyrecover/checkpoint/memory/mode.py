@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from pyrecover import faults
 from pyrecover.checkpoint import rng, store
 from pyrecover.checkpoint.hashed_file import HashedFile, pread_into
+from pyrecover.checkpoint.mode import Restored, WriteResult
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
 
 NAME = "memory"
@@ -202,7 +203,7 @@ class MemoryMode:
         self._live: tuple[tuple[int, ...], list[tuple[str, torch.Tensor]], list[Any]] | None = None
         self._copies: list[tuple[int, int, torch.Tensor]] = []  # (lo, hi) in own slice <- bytes
         self._model_buffers: bool | None = None  # whether _identity must walk the modules
-        self._result: tuple[dict[str, Any], str] | None = None
+        self._result: WriteResult | None = None
 
     # --- snapshots ----------------------------------------------------------------------
 
@@ -388,11 +389,11 @@ class MemoryMode:
                 self.wait_staged()
                 self.wait()
             files = self.write(pending.tmp, self.current, [self.rank])
-            self._result = (files, "")
+            self._result = WriteResult(files)
         except OSError as exc:
-            self._result = ({}, f"{type(exc).__name__}: {exc}")
+            self._result = WriteResult({}, f"{type(exc).__name__}: {exc}")
 
-    def result(self, wait: bool) -> tuple[dict[str, Any], str] | None:
+    def result(self, wait: bool) -> WriteResult | None:
         return self._result
 
     def persist_survivor(self, root: Path) -> list[int]:
@@ -449,9 +450,7 @@ class MemoryMode:
 
     # --- restoring ------------------------------------------------------------------------
 
-    def restore(self, ckpt: Checkpoint, parts):
-        from pyrecover.checkpoint.manager import Restored
-
+    def restore(self, ckpt: Checkpoint, parts) -> Restored:
         segments, meta = assemble(ckpt.path, list(ckpt.manifest["files"]))
         model_sd, optim_state = unflatten(segments, meta["layout"])
         del segments  # the model's segment goes once its bytes are in the parameters

@@ -1,0 +1,99 @@
+"""What a checkpoint mode is: the protocol the manager drives, and the records they exchange.
+
+A mode writes and reads one on-disk format. The manager depends on this module and on the
+modes (its `MODES` table names them); a mode depends on this module and on the store, never
+on the manager. Adding a mode is one new module and one line in `manager.MODES`.
+
+One save, as the manager runs it on every rank: `start(pending, parts, train)` begins writing
+this rank's files into `pending.tmp`; `wait_staged()` returns once the save no longer reads
+the live state (the optimizer may change it then); `result(wait)` is None while the write is
+still going and a `WriteResult` once this rank's files are durable and hashed. The manager
+gathers every rank's result and commits (or discards) the checkpoint as a whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+from pyrecover.checkpoint.store import Checkpoint, Pending
+
+__all__ = ["Checkpoint", "Mode", "ModeSettings", "Parts", "Pending", "Restored",
+           "Snapshotting", "WriteResult"]
+
+
+@dataclass
+class Parts:
+    """The live objects a checkpoint captures and restores (the model unwrapped from DDP)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    config: dict[str, Any]
+    train_state: Callable[[], dict[str, Any]]
+
+
+@dataclass
+class Restored:
+    """What a restore hands back besides the live parts it loaded."""
+
+    train: dict[str, Any]
+    rng: dict[str, Any] | None  # this rank's generators, None when it had no saved rank
+
+
+class WriteResult(NamedTuple):
+    """One rank's answer for a save: its files (name -> size and checksum), or why it failed.
+
+    A tuple, so it travels through `all_gather_object` as plain data.
+    """
+
+    files: dict[str, Any]
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ModeSettings:
+    """How the run configured its checkpoints; each mode takes what concerns it."""
+
+    device: torch.device
+    async_save: bool = True
+    replicas: int = 2
+    ranks_per_node: int | None = None
+
+
+@runtime_checkable
+class Mode(Protocol):
+    """A checkpoint format: start a save, report its files, restore, close."""
+
+    name: str
+    asynchronous: bool  # whether a save goes on after `start` returns
+
+    def start(self, pending: Pending, parts: Parts, train: dict[str, Any]) -> None:
+        """Begin writing this rank's files of the save into `pending.tmp`."""
+
+    def wait_staged(self) -> None:
+        """Return once the save in flight no longer reads the live state."""
+
+    def result(self, wait: bool) -> WriteResult | None:
+        """This rank's result once its files are durable and hashed; None while writing."""
+
+    def restore(self, ckpt: Checkpoint, parts: Parts) -> Restored:
+        """Load `ckpt` into the live parts; return the train state and this rank's RNG."""
+
+    def close(self) -> None:
+        """Let a save in flight end; release threads and buffers."""
+
+
+@runtime_checkable
+class Snapshotting(Mode, Protocol):
+    """A mode that also keeps in-memory snapshots between its disk checkpoints."""
+
+    def snapshot(self, step: int, parts: Parts, train: dict[str, Any]) -> None:
+        """Take this rank's snapshot of the state at `step`."""
+
+    def persist_survivor(self, root: Path) -> list[int]:
+        """Write what this rank holds after a peer died, with no collective; the steps."""
