@@ -8,7 +8,7 @@ import torch
 
 from pyrecover.bench.state import build_state
 from pyrecover.checkpoint import CheckpointManager, store
-from pyrecover.checkpoint.memory import mode as memory
+from pyrecover.checkpoint.memory import persist as memory
 from pyrecover.rundir import RunDir
 
 

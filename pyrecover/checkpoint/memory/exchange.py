@@ -1,0 +1,249 @@
+"""Memory mode in memory: copy this rank's slice of the state into CPU buffers and exchange
+replicas with its peers over a dedicated gloo group, next to training.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from pyrecover import faults
+from pyrecover.checkpoint import rng
+from pyrecover.checkpoint.memory.layout import (
+    Snapshot,
+    as_bytes,
+    flat_tensors,
+    holders,
+    identity,
+    param_groups,
+    slice_bounds,
+)
+
+log = logging.getLogger("pyrecover")
+# An own slice at least this big is copied by a background thread while the loop runs the next
+# forward and backward; a smaller one is copied at once (starting a thread costs more).
+BACKGROUND_COPY_BYTES = 64 << 20
+
+
+@dataclass
+class _Exchange:
+    """A snapshot whose own slice is copied, its replica exchange (if any) posted to gloo and
+    not yet waited for."""
+
+    target: Snapshot
+    step: int
+    meta: dict[str, Any]
+    works: list[Any]  # torch.distributed Work objects on `MemoryMode.group`
+
+
+class Snapshots:
+    """Snapshots keeps this rank's in-memory snapshots and their replica exchange."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, replicas: int = 2,
+                 ranks_per_node: int | None = None,
+                 background_copy_bytes: int = BACKGROUND_COPY_BYTES) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.replicas = max(1, min(replicas, world_size))
+        self.ranks_per_node = ranks_per_node or world_size
+        self.pin = device.type == "cuda"
+        # On CUDA the copy is a device-to-host copy on the current stream, never in a thread.
+        self.background_copy_bytes = background_copy_bytes if not self.pin else None
+        self._copier: threading.Thread | None = None
+        self._copy_error: BaseException | None = None
+        # Replicas travel over their own gloo group, so they never interleave with the
+        # training's collectives on the default group. Its ranks are the global ones.
+        self.group = (tdist.new_group(backend="gloo")
+                      if tdist.is_initialized() and world_size > 1 and self.replicas > 1
+                      else None)
+        # Per replica round: the rank this one sends its slice to, and the one it receives from.
+        ring = [holders(s, world_size, self.replicas, self.ranks_per_node)
+                for s in range(world_size)]
+        self._peers = [(ring[rank][k], next(s for s in range(world_size) if ring[s][k] == rank))
+                       for k in range(1, self.replicas)]
+        self.layout: list[dict[str, Any]] | None = None
+        self.bounds: list[tuple[int, int]] = []
+        # Three buffer sets, allocated once and recycled: the newest complete snapshot, the one
+        # before it, and the one being filled (or free). A kill during an exchange leaves every
+        # survivor holding a step that every slice reached.
+        self.current, self.previous, self.spare = Snapshot(), Snapshot(), Snapshot()
+        self._inflight: _Exchange | None = None
+        self._live: tuple[tuple[int, ...], list[tuple[str, torch.Tensor]], list[Any]] | None = None
+        self._copies: list[tuple[int, int, torch.Tensor]] = []  # (lo, hi) in own slice <- bytes
+        self._model_buffers: bool | None = None  # whether identity must walk the modules
+
+    def held_slices(self) -> list[int]:
+        return [s for s in range(self.world_size)
+                if self.rank in holders(s, self.world_size, self.replicas, self.ranks_per_node)]
+
+    def snapshot(self, step: int, parts, train: dict[str, Any]) -> None:
+        """snapshot copies this rank's slice of the state at `step`; replicas follow in the
+        background.
+
+        A large slice is copied by a background thread while the loop goes on with the next
+        forward and backward: the loop calls `wait_staged` (through the manager's
+        `before_update`) before the optimizer changes the state. A small one is copied here.
+        Then the exchange with the peers is posted to gloo over `self.group` and moves in
+        gloo's own threads while training goes on. At most one exchange is in flight, so this
+        first waits for the previous one; a snapshot counts (becomes `current`) once its
+        exchange finished, and an exchange that failed (a peer died) raises here.
+        """
+        self.wait_staged()
+        self.wait()
+        tensors, fqns = self._state_tensors(parts)
+        meta = {
+            "train": train, "scheduler": parts.scheduler.state_dict(),
+            "param_groups": param_groups(parts.optimizer, fqns), "config": parts.config,
+        }
+        target = self.spare
+        target.step, target.meta = -1, {}  # from here on its old contents are gone
+        self._buffer(target, self.rank)
+        rng.pack_into(rng.capture(), target.rngs[self.rank])
+        a, b = self.bounds[self.rank]
+        if self.background_copy_bytes is not None and b - a >= self.background_copy_bytes:
+            self._copier = threading.Thread(target=self._copy_and_post, args=(target, step, meta),
+                                            name="pyrecover-memory-copy", daemon=True)
+            self._copier.start()
+            return
+        self._copy_and_post(target, step, meta)
+        if self.group is None:  # nothing to exchange: complete now
+            self.wait()
+
+    def wait_staged(self) -> None:
+        """wait_staged returns once no snapshot copy reads the live state any more."""
+        copier, self._copier = self._copier, None
+        if copier is not None:
+            copier.join()
+        error, self._copy_error = self._copy_error, None
+        if error is not None:
+            raise error
+
+    def _copy_and_post(self, target: Snapshot, step: int, meta: dict[str, Any]) -> None:
+        """_copy_and_post copies the own slice, then posts its exchange (in the copy thread for
+        a large slice, so the exchange starts as soon as the bytes are there)."""
+        try:
+            self._copy_own(target)
+            works = []
+            if self.group is not None:
+                faults.maybe_kill(step, self.rank, point="exchange")
+                works = self._post_exchange(target)
+            self._inflight = _Exchange(target, step, meta, works)
+        except BaseException as exc:  # the loop's thread raises it from wait_staged()
+            self._copy_error = exc
+
+    def _post_exchange(self, snap: Snapshot) -> list[Any]:
+        """_post_exchange starts sending this rank's slice (with its RNG state) to its peers and
+        receiving theirs, without waiting: one `alltoall` per replica round, zero bytes to
+        every other rank.
+
+        It calls the process group's own `alltoall_base`: `batch_isend_irecv` spent about a
+        millisecond in Python and in the caller's thread per snapshot here, a tenth of a small
+        model's step, and point-to-point sends slowed the training's threads more than a
+        collective, which gloo runs in its own worker thread.
+        """
+        assert self.group is not None
+        own = snap.buffers[self.rank]
+        works = []
+        for dst, src in self._peers:
+            out, into = [0] * self.world_size, [0] * self.world_size
+            out[dst] = own.numel()
+            buf = self._buffer(snap, src)
+            into[src] = buf.numel()
+            works.append(self.group.alltoall_base(buf, own, into, out, tdist.AllToAllOptions()))
+        return works
+
+    def wait(self, timeout: float | None = None) -> None:
+        """wait finishes the exchange in flight, if any: counts its snapshot, or raises its
+        error, after which its buffers are free again (as after `timeout` seconds)."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return
+        limit = None if timeout is None else timedelta(seconds=timeout)
+        for work in flight.works:
+            if limit is None:
+                work.wait()
+            else:  # a timeout closes the group's connections: for a dying process only
+                work.wait(limit)
+        self._count(flight.target, flight.step, flight.meta)
+
+    def _count(self, target: Snapshot, step: int, meta: dict[str, Any]) -> None:
+        target.step, target.meta = step, meta
+        self.spare, self.previous, self.current = self.previous, self.current, target
+
+    def _state_tensors(self, parts) -> tuple[list[tuple[str, torch.Tensor]], list[Any]]:
+        """_state_tensors returns the state's tensors in layout order and the optimizer's
+        parameter names per group.
+
+        `get_state_dict` costs about a millisecond even for a tiny model, a tenth of its
+        training step; its tensors are the live ones, updated in place, so they are kept while
+        `identity` says the storage is the same, and looked up again when it is not.
+        """
+        if self._model_buffers is None:
+            self._model_buffers = next(parts.model.buffers(), None) is not None
+        key = identity(parts.model, parts.optimizer, self._model_buffers)
+        if self._live is None or self._live[0] != key:
+            model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+            tensors = flat_tensors({"model": model_sd, "optim": optim_sd})
+            fqns = [list(g["params"]) for g in optim_sd["param_groups"]]
+            if self.layout is None or len(self.layout) != len(tensors):
+                self._plan(tensors)
+            self._copies = self._plan_copies(tensors)
+            for snap in (self.current, self.previous, self.spare):
+                snap.copy_to = []
+            contiguous = all(t.is_contiguous() for _, t in tensors)
+            # A non-contiguous tensor's byte view is a copy, stale at the next step: no cache.
+            self._live = (key if contiguous else (), tensors, fqns)
+        return self._live[1], self._live[2]
+
+    def _plan(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        assert self._inflight is None, "replanning under an exchange in flight"
+        layout, offset = [], 0
+        for key, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            layout.append({"key": key, "dtype": str(t.dtype).removeprefix("torch."),
+                           "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
+            offset += nbytes
+        self.layout = layout
+        self.bounds = slice_bounds(offset, self.world_size)
+        self.current, self.previous, self.spare = Snapshot(), Snapshot(), Snapshot()
+
+    def _plan_copies(self, tensors: list[tuple[str, torch.Tensor]]
+                     ) -> list[tuple[int, int, torch.Tensor]]:
+        """_plan_copies lists the pieces of live tensors that make up this rank's slice."""
+        assert self.layout is not None
+        a, b = self.bounds[self.rank]
+        out = []
+        for entry, (_, t) in zip(self.layout, tensors, strict=True):
+            lo, hi = entry["offset"], entry["offset"] + entry["nbytes"]
+            if hi <= a or lo >= b:
+                continue
+            x, y = max(lo, a), min(hi, b)
+            out.append((x - a, y - a, as_bytes(t)[x - lo:y - lo]))
+        return out
+
+    def _buffer(self, snap: Snapshot, slice_id: int) -> torch.Tensor:
+        a, b = self.bounds[slice_id]
+        buf = snap.buffers.get(slice_id)
+        if buf is None or buf.numel() != b - a + rng.RNG_BYTES:
+            buf = torch.empty(b - a + rng.RNG_BYTES, dtype=torch.uint8, pin_memory=self.pin)
+            snap.buffers[slice_id] = buf
+            snap.slices[slice_id], snap.rngs[slice_id] = buf[:b - a], buf[b - a:]
+            if slice_id == self.rank:
+                snap.copy_to = []
+        return buf
+
+    def _copy_own(self, snap: Snapshot) -> None:
+        if not snap.copy_to:
+            own = snap.slices[self.rank]
+            snap.copy_to = [own[lo:hi] for lo, hi, _ in self._copies]
+        if snap.copy_to:  # one dispatch for every piece: 4 us per copy_ call added up
+            torch._foreach_copy_(snap.copy_to, [src for _, _, src in self._copies],
+                                 non_blocking=self.pin)
+        if self.pin:
+            torch.cuda.current_stream().synchronize()

@@ -1,0 +1,131 @@
+"""Memory mode's pure layout: names on disk, slices of the flat state, who holds each slice,
+and the snapshot buffers' shape. No I/O, no collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+NAME = "memory"
+SNAP_PREFIX = ".snap-step-"
+
+
+def part_name(slice_id: int, rank: int) -> str:
+    return f"part-s{slice_id}-r{rank}.bin"
+
+
+def meta_name(rank: int) -> str:
+    return f"meta-r{rank}.pt"
+
+
+def slice_bounds(total: int, n: int) -> list[tuple[int, int]]:
+    """slice_bounds cuts `total` bytes into `n` ranges whose sizes differ by at most one."""
+    return [(total * i // n, total * (i + 1) // n) for i in range(n)]
+
+
+def holders(slice_id: int, world_size: int, replicas: int, ranks_per_node: int) -> list[int]:
+    """holders lists the distinct ranks holding a slice: its own rank, then peers, on other
+    nodes first.
+
+    Round k adds the same offset to every slice (so each rank receives one slice per round):
+    a node's worth of ranks times (k mod nodes), plus k // nodes. The first `nodes` holders
+    are thus on distinct nodes; further replicas go to the next ranks. On one node a slice's
+    replicas are the next ranks.
+    """
+    rpn = max(ranks_per_node, 1)
+    nodes = max(1, world_size // rpn)
+    offsets: list[int] = []
+    k = 0
+    while len(offsets) < min(replicas, world_size):
+        offset = ((k % nodes) * rpn + k // nodes) % world_size
+        if offset not in offsets:  # only when the nodes are not all the same size
+            offsets.append(offset)
+        k += 1
+    return [(slice_id + offset) % world_size for offset in offsets]
+
+
+def flat_tensors(state: dict[str, Any], prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    out: list[tuple[str, torch.Tensor]] = []
+    for key, value in state.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            out.append((path, value))
+        elif isinstance(value, dict):
+            out.extend(flat_tensors(value, path + "/"))
+    return out
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def param_groups(optimizer: torch.optim.Optimizer, fqns: list[list[str]]) -> list[dict]:
+    """param_groups is `get_state_dict`'s `param_groups`: the hyper-parameters as they are
+    now (the LR moves every step), parameters named by their fully qualified names."""
+    return [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
+            for group, names in zip(optimizer.param_groups, fqns, strict=True)]
+
+
+def identity(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              buffers: bool = True) -> tuple[int, ...]:
+    """identity names the storage of the live tensors a snapshot copies, in order: the
+    optimizer's parameters and state, and the model's buffers when `buffers`.
+
+    While it is unchanged, the tensors found by `get_state_dict` last time are still the live
+    ones (parameters and optimizer state are updated in place); a restore, a re-created
+    optimizer state or the first step's lazily created AdamW state changes it. It assumes a
+    parameter the optimizer does not hold (a frozen one) is not replaced by another tensor
+    during the run, and that a model without buffers at the first snapshot gets none later.
+    """
+    # The optimizer's flat list of parameters stands for the model's (walking the modules cost
+    # 0.1 ms per snapshot of a tiny model); a parameter it does not hold is not trained.
+    ptrs = [p.data_ptr() for group in optimizer.param_groups for p in group["params"]]
+    ptrs += [t.data_ptr() for t in model.buffers()] if buffers else []
+    for per_param in optimizer.state.values():
+        ptrs += [v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor)]
+    return tuple(ptrs)
+
+
+@dataclass
+class Snapshot:
+    """Slices of one step held by this rank: its own and the replicas of its peers.
+
+    Each slice's buffer holds the slice's bytes followed by `RNG_BYTES` for the packed RNG
+    state of the rank owning the slice, so one message carries both to a replica holder.
+    `step` is -1 while the buffers hold no complete snapshot: free, being copied into, or
+    waiting for their replica exchange.
+    """
+
+    step: int = -1
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)  # slice id -> CPU bytes
+    slices: dict[int, torch.Tensor] = field(default_factory=dict)  # views: the slice bytes
+    rngs: dict[int, torch.Tensor] = field(default_factory=dict)  # views: its owner's RNG
+    meta: dict[str, Any] = field(default_factory=dict)
+    copy_to: list[torch.Tensor] = field(default_factory=list)  # own slice, per copy planned
+
+
+def unflatten(segments: list[torch.Tensor], layout: list[dict[str, Any]]):
+    """unflatten cuts the state into its tensors: views of the segment that holds them where
+    the offset suits the dtype (no copy), else copies."""
+    split = segments[0].numel()
+    model: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for e in layout:
+        g = 0 if e["offset"] < split else 1
+        at = e["offset"] - (0 if g == 0 else split)
+        raw = segments[g][at:at + e["nbytes"]]
+        if at % getattr(torch, e["dtype"]).itemsize:
+            raw = raw.clone()  # a view of another dtype must start at a multiple of its size
+        t = raw.view(getattr(torch, e["dtype"])).reshape(e["shape"])
+        top, _, rest = e["key"].partition("/")
+        if top == "model":
+            model[rest] = t
+        else:  # optim/state/<fqn>/<name>
+            _, _, tail = rest.partition("/")
+            fqn, _, name = tail.rpartition("/")
+            optim.setdefault(fqn, {})[name] = t
+    return model, optim
+
