@@ -13,14 +13,13 @@ import typer
 from pyrecover.cli.bench import bench_app
 from pyrecover.cli.ckpt import ckpt_app
 from pyrecover.cli.data import data_app
+from pyrecover.cli.errors import EXIT_USER_ERROR
 from pyrecover.cli.image import image_app
 from pyrecover.cli.launch import launch
 from pyrecover.cli.plot import plot
 from pyrecover.cli.status import status
 from pyrecover.cli.train import demo, train
 from pyrecover.config import ConfigError
-
-EXIT_USER_ERROR = 2
 
 app = typer.Typer(
     help="Train PyTorch models on SLURM clusters through time limits, preemption and crashes.",

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from pyrecover.cli.errors import user_error
+
 bench_app = typer.Typer(help="Measure checkpoint speed against the storage's own limits.",
                         no_args_is_help=True)
 
@@ -19,11 +21,6 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON 
 
 def _note(text: str) -> None:
     typer.echo(f"bench: {text}", err=True)
-
-
-def _fail(exc: Exception) -> typer.Exit:
-    typer.echo(f"error: {exc}", err=True)
-    return typer.Exit(2)
 
 
 @bench_app.command("ckpt")
@@ -51,7 +48,7 @@ def ckpt(
         report = ckpt.bench_ckpt(directory, size_gb, repeat, tuple(mode or common.MODES),
                                  drop_all_caches, note=_note)
     except common.BenchError as exc:
-        raise _fail(exc) from None
+        raise user_error(exc) from None
     typer.echo(common.to_json(report) if as_json else ckpt.format_ckpt(report))
 
 
@@ -79,7 +76,7 @@ def train(
                                          repeat, tuple(mode or bench_train.TRAIN_MODES),
                                          note=_note)
     except (common.BenchError, ConfigError) as exc:
-        raise _fail(exc) from None
+        raise user_error(exc) from None
     typer.echo(common.to_json(report) if as_json else bench_train.format_train(report))
 
 
@@ -115,5 +112,5 @@ def memory(
         report = memory.bench_memory(directory, size_gb, repeat, config, overrides or [],
                                            steps, warmup, snapshot_interval, note=_note)
     except (common.BenchError, ConfigError, DataError) as exc:
-        raise _fail(exc) from None
+        raise user_error(exc) from None
     typer.echo(common.to_json(report) if as_json else memory.format_memory(report))

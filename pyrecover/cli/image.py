@@ -10,10 +10,11 @@ from typing import Annotated
 
 import typer
 
+from pyrecover.cli.errors import user_error
+
 image_app = typer.Typer(help="Check and build the Apptainer image.", no_args_is_help=True)
 
 EXIT_PROBLEMS = 1
-EXIT_USER_ERROR = 2  # also: apptainer is not installed
 
 DefArg = Annotated[Path, typer.Argument(
     help="Apptainer definition file.", exists=True, dir_okay=False, readable=True)]
@@ -53,8 +54,7 @@ def build(
 
     apptainer = container.find_apptainer()
     if apptainer is None:
-        typer.echo(f"error: {container.APPTAINER_MISSING}", err=True)
-        raise typer.Exit(EXIT_USER_ERROR)
+        raise user_error(container.APPTAINER_MISSING)
     problems = _problems(definition)
     for problem in problems:
         typer.echo(problem.format(definition), err=True)
@@ -73,5 +73,4 @@ def _problems(definition: Path) -> list:
     try:
         return container.check_definition(definition, root=Path.cwd())
     except container.ContainerError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_USER_ERROR) from None
+        raise user_error(exc) from None

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from pyrecover.cli.errors import user_error
+
 
 def plot(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")],
@@ -26,6 +28,5 @@ def plot(
     try:
         plot_mod.write(run_dir, out, width, height)
     except plot_mod.PlotError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise user_error(exc) from None
     typer.echo(f"wrote {out}")
