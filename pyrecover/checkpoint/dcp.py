@@ -8,10 +8,10 @@ the weights without pyrecover; plus `extra.json` (scheduler, config) and `rng-<r
 With DDP every rank holds every tensor; DCP's planner then gives each replicated tensor to
 one rank, picking the least loaded by bytes, so writes spread over all ranks.
 
-An asynchronous save copies the state into CPU buffers that are allocated once and reused
-(pinned when CUDA is present) in a staging thread (`ReusedBuffers`; DCP's own on CUDA), while
-the loop goes on with the next step's forward and backward; the loop waits only if that copy
-is not complete when the optimizer is about to change the state (`wait_staged`). Planning,
+An asynchronous save copies the state into host buffers that are allocated once and reused
+(pinned on CUDA; staging.py, the same code on every device), on a side stream (CUDA) or in a
+thread (CPU), while the loop goes on with the next step's forward and backward; the loop is
+fenced only when the optimizer is about to change the state (`wait_staged`). Planning,
 writing and fsync then run in a background thread over a dedicated gloo process group, so
 they never interleave with the training's own collectives; files are checksummed while
 written (dcp_io.py). The manager commits once every rank has reported its files durable.
@@ -20,24 +20,22 @@ written (dcp_io.py). The manager commits once every rank has reported its files 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pyrecover import faults
 from pyrecover.checkpoint import dcp_io, rng
 from pyrecover.checkpoint.mode import Restored, WriteResult
+from pyrecover.checkpoint.staging import StateStager
 from pyrecover.checkpoint.store import Checkpoint, Pending, sha256_file
 
 NAME = "dcp"
@@ -75,64 +73,6 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class ReusedBuffers(AsyncStager):
-    """ReusedBuffers stages a CPU state dict for DCP's async_save: in its own thread it copies
-    every tensor into a buffer allocated at the first save and reused by every later one
-    (same key, shape and dtype), with one `torch._foreach_copy_`; anything else is deep-copied.
-
-    DCP's DefaultStager does the same job for any device; on CPU it took 100 ms per GB where
-    this takes 72 (walking the state and caching by storage in Python), and that copy is what
-    the loop may wait for. CUDA state still goes through DefaultStager (pinned buffers, its
-    own stream).
-    """
-
-    _synchronize_after_execute = False
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple, torch.Tensor] = {}
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pyrecover-stage")
-
-    def stage(self, state_dict: dict[str, Any], **_: Any) -> Future:
-        return self._thread.submit(self._copy, state_dict)
-
-    def _copy(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        sources: list[torch.Tensor] = []
-        targets: list[torch.Tensor] = []
-        seen: dict[tuple, torch.Tensor] = {}  # a tensor met twice (tied weights): one copy
-
-        def place(value: Any, key: tuple) -> Any:
-            if isinstance(value, torch.Tensor):
-                same = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
-                if same in seen:
-                    return seen[same]
-                buf = self._buffers.get(key)
-                if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-                    buf = torch.empty(value.shape, dtype=value.dtype)
-                    self._buffers[key] = buf
-                sources.append(value.detach())
-                targets.append(buf)
-                seen[same] = buf
-                return buf
-            if isinstance(value, dict):
-                return {k: place(v, (*key, k)) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                items = [place(v, (*key, i)) for i, v in enumerate(value)]
-                return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-            return copy.deepcopy(value)
-
-        staged = place(state_dict, ())
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        return staged
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self._thread.shutdown(wait=True)
-        self._buffers.clear()
-
-
 class DcpMode:
     name = NAME
     asynchronous = True
@@ -144,14 +84,12 @@ class DcpMode:
         # Checkpoint collectives run in a background thread: give them their own group so they
         # never interleave with the training's all-reduces on the default one.
         self.group = tdist.new_group(backend="gloo") if tdist.is_initialized() else None
-        cuda = device.type == "cuda"
-        # The copy into those buffers runs in a staging thread: the loop goes on with the
-        # next step's forward and backward, and waits only if the copy is not done when the
-        # optimizer is about to change the state (`wait_staged`, via before_update).
-        self.stager: AsyncStager = DefaultStager(StagingOptions(
-            use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
-            use_non_blocking_copy=True)) if cuda else ReusedBuffers()
-        self._staged = None  # the copy of the save in flight, until it is complete
+        # The copy into reused host buffers runs in the background (a side stream on CUDA,
+        # a thread on CPU): the loop goes on with the next step's forward and backward, and
+        # is fenced only when the optimizer is about to change the state (`wait_staged`,
+        # via before_update).
+        self.stager = StateStager(device)
+        self._staged = False  # a save in flight may still be reading the live state
         self._thread: threading.Thread | None = None
         self._result: WriteResult | None = None
 
@@ -168,7 +106,7 @@ class DcpMode:
         if self.asynchronous:
             response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                       async_stager=self.stager)
-            self._staged, future = response.staging_completion, response.upload_completion
+            self._staged, future = True, response.upload_completion
         else:
             with quiet_single_process():
                 dcp.save(state, storage_writer=writer, process_group=self.group,
@@ -182,11 +120,12 @@ class DcpMode:
             self._thread.join()
 
     def wait_staged(self) -> None:
-        """wait_staged returns once the save in flight no longer reads the live state."""
-        if self._staged is not None:
-            staged, self._staged = self._staged, None
-            with contextlib.suppress(BaseException):  # the save's own result reports it
-                staged.result()
+        """wait_staged returns once the state may change without reaching the save in flight
+        (on CUDA the device waits for the copy, the host does not; a failed copy is reported
+        by the save's own result)."""
+        if self._staged:
+            self._staged = False
+            self.stager.fence()
 
     def _finish(self, future, writer: dcp_io.Writer, pending: Pending) -> None:
         folder = pending.tmp

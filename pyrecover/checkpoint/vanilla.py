@@ -1,8 +1,10 @@
 """Vanilla mode: rank 0 writes the whole training state as one `torch.save` file.
 
 The seed projects' baseline, kept because it is simple and portable: one file any PyTorch
-can read. Every rank reads the same file, memory-mapped, so a load costs page-cache hits
-rather than one private copy of the file per rank.
+can read. It is written through `HashedFile`, like DCP's and memory mode's files: checksummed
+from memory while written (in parallel blocks), so it costs no second pass over the bytes.
+Every rank reads the same file, memory-mapped, so a load costs page-cache hits rather than
+one private copy of the file per rank.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from pyrecover import dist
 from pyrecover.checkpoint import rng
+from pyrecover.checkpoint.hashed_file import HashedFile
 from pyrecover.checkpoint.mode import Checkpoint, Parts, Pending, Restored, WriteResult
 
 NAME = "vanilla"
@@ -29,6 +32,19 @@ def full_state(parts, train: dict[str, Any], rngs: list[dict[str, Any]]) -> dict
         "rng": rngs,
         "config": parts.config,
     }
+
+
+def write_state(path, state: dict[str, Any]) -> dict[str, Any]:
+    """write_state `torch.save`s `state` to `path`, fsynced, and returns its manifest entry.
+    A failed write (a full disk) raises the OSError, not torch's RuntimeError around it."""
+    with HashedFile(str(path)) as out:
+        try:
+            torch.save(state, out)
+        except RuntimeError as exc:
+            if isinstance(out.error, OSError):
+                raise out.error from exc
+            raise
+        return out.close()
 
 
 def load_file(ckpt: Checkpoint) -> dict[str, Any]:
@@ -49,8 +65,8 @@ class VanillaMode:
         files, error = {}, ""
         if self.rank == 0:
             try:
-                with pending.open(STATE_FILE) as f:
-                    torch.save(full_state(parts, train, rngs), f)
+                pending.files[STATE_FILE] = write_state(pending.tmp / STATE_FILE,
+                                                        full_state(parts, train, rngs))
                 files = dict(pending.files)
             except OSError as exc:
                 error = f"{type(exc).__name__}: {exc}"

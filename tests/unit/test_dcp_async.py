@@ -27,7 +27,7 @@ class SlowCopy:
     """Stands in for a slow device-to-host copy: the staging copy, started 0.5 s late."""
 
     def __init__(self, stager) -> None:
-        self.stager, self.copy_real = stager, stager._copy
+        self.stager, self.copy_real = stager.copier, stager.copier._copy
 
     def __enter__(self):
         def late(*args, **kwargs):
@@ -65,13 +65,13 @@ def test_an_update_right_after_an_async_save_never_reaches_that_save(tmp_path):
 
 
 def test_staging_reuses_its_buffers_and_holds_the_values_of_the_moment_it_copied():
-    from pyrecover.checkpoint.dcp import ReusedBuffers
+    from pyrecover.checkpoint.staging import StateStager
 
     g = torch.Generator().manual_seed(0)
     live = {"model": {"w": torch.randn(64, 32, generator=g), "t": torch.randn(8, generator=g)[::2]},
             "optim": {"state": {"w": {"step": torch.tensor(3.0)}},
                       "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}]}}
-    stager = ReusedBuffers()
+    stager = StateStager(torch.device("cpu"))
     try:
         first = stager.stage(live).result()
         expect = {"w": live["model"]["w"].clone(), "t": live["model"]["t"].clone()}
@@ -94,3 +94,46 @@ def test_staging_reuses_its_buffers_and_holds_the_values_of_the_moment_it_copied
         assert torch.equal(stager.stage(live).result()["model"]["w"], torch.zeros(10))
     finally:
         stager.close()
+
+
+def test_staged_state_is_plain_tensors_and_keeps_any_other_value():
+    """DCP on CUDA once failed every save after the first inside torch's stager, deep-copying a
+    class object in the state (KeyError: <class 'type'>). Ours copies such values as they are,
+    and hands DCP plain tensors, never parameters."""
+    from pyrecover.checkpoint.staging import StateStager
+
+    model = torch.nn.Linear(4, 3)
+    live = {"model": dict(model.named_parameters()),
+            "extra": {"kind": torch.nn.Linear, "dtype": torch.bfloat16, "none": None}}
+    stager = StateStager(torch.device("cpu"))
+    try:
+        for _ in range(3):  # every save, not only the first
+            staged = stager.stage(live).result()
+            assert type(staged["model"]["weight"]) is torch.Tensor
+            assert torch.equal(staged["model"]["weight"], model.weight.detach())
+            assert staged["extra"] == {"kind": torch.nn.Linear, "dtype": torch.bfloat16,
+                                       "none": None}
+    finally:
+        stager.close()
+
+
+def test_a_failed_copy_is_reported_by_whoever_reads_it_and_the_fence_never_raises():
+    from pyrecover.checkpoint.staging import Copier
+
+    copier = Copier(torch.device("cpu"))
+    try:
+        target, source = torch.empty(3), torch.arange(3.0)
+
+        def broken() -> None:
+            raise OSError("disk went away")
+
+        copier.start([target], [source], then=broken)
+        copier.fence()  # the loop goes on; the save's result carries the error
+        with pytest.raises(OSError, match="disk went away"):
+            copier.wait()
+        assert torch.equal(target, source)
+        done = copier.start([target], [source * 2], then=lambda: "landed", background=False)
+        assert done.done() and copier.wait() == "landed"
+        assert torch.equal(target, source * 2)
+    finally:
+        copier.close()
