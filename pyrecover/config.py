@@ -85,6 +85,8 @@ class TrainConfig:
     precision: str = "auto"
     """`auto` is bf16 autocast on CUDA and fp32 on CPU."""
     device: str = "auto"
+    compile: str = "auto"
+    """`torch.compile` the model: `auto` is on for CUDA and off on CPU; `true` or `false`."""
 
 
 @dataclass
@@ -234,6 +236,7 @@ def validate(cfg: Config) -> None:
         _bad("train.grad_clip", t.grad_clip, ">= 0 (0 turns clipping off)")
     _choice("train.precision", t.precision, PRECISIONS)
     _choice("train.device", t.device, DEVICES)
+    _choice("train.compile", t.compile, ("auto", "true", "false"))
     c = cfg.checkpoint
     _choice("checkpoint.mode", c.mode, CHECKPOINT_MODES)
     _positive("checkpoint.interval", c.interval)
@@ -251,6 +254,19 @@ def check_world_size(cfg: Config, world_size: int) -> None:
         _bad("train.global_batch_size", cfg.train.global_batch_size,
              f"a multiple of world size x train.micro_batch_size ({world_size} x "
              f"{cfg.train.micro_batch_size} = {per_step})")
+
+
+def check_local_gpus(cfg: Config, local_processes: int, visible_gpus: int) -> None:
+    """check_local_gpus raises unless each of `local_processes` processes on this machine gets
+    a GPU of its own when the run trains on CUDA (NCCL refuses two ranks on one device)."""
+    if cfg.train.device == "cpu" or local_processes <= visible_gpus:
+        return
+    if cfg.train.device == "auto" and visible_gpus == 0:
+        return  # auto trains on the CPU where there is no GPU
+    raise ConfigError(
+        f"{local_processes} processes on this machine need {local_processes} GPUs, but "
+        f"{visible_gpus} {'is' if visible_gpus == 1 else 'are'} visible; start at most "
+        f"{visible_gpus} (--nproc {visible_gpus}) or train on the CPU (--set train.device=cpu)")
 
 
 def _bad(key: str, value: Any, allowed: str) -> typing.NoReturn:
@@ -303,7 +319,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             pass
     if hint is float and isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}={value!r} is not allowed: expected a finite number")
-    if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if hint is str and isinstance(value, bool):
+        return "true" if value else "false"  # `compile: true` in YAML
+    if hint is str and isinstance(value, (int, float)):
         return str(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise ConfigError(

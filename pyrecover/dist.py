@@ -163,6 +163,13 @@ def expand_tasks_per_node(spec: str) -> list[int]:
     return counts
 
 
+def visible_gpus() -> int:
+    """visible_gpus is how many CUDA devices this process sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def device_index(local_rank: int, visible_gpus: int) -> int:
     """device_index picks this rank's GPU among the visible ones.
 

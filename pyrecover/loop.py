@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as tdist
 
-from pyrecover import faults
+from pyrecover import faults, flops
 from pyrecover.checkpoint import CheckpointManager
 from pyrecover.config import Config
 from pyrecover.data import Batches
@@ -63,6 +63,8 @@ class Loop:
     tracker: Tracker = field(default_factory=Tracker)  # wandb on rank 0; a no-op elsewhere
     stopper: Stopper | None = None  # signals and deadline; None: run to max_steps
     progress: Progress | None = None  # a bar on rank 0's terminal; None in a batch log
+    flops_per_token: float = 0.0  # for MFU (flops.py)
+    peak_flops: float | None = None  # one device's bf16 peak; None: no MFU (CPU, unknown GPU)
 
     def run_steps(self) -> TrainState:
         t = self.cfg.train
@@ -122,7 +124,8 @@ class Loop:
         self.manager.before_update()
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        loss_value, norm_value = float(total), float(grad_norm)
+        # One device-to-host transfer (a sync on CUDA) for both numbers, not two.
+        loss_value, norm_value = torch.stack([total, grad_norm.float()]).tolist()
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             self.state.bad_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
@@ -149,8 +152,12 @@ class Loop:
                       tokens_per_s=round(tok_s, 1), step_time=round(step_s, 5),
                       tokens_seen=self.state.tokens_seen,
                       checkpoint_stall_total=round(self.manager.stall_seconds, 5))
+        use = flops.mfu(tok_s, self.flops_per_token, self.peak_flops, self.world_size)
+        if use is not None:
+            record["mfu"] = round(use, 4)
         self.run.metric(**record)
         self.tracker.log(step, record)
         if self.progress is None:  # on a terminal the bar shows the same
-            log.info("step %d/%d  loss %.4f  lr %.2e  %.0f tok/s  %.1f ms/step", step,
-                     self.cfg.train.max_steps, loss, lr, tok_s, step_s * 1e3)
+            log.info("step %d/%d  loss %.4f  lr %.2e  %.0f tok/s  %.1f ms/step%s", step,
+                     self.cfg.train.max_steps, loss, lr, tok_s, step_s * 1e3,
+                     f"  MFU {use:.1%}" if use is not None else "")

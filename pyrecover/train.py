@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pyrecover import config as config_mod
-from pyrecover import dist, preempt, progress, tracking
+from pyrecover import dist, flops, preempt, progress, tracking
 from pyrecover.checkpoint import CheckpointManager, rng
 from pyrecover.checkpoint.manager import Parts
 from pyrecover.checkpoint.store import CheckpointError
@@ -60,8 +60,10 @@ def main(cfg: Config, run_dir: Path) -> None:
     run = RunDir(run_dir)
     try:  # config and data errors surface here, on every rank, before any collective
         config_mod.check_world_size(cfg, env.world_size)
-        tokens = load_tokens(cfg.data.path, cfg.data.column)
         kind = device_kind(cfg)
+        if kind == "cuda":
+            config_mod.check_local_gpus(cfg, env.local_world_size, torch.cuda.device_count())
+        tokens = load_tokens(cfg.data.path, cfg.data.column)
     except (ConfigError, DataError) as exc:
         # Record it where a run already exists (a job launched earlier: the job script reads
         # this to tell "exit 2, never requeue" from a crash); a new run directory is not
@@ -132,6 +134,14 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     t = cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank
     model = GPT(GPTConfig(**config_mod.to_dict(cfg)["model"])).to(device)
+    n_params = model.num_params()
+    if device.type == "cuda":  # TF32 for what is not under bf16 autocast
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if compile_enabled(cfg, device):
+        # In place: the module keeps its parameter names, so checkpoints and exports never see
+        # `_orig_mod.` and a compiled run resumes an eager checkpoint and the reverse.
+        model.compile()
     optimizer = build_optimizer(model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg)
     batches = Batches(tokens, cfg.model.block_size, t.seed)
@@ -146,7 +156,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     if env.rank == 0:
         log.info("run %s: %s, world size %d (%s), %.2fM parameters, %d windows of %d tokens",
                  run.root, kind_name(device), env.world_size, env.launcher,
-                 model.num_params() / 1e6, batches.num_windows, cfg.model.block_size)
+                 n_params / 1e6, batches.num_windows, cfg.model.block_size)
     system = tracking.diagnostics(env, device) if env.rank == 0 else {}
     for line in tracking.describe(system, cfg) if system else []:
         log.info("%s", line)  # versions, devices, layout, SLURM job, resolved config
@@ -179,6 +189,9 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     loop = Loop(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
                 manager=manager, run=run, rank=env.rank, world_size=env.world_size,
                 device=device, state=state, autocast=autocast_for(cfg, device),
+                flops_per_token=flops.flops_per_token(cfg.model, n_params),
+                peak_flops=flops.peak_flops(torch.cuda.get_device_name(device))
+                if device.type == "cuda" else None,
                 tracker=tracking.start(cfg, run, env.rank, system),
                 progress=progress.for_terminal(env.rank, t.max_steps, state.step),
                 stopper=preempt.Stopper(flag, preempt.Deadline(
@@ -194,6 +207,14 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     if env.rank == 0:
         run.event("finish", step=state.step, tokens_seen=state.tokens_seen)
         log.info("finished at step %d; run directory %s", state.step, run.root)
+
+
+def compile_enabled(cfg: Config, device: torch.device) -> bool:
+    """compile_enabled: `train.compile`, where `auto` means on CUDA only (on a CPU the compile
+    takes longer than the short runs made there gain)."""
+    if cfg.train.compile == "auto":
+        return device.type == "cuda"
+    return cfg.train.compile == "true"
 
 
 def autocast_for(cfg: Config, device: torch.device):

@@ -37,6 +37,7 @@ def train(
     env = dist.detect(os.environ)
     if nproc > 1 and env.launcher == "single":
         config_mod.check_world_size(cfg, nproc)
+        config_mod.check_local_gpus(cfg, nproc, dist.visible_gpus())
         data.check_source(cfg.data.path, cfg.data.column)
         argv = dist.python_argv() + ["train", "--run-dir", str(target)]
         if config is not None:

@@ -100,3 +100,34 @@ def test_identity_changes_are_listed_and_limits_are_not():
 def test_non_finite_numbers_are_refused(value):
     with pytest.raises(ConfigError, match="expected a finite number"):
         config.load(None, [f"train.lr={value}"])
+
+
+@pytest.mark.parametrize("device,processes,gpus,ok", [
+    ("auto", 2, 0, True),    # no GPU: auto trains on the CPU
+    ("cpu", 4, 1, True),
+    ("auto", 2, 2, True),
+    ("auto", 2, 1, False),   # NCCL would refuse two ranks on one GPU
+    ("cuda", 8, 4, False),
+    ("cuda", 1, 1, True),
+])
+def test_local_processes_need_a_gpu_each_when_training_on_cuda(device, processes, gpus, ok):
+    cfg = config.load(None, [f"train.device={device}"])
+    if ok:
+        config.check_local_gpus(cfg, processes, gpus)
+        return
+    with pytest.raises(config.ConfigError) as err:
+        config.check_local_gpus(cfg, processes, gpus)
+    line = str(err.value)
+    assert f"{processes} processes" in line and f"{gpus} " in line and "train.device=cpu" in line
+    assert "\n" not in line
+
+
+@pytest.mark.parametrize("text,expected", [("true", "true"), ("false", "false"),
+                                           ("auto", "auto")])
+def test_compile_reads_yaml_booleans(text, expected):
+    assert config.load(None, [f"train.compile={text}"]).train.compile == expected
+
+
+def test_compile_refuses_anything_else():
+    with pytest.raises(config.ConfigError, match="train.compile"):
+        config.load(None, ["train.compile=maybe"])
