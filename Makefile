@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv system-deps demo test lint bench image gpu-test clean
+.PHONY: venv system-deps demo test lint bench image gpu-test gpu-check clean
 
 venv: $(STAMP)
 
@@ -52,6 +52,16 @@ image:
 # GPU tests inside the image; they skip with a reason where there is no GPU.
 gpu-test: image
 	apptainer exec --nv --bind "$(CURDIR)" --pwd "$(CURDIR)" pyrecover.sif python -m pytest tests/gpu
+
+# Every GPU path on a machine with an NVIDIA GPU and a CUDA torch already installed (no
+# container, SLURM, network, wandb or spython): tests/gpu, bench train on gpt-125m (every mode,
+# memory with a snapshot every step, the plain compiled loop), bench ckpt at 2 GB. One report:
+# runs/gpu-check/report.txt and report.json. Uses that machine's python3 and its torch.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e . \
+	  || echo "gpu-check: pip could not install the package; running it from the source tree"
+	PYTHONPATH="$(CURDIR)" $(GPU_PYTHON) -m pyrecover bench gpu-check --out runs/gpu-check
 
 # Checkpoint speed on this machine's disk against its raw limit and torch.save/load, then
 # training throughput with each mode vs. none (README "Benchmarks"), on the tiny test model,

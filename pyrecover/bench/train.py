@@ -19,18 +19,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pyrecover.bench.common import MODES, BenchError, Note, machine, quiet
+from pyrecover.bench.common import MODES, BenchError, Note, machine, num, quiet
+from pyrecover.bench.plain import plain_tokens_per_s
 
 TRAIN_MODES: dict[str, tuple[str, bool] | None] = {"none": None, **MODES}
 
 
 def bench_train(config: Path | None, overrides: Sequence[str], interval: int, steps: int,
                 warmup: int = 5, repeat: int = 1, modes: Sequence[str] = tuple(TRAIN_MODES),
-                workdir: Path | None = None, note: Note = quiet) -> dict[str, Any]:
+                workdir: Path | None = None, note: Note = quiet,
+                plain: bool = False) -> dict[str, Any]:
     """bench_train trains `warmup + steps` steps per mode and compares tokens/s with `none`.
 
     `none` saves nothing within the measured steps (its interval is past the end); the final
-    save every run makes after its last step is outside the measurement.
+    save every run makes after its last step is outside the measurement. With `plain`, the
+    plain loop of bench/plain.py runs too, and every row says its ratio to it (`vs_plain`).
     """
     from pyrecover import config as config_mod
 
@@ -52,6 +55,7 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     cfg = config_mod.load(config, base)  # a bad config fails here, before any run
     work = Path(tempfile.mkdtemp(prefix="pyrecover-bench-train-", dir=workdir))
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    plain_runs: list[dict[str, Any]] = []
     try:
         for r in range(repeat):
             turn = r % len(modes)  # rotate, so no mode always runs first
@@ -66,21 +70,35 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
                 _train_once(config, base + extra, run_dir)
                 results[name].append(_throughput(run_dir, warmup))
                 shutil.rmtree(run_dir, ignore_errors=True)
+            if plain:
+                note(f"repeat {r + 1}/{repeat}: the plain loop, {total} steps")
+                plain_runs.append(plain_tokens_per_s(cfg, steps, warmup))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows_out = []
     baseline = statistics.median(x["tokens_per_s"] for x in results["none"])
+    reference = statistics.median(x["tokens_per_s"] for x in plain_runs) if plain else None
     for name in modes:
         tps = [x["tokens_per_s"] for x in results[name]]
         med = statistics.median(tps)
+        mfus = [x["mfu"] for x in results[name] if x["mfu"] is not None]
         rows_out.append({
             "mode": name, "tokens_per_s": med, "min": min(tps), "max": max(tps),
-            "vs_none": med / baseline,
+            "vs_none": med / baseline, "vs_plain": med / reference if reference else None,
+            "mfu": statistics.median(mfus) if mfus else None,
             "saves": statistics.median(x["saves"] for x in results[name]),
             "blocked_s": statistics.median(x["blocked_s"] for x in results[name]),
             "blocked_share": statistics.median(x["blocked_share"] for x in results[name]),
             "checkpoint_bytes": max(x["checkpoint_bytes"] for x in results[name]),
         })
+    if plain_runs:
+        tps = [x["tokens_per_s"] for x in plain_runs]
+        med = statistics.median(tps)
+        rows_out.append({
+            "mode": "plain", "tokens_per_s": med, "min": min(tps), "max": max(tps),
+            "vs_none": med / baseline, "vs_plain": 1.0, "mfu": None, "saves": 0,
+            "blocked_s": 0.0, "blocked_share": 0.0, "checkpoint_bytes": 0,
+            "compiled": plain_runs[0]["compiled"]})
     return {"kind": "train", "config": str(config) if config else "defaults",
             "machine": machine(work.parent), "steps": steps, "warmup": warmup,
             "interval": interval, "repeat": repeat, "world_size": 1,
@@ -119,9 +137,14 @@ def _throughput(run_dir: Path, warmup: int) -> dict[str, float]:
     tokens = sum(m["tokens_per_s"] * m["step_time"] for m in measured)
     saves = [e for e in run.read_events()
              if e.get("event") == "checkpoint" and warmup <= e.get("step", 0) < last]
-    blocked = sum(e.get("blocked", 0.0) for e in saves)
+    # Every wait of the loop for a save or a snapshot (the copy, the exchange, the commit):
+    # the manager's running total, read at the warm-up's end and at the last measured step.
+    stall = {m["step"]: m.get("checkpoint_stall_total", 0.0) for m in run.read_metrics()}
+    blocked = stall[last] - stall.get(warmup, 0.0)
+    mfus = [m["mfu"] for m in measured if "mfu" in m]
     return {"tokens_per_s": tokens / seconds, "saves": len(saves), "blocked_s": blocked,
             "blocked_share": blocked / seconds,
+            "mfu": statistics.median(mfus) if mfus else None,
             "checkpoint_bytes": max((e.get("bytes", 0) for e in saves), default=0)}
 
 
@@ -135,16 +158,18 @@ def format_train(report: dict[str, Any]) -> str:
         f"{report['interval']} steps, world size 1; {m.get('cpu', '?')}, {m['cpus']} CPUs, "
         f"load {m['load_avg_1m']}; median of {report['repeat']}",
         "",
-        "x none: tokens/s over the no-checkpoint run's; blocked: the loop's wait for saves, "
-        "in seconds and as a share of the measured time (less noisy on a busy machine)",
+        "x none / x plain: tokens/s over the no-checkpoint run's / the plain loop's "
+        "(bench/plain.py); blocked: every wait of the loop for saves and snapshots, in seconds "
+        "and as a share of the measured time; MFU: model FLOPs over the GPU's bf16 peak",
         "",
-        f"{'mode':<10} {'tokens/s (min-max)':<26} {'x none':>7} {'saves':>6} {'blocked s':>10} "
-        f"{'blocked %':>10} {'ckpt MB':>8}",
+        f"{'mode':<10} {'tokens/s (min-max)':<26} {'x none':>7} {'x plain':>8} {'MFU':>6} "
+        f"{'saves':>6} {'blocked s':>10} {'blocked %':>10} {'ckpt MB':>8}",
     ]
     for r in report["rows"]:
         span = f"{r['tokens_per_s']:.0f} ({r['min']:.0f}-{r['max']:.0f})"
-        lines.append(f"{r['mode']:<10} {span:<26} {r['vs_none']:>7.3f} {r['saves']:>6.0f} "
-                     f"{r['blocked_s']:>10.3f} {100 * r['blocked_share']:>10.2f} "
-                     f"{r['checkpoint_bytes'] / 1e6:>8.1f}")
+        lines.append(f"{r['mode']:<10} {span:<26} {r['vs_none']:>7.3f} "
+                     f"{num(r.get('vs_plain'), 3):>8} {num(r.get('mfu'), 3):>6} "
+                     f"{r['saves']:>6.0f} {r['blocked_s']:>10.3f} "
+                     f"{100 * r['blocked_share']:>10.2f} {r['checkpoint_bytes'] / 1e6:>8.1f}")
     return "\n".join(lines)
 

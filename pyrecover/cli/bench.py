@@ -64,9 +64,17 @@ def train(
     warmup: Annotated[int, typer.Option(help="Steps before the measurement starts.")] = 5,
     repeat: Annotated[int, typer.Option(help="Runs per mode (median shown).")] = 1,
     mode: ModeOpt = None,
+    plain: Annotated[bool, typer.Option(
+        "--plain", help="Also time the same model as a plain hand-written loop (compiled, "
+        "fused AdamW, bf16 where the trainer would be), and show each mode's ratio to it.")]
+    = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Training tokens/s with each checkpoint mode, as a ratio to no checkpoints at all."""
+    """Training tokens/s with each checkpoint mode, as a ratio to no checkpoints at all.
+
+    Runs the real trainer in this process, world size 1; every figure is a median over
+    --repeat runs, and the GPU is synchronized where the clock is read.
+    """
     from pyrecover.bench import common
     from pyrecover.bench import train as bench_train
     from pyrecover.config import ConfigError
@@ -74,7 +82,7 @@ def train(
     try:
         report = bench_train.bench_train(config, overrides or [], interval, steps, warmup,
                                          repeat, tuple(mode or bench_train.TRAIN_MODES),
-                                         note=_note)
+                                         note=_note, plain=plain)
     except (common.BenchError, ConfigError) as exc:
         raise user_error(exc) from None
     typer.echo(common.to_json(report) if as_json else bench_train.format_train(report))
@@ -114,3 +122,40 @@ def memory(
     except (common.BenchError, ConfigError, DataError) as exc:
         raise user_error(exc) from None
     typer.echo(common.to_json(report) if as_json else memory.format_memory(report))
+
+
+@bench_app.command("gpu-check")
+def gpu_check(
+    out: Annotated[Path, typer.Option(help="Folder for report.txt, report.json and the logs.")]
+    = Path("runs/gpu-check"),
+    config: Annotated[Path, typer.Option("--config", "-c", help="Experiment YAML to train.")]
+    = Path("launch/experiments/gpt-125m.yaml"),
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", help="Override one config key of the training runs.")] = None,
+    steps: Annotated[int, typer.Option(help="Measured training steps per mode.")] = 30,
+    warmup: Annotated[int, typer.Option(help="Steps before the measurement (compilation).")]
+    = 5,
+    interval: Annotated[int, typer.Option(help="Checkpoint every this many steps.")] = 15,
+    size_gb: Annotated[float, typer.Option(help="State size for bench ckpt, in GB.")] = 2.0,
+    tests: Annotated[bool, typer.Option(help="Run tests/gpu first.")] = True,
+    allow_cpu: Annotated[bool, typer.Option(
+        help="Run without a GPU (to try the check itself; its figures mean nothing).")] = False,
+) -> None:
+    """Every GPU path on this machine in one report: tests/gpu, bench train (all modes, memory
+    with a snapshot every step, the plain compiled loop), bench ckpt; bounds checked.
+
+    Needs only a CUDA build of torch and this package (`pip install --no-deps -e .`); no
+    container, SLURM, network, wandb or spython. `make gpu-check` runs it.
+    """
+    from pyrecover.bench import gpu_check as check
+
+    try:
+        report = check.gpu_check(out, config, overrides or [], steps, warmup, interval, size_gb,
+                                 tests, allow_cpu, note=_note)
+    except check.GpuCheckError as exc:
+        raise _fail(exc) from None
+    typer.echo(check.format_report(report), nl=False)
+    failed = [n for n, s in report["steps"].items() if s["returncode"] != 0]
+    if failed:
+        typer.echo(f"error: {', '.join(failed)} failed; see the logs in {out}", err=True)
+        raise typer.Exit(1)

@@ -1,0 +1,176 @@
+"""`pyrecover bench gpu-check`: the GPU paths on this machine, in one report.
+
+On any Linux machine with an NVIDIA GPU and a CUDA torch (no container, SLURM or network):
+runs `tests/gpu`, then `bench train` on an experiment (every mode, plus memory mode with a
+snapshot every step, and the plain compiled loop as the baseline), then `bench ckpt`, and
+writes `report.json` and `report.txt` with the issue's bounds checked side by side. Each
+step is the real command in a fresh process, so one that fails is reported and the next
+still runs. `make gpu-check` calls it with the defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Note = Callable[[str], None]
+
+# (what, the row it reads, the figure, the bound): the figures that decide the GPU issue.
+BOUNDS: tuple[tuple[str, str, str, str, float], ...] = (
+    ("tokens/s, no checkpoint, vs the plain compiled loop", "train", "none", ">=", 0.95),
+    ("tokens/s, dcp-async every interval, vs none", "train", "dcp-async", ">=", 0.95),
+    ("tokens/s, memory with a snapshot every step, vs none", "memory-every-step", "memory",
+     ">=", 0.95),
+    ("loop blocked per dcp-async save vs torch.save + fsync", "ckpt", "dcp-async", "<=", 0.03),
+)
+
+
+class GpuCheckError(ValueError):
+    """The check cannot run here (no CUDA GPU, no such config); one line for a person."""
+
+
+@dataclass
+class Step:
+    name: str
+    argv: list[str]
+    seconds: float = 0.0
+    returncode: int | None = None
+    report: dict[str, Any] | None = None
+    tail: str = ""
+
+
+def python_argv() -> list[str]:
+    return [sys.executable, "-m", "pyrecover"]
+
+
+def run_step(step: Step, out: Path, env: dict[str, str], json_out: bool) -> Step:
+    """run_step runs one command, its whole output saved to `<out>/<name>.log`."""
+    started = time.perf_counter()
+    done = subprocess.run(step.argv, capture_output=True, text=True, env=env)
+    step.seconds = time.perf_counter() - started
+    step.returncode = done.returncode
+    (out / f"{step.name}.log").write_text(
+        f"$ {' '.join(step.argv)}\n{done.stdout}\n--- stderr ---\n{done.stderr}")
+    step.tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
+    if json_out and done.returncode == 0:
+        try:
+            step.report = json.loads(done.stdout)
+        except json.JSONDecodeError:
+            step.tail = "its output was not the JSON report"
+    return step
+
+
+def figure(steps: dict[str, Step], source: str, row: str) -> float | None:
+    """figure reads one bound's ratio out of the steps' reports (None where it is missing)."""
+    step = steps.get(source)
+    if step is None or step.report is None:
+        return None
+    for r in step.report.get("rows", []):
+        if source == "ckpt" and r.get("method") == row and r.get("metric") == "blocked":
+            return r.get("vs_torch")
+        if source != "ckpt" and r.get("mode") == row:
+            return r.get("vs_plain") if row == "none" else r.get("vs_none")
+    return None
+
+
+def verdicts(steps: dict[str, Step]) -> list[dict[str, Any]]:
+    out = []
+    for what, source, row, op, bound in BOUNDS:
+        value = figure(steps, source, row)
+        met = None if value is None else (value >= bound if op == ">=" else value <= bound)
+        out.append({"figure": what, "value": value, "bound": f"{op} {bound}", "met": met})
+    return out
+
+
+def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup: int,
+              interval: int, size_gb: float, run_tests: bool = True, allow_cpu: bool = False,
+              note: Note = lambda _: None) -> dict[str, Any]:
+    """gpu_check runs every step and writes the report into `out`; returns the report."""
+    import torch
+
+    if not torch.cuda.is_available() and not allow_cpu:
+        raise GpuCheckError(
+            f"no CUDA GPU: torch {torch.__version__} (CUDA build {torch.version.cuda}) sees "
+            "none; run this on a GPU machine with a CUDA build of torch")
+    if not config.is_file():
+        raise GpuCheckError(f"config {str(config)!r} does not exist")
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    own_data = any(item.startswith("data.path=") for item in overrides)
+    corpus = out / "corpus.parquet"
+    plan: list[tuple[Step, bool]] = []
+    if not own_data and not corpus.is_file():
+        plan.append((Step("corpus", [*python_argv(), "data", "prepare", "--max-mb", "20",
+                                     sysconfig.get_paths()["stdlib"], str(corpus)]), False))
+    if run_tests:
+        repo = Path(__file__).resolve().parents[2]
+        plan.append((Step("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                    str(repo / "tests" / "gpu")]), False))
+    storage = out / "runs"
+    train = [*python_argv(), "bench", "train", "--config", str(config), "--set",
+             f"run.storage={storage}", "--steps", str(steps), "--warmup", str(warmup),
+             "--interval", str(interval), "--json"]
+    if not own_data:
+        train += ["--set", f"data.path={corpus}"]
+    for item in overrides:
+        train += ["--set", item]
+    plan.append((Step("train", [*train, "--plain"]), True))
+    plan.append((Step("memory-every-step", [*train, "--mode", "memory", "--set",
+                                            "checkpoint.snapshot_interval=1"]), True))
+    plan.append((Step("ckpt", [*python_argv(), "bench", "ckpt", "--dir", str(out / "ckpt"),
+                               "--size-gb", str(size_gb), "--json"]), True))
+    done: dict[str, Step] = {}
+    for step, json_out in plan:
+        note(f"{step.name}: {' '.join(step.argv[2:])}")
+        done[step.name] = run_step(step, out, env, json_out)
+        status = "ok" if step.returncode == 0 else f"FAILED (exit {step.returncode})"
+        note(f"{step.name}: {status} in {step.seconds:.0f}s")
+    report = {
+        "kind": "gpu-check",
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "cpus": os.cpu_count(), "config": str(config),
+        "steps": {s.name: {"argv": s.argv, "returncode": s.returncode,
+                           "seconds": round(s.seconds, 1), "report": s.report, "tail": s.tail}
+                  for s in done.values()},
+        "bounds": verdicts(done),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.txt").write_text(format_report(report))
+    return report
+
+
+def tests_summary(tail: str) -> str:
+    """tests_summary is pytest's closing counts ("3 passed, 1 skipped"), if it printed them."""
+    found = re.findall(r"\d+ (?:passed|failed|skipped|errors?)", tail)
+    return ", ".join(found) if found else tail.splitlines()[-1] if tail else "no output"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"gpu-check on {report['device']}, torch {report['torch']} (CUDA {report['cuda']}), "
+             f"{report['cpus']} CPUs; config {report['config']}", ""]
+    for name, s in report["steps"].items():
+        state = "ok" if s["returncode"] == 0 else f"FAILED (exit {s['returncode']})"
+        extra = f": {tests_summary(s['tail'])}" if name == "tests" else ""
+        lines.append(f"{name:<18} {state}{extra} ({s['seconds']:.0f}s; log {name}.log)")
+    lines += ["", f"{'figure':<58} {'value':>7} {'bound':>8}  verdict"]
+    for b in report["bounds"]:
+        value = "-" if b["value"] is None else f"{b['value']:.3f}"
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[b["met"]]
+        lines.append(f"{b['figure']:<58} {value:>7} {b['bound']:>8}  {verdict}")
+    for name in ("train", "memory-every-step"):
+        step = report["steps"].get(name, {})
+        if step.get("report"):
+            from pyrecover.bench.train import format_train
+
+            lines += ["", f"--- bench train ({name}) ---", format_train(step["report"])]
+    return "\n".join(lines) + "\n"

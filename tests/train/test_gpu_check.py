@@ -1,0 +1,33 @@
+"""`pyrecover bench gpu-check` on the CPU: the check itself runs every step and reports every
+bound, so a GPU machine's only job is to supply the figures."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import TINY, pyrecover
+
+
+def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus):
+    out = tmp_path / "check"
+    done = pyrecover("bench", "gpu-check", "--out", str(out), "--config", str(TINY),
+                     "--set", f"data.path={corpus}", "--steps", "3", "--warmup", "1",
+                     "--interval", "2", "--size-gb", "0.01", "--no-tests", "--allow-cpu")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert {n: s["returncode"] for n, s in report["steps"].items()} == {
+        "train": 0, "memory-every-step": 0, "ckpt": 0}
+    assert len(report["bounds"]) == 4
+    assert all(isinstance(b["value"], float) and b["met"] in (True, False)
+               for b in report["bounds"]), report["bounds"]
+    rows = {r["mode"]: r for r in report["steps"]["train"]["report"]["rows"]}
+    assert rows["plain"]["vs_plain"] == 1.0 and rows["none"]["vs_plain"] > 0
+    text = (out / "report.txt").read_text()
+    assert "vs the plain compiled loop" in text and (out / "train.log").is_file()
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
+    done = pyrecover("bench", "gpu-check", "--out", str(tmp_path / "check"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert "no CUDA GPU" in done.stderr
