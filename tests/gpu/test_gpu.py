@@ -127,3 +127,54 @@ def test_a_cuda_run_killed_mid_way_resumes_from_its_checkpoint(tmp_path, corpus,
     # the uninterrupted one; a lost optimizer state, LR step or data position would not.
     resumed, uninterrupted = losses(run), losses(straight)
     assert resumed[20] == pytest.approx(uninterrupted[20], rel=0.02)
+
+
+@needs_gpus(1)
+def test_cuda_staging_copies_the_state_of_its_moment_on_every_save_and_fences_the_update():
+    """The one staging path on CUDA: pinned buffers, a side stream, an event. An update queued
+    right after the fence must not reach the copy, on the first save and on every later one
+    (torch 2.11's own stager failed every save after the first)."""
+    from pyrecover.checkpoint.staging import StateStager
+
+    device = torch.device("cuda", 0)
+    model = torch.nn.Linear(2048, 2048, device=device)
+    live = {"model": dict(model.named_parameters()), "extra": {"kind": torch.nn.Linear}}
+    stager = StateStager(device)
+    try:
+        for save in range(3):
+            expect = model.weight.detach().cpu()
+            future = stager.stage(live)
+            stager.fence()  # the loop's stream now waits for the copy; the host does not
+            with torch.no_grad():
+                model.weight.add_(1.0)  # the optimizer's update, queued behind the copy
+            staged = future.result()
+            assert staged["model"]["weight"].is_pinned(), save
+            assert type(staged["model"]["weight"]) is torch.Tensor
+            assert torch.equal(staged["model"]["weight"], expect), save
+            assert staged["extra"]["kind"] is torch.nn.Linear
+    finally:
+        stager.close()
+
+
+@needs_gpus(1)
+def test_a_cuda_run_compiles_by_default_and_logs_its_mfu(tmp_path, corpus):
+    from pyrecover import flops
+
+    if flops.peak_flops(torch.cuda.get_device_name(0)) is None:
+        pytest.skip(f"{torch.cuda.get_device_name(0)} is not in the peak table")
+    run = tmp_path / "mfu"
+    done = pyrecover("train", *gpu_args(tmp_path, corpus, "mfu", 1, "train.max_steps=6"),
+                     timeout=TIMEOUT)
+    check(done)
+    assert "MFU" in done.stderr
+    metrics = list(read_jsonl(run / "metrics.jsonl"))
+    assert all(0 < m["mfu"] < 1 for m in metrics), metrics
+
+
+@pytest.mark.skipif(GPUS != 1, reason=f"needs exactly 1 CUDA GPU, torch sees {GPUS}")
+def test_more_processes_than_gpus_is_one_clear_line(tmp_path, corpus):
+    done = pyrecover("train", "--nproc", "2", *gpu_args(tmp_path, corpus, "dup", 2),
+                     timeout=TIMEOUT)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("error: 2 processes on this machine")
+    assert "train.device=cpu" in done.stderr and "Traceback" not in done.stderr
