@@ -153,7 +153,7 @@ def gpu_check(
         report = check.gpu_check(out, config, overrides or [], steps, warmup, interval, size_gb,
                                  tests, allow_cpu, note=_note)
     except check.GpuCheckError as exc:
-        raise _fail(exc) from None
+        raise user_error(exc) from None
     typer.echo(check.format_report(report), nl=False)
     failed = [n for n, s in report["steps"].items() if s["returncode"] != 0]
     if failed:

@@ -5,7 +5,6 @@ replicas with its peers over a dedicated gloo group, next to training.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -25,10 +24,11 @@ from pyrecover.checkpoint.memory.layout import (
     param_groups,
     slice_bounds,
 )
+from pyrecover.checkpoint.staging import Copier
 
 log = logging.getLogger("pyrecover")
-# An own slice at least this big is copied by a background thread while the loop runs the next
-# forward and backward; a smaller one is copied at once (starting a thread costs more).
+# On CPU, an own slice at least this big is copied by a background thread while the loop runs
+# the next forward and backward; a smaller one is copied at once (a thread costs more).
 BACKGROUND_COPY_BYTES = 64 << 20
 
 
@@ -53,10 +53,10 @@ class Snapshots:
         self.replicas = max(1, min(replicas, world_size))
         self.ranks_per_node = ranks_per_node or world_size
         self.pin = device.type == "cuda"
-        # On CUDA the copy is a device-to-host copy on the current stream, never in a thread.
-        self.background_copy_bytes = background_copy_bytes if not self.pin else None
-        self._copier: threading.Thread | None = None
-        self._copy_error: BaseException | None = None
+        # The own-slice copy: on CUDA always on a side stream into pinned buffers; on CPU in a
+        # thread when the slice is large enough to be worth one (staging.py).
+        self.copier = Copier(device)
+        self.background_copy_bytes = background_copy_bytes
         # Replicas travel over their own gloo group, so they never interleave with the
         # training's collectives on the default group. Its ranks are the global ones.
         self.group = (tdist.new_group(backend="gloo")
@@ -86,15 +86,15 @@ class Snapshots:
         """snapshot copies this rank's slice of the state at `step`; replicas follow in the
         background.
 
-        A large slice is copied by a background thread while the loop goes on with the next
-        forward and backward: the loop calls `wait_staged` (through the manager's
-        `before_update`) before the optimizer changes the state. A small one is copied here.
+        The copy runs on a side stream on CUDA, and in a background thread on CPU for a large
+        slice, while the loop goes on with the next forward and backward: the loop calls
+        `wait_staged` (through the manager's `before_update`) before the optimizer changes the
+        state. A small slice on CPU is copied here.
         Then the exchange with the peers is posted to gloo over `self.group` and moves in
         gloo's own threads while training goes on. At most one exchange is in flight, so this
         first waits for the previous one; a snapshot counts (becomes `current`) once its
         exchange finished, and an exchange that failed (a peer died) raises here.
         """
-        self.wait_staged()
         self.wait()
         tensors, fqns = self._state_tensors(parts)
         meta = {
@@ -106,36 +106,29 @@ class Snapshots:
         self._buffer(target, self.rank)
         rng.pack_into(rng.capture(), target.rngs[self.rank])
         a, b = self.bounds[self.rank]
-        if self.background_copy_bytes is not None and b - a >= self.background_copy_bytes:
-            self._copier = threading.Thread(target=self._copy_and_post, args=(target, step, meta),
-                                            name="pyrecover-memory-copy", daemon=True)
-            self._copier.start()
-            return
-        self._copy_and_post(target, step, meta)
-        if self.group is None:  # nothing to exchange: complete now
+        background = self.pin or b - a >= self.background_copy_bytes
+        if not target.copy_to:
+            own = target.slices[self.rank]
+            target.copy_to = [own[lo:hi] for lo, hi, _ in self._copies]
+        # The exchange is posted once the bytes are on the host (from the copy's thread for a
+        # background copy, so it starts as soon as they are there).
+        self.copier.start(target.copy_to, [src for _, _, src in self._copies],
+                          then=lambda: self._post(target, step, meta), background=background)
+        if not background and self.group is None:  # nothing to exchange: complete now
             self.wait()
 
     def wait_staged(self) -> None:
-        """wait_staged returns once no snapshot copy reads the live state any more."""
-        copier, self._copier = self._copier, None
-        if copier is not None:
-            copier.join()
-        error, self._copy_error = self._copy_error, None
-        if error is not None:
-            raise error
+        """wait_staged returns once the state may change without reaching the snapshot copy
+        (on CUDA the device waits for the copy, the host does not). A failed copy or exchange
+        is raised by the next `wait` (the next snapshot, save or persist)."""
+        self.copier.fence()
 
-    def _copy_and_post(self, target: Snapshot, step: int, meta: dict[str, Any]) -> None:
-        """_copy_and_post copies the own slice, then posts its exchange (in the copy thread for
-        a large slice, so the exchange starts as soon as the bytes are there)."""
-        try:
-            self._copy_own(target)
-            works = []
-            if self.group is not None:
-                faults.maybe_kill(step, self.rank, point="exchange")
-                works = self._post_exchange(target)
-            self._inflight = _Exchange(target, step, meta, works)
-        except BaseException as exc:  # the loop's thread raises it from wait_staged()
-            self._copy_error = exc
+    def _post(self, target: Snapshot, step: int, meta: dict[str, Any]) -> None:
+        works = []
+        if self.group is not None:
+            faults.maybe_kill(step, self.rank, point="exchange")
+            works = self._post_exchange(target)
+        self._inflight = _Exchange(target, step, meta, works)
 
     def _post_exchange(self, snap: Snapshot) -> list[Any]:
         """_post_exchange starts sending this rank's slice (with its RNG state) to its peers and
@@ -159,8 +152,10 @@ class Snapshots:
         return works
 
     def wait(self, timeout: float | None = None) -> None:
-        """wait finishes the exchange in flight, if any: counts its snapshot, or raises its
-        error, after which its buffers are free again (as after `timeout` seconds)."""
+        """wait finishes the copy and the exchange in flight, if any: counts its snapshot, or
+        raises its error, after which its buffers are free again (as after `timeout` seconds,
+        which bounds the exchange, not the copy)."""
+        self.copier.wait()  # the copy is on the host and its exchange posted, or raises
         flight, self._inflight = self._inflight, None
         if flight is None:
             return
@@ -237,13 +232,3 @@ class Snapshots:
             if slice_id == self.rank:
                 snap.copy_to = []
         return buf
-
-    def _copy_own(self, snap: Snapshot) -> None:
-        if not snap.copy_to:
-            own = snap.slices[self.rank]
-            snap.copy_to = [own[lo:hi] for lo, hi, _ in self._copies]
-        if snap.copy_to:  # one dispatch for every piece: 4 us per copy_ call added up
-            torch._foreach_copy_(snap.copy_to, [src for _, _, src in self._copies],
-                                 non_blocking=self.pin)
-        if self.pin:
-            torch.cuda.current_stream().synchronize()

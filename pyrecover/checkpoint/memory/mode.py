@@ -9,13 +9,14 @@ own packed RNG state after it, into a CPU buffer allocated once (pinned on CUDA)
 sends that buffer over a dedicated gloo group to the `replicas - 1` ranks after it (on other
 nodes when there are several) and receives theirs.
 
-The training loop waits for the copy only, and for a large slice not even that: a thread
-copies it during the next forward and backward, and the loop's `before_update` fence waits
-for it before the optimizer changes the state. The exchange runs in gloo's own threads; at
-most one is in flight, and a snapshot counts only once its exchange finished. Each rank keeps
-three buffer sets (the newest complete snapshot, the one before, the one in flight), so a
-kill in the middle of an exchange still leaves the survivors one step that every slice
-reached.
+The training loop waits for the copy only, and mostly not even that (staging.py): on CUDA
+the copy runs on a side stream into pinned buffers, and on CPU a large slice is copied by a
+thread, during the next forward and backward; the loop's `before_update` fence makes the
+optimizer's update wait for it (on CUDA the device waits, not the host). The exchange runs
+in gloo's own threads; at most one is in flight, and a snapshot counts only once its
+exchange finished. Each rank keeps three buffer sets (the newest complete snapshot, the one
+before, the one in flight), so a kill in the middle of an exchange still leaves the survivors
+one step that every slice reached.
 
 On disk, a step folder holds `part-s<slice>-r<rank>.bin` files (raw bytes, written and
 checksummed as in DCP mode: hashed_file.py; read straight into place on restore) and one
@@ -65,11 +66,9 @@ class MemoryMode(Snapshots):
     def start(self, pending: Pending, parts, train: dict[str, Any]) -> None:
         """start writes this rank's own slice of the snapshot of this step (all ranks alive)."""
         try:
-            self.wait_staged()
             self.wait()  # the snapshot of this step, if just taken, counts once exchanged
             if self.current.step != pending.step:
                 self.snapshot(pending.step, parts, train)
-                self.wait_staged()
                 self.wait()
             files = self.write(pending.tmp, self.current, [self.rank])
             self._result = WriteResult(files)
@@ -88,7 +87,6 @@ class MemoryMode(Snapshots):
         without its replica it would pass for complete here.
         """
         try:
-            self.wait_staged()
             self.wait(timeout=SURVIVOR_WAIT_S)
         except Exception as exc:  # the peer it exchanged with is gone: expected here
             log.debug("rank %d: the snapshot exchange in flight failed: %s", self.rank, exc)
@@ -131,7 +129,7 @@ class MemoryMode(Snapshots):
         """close lets an exchange in flight finish; its error no longer matters (every
         checkpoint this run needs was committed before)."""
         try:
-            self.wait_staged()
             self.wait()
         except Exception as exc:
             log.debug("rank %d: the last snapshot exchange failed: %s", self.rank, exc)
+        self.copier.close()
