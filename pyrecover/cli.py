@@ -57,14 +57,14 @@ def train(
     Run the same command again after any interruption: it picks up where the last committed
     checkpoint left off, with the same data position and random state.
     """
+    from pyrecover import batch, data, dist
     from pyrecover import config as config_mod
-    from pyrecover import data, dist
 
     cfg = config_mod.load(config, overrides or [])
     target = run_dir if run_dir is not None else cfg.run_dir()
     env = dist.detect(os.environ)
     if nproc > 1 and env.launcher == "single":
-        config_mod.check_world_size(cfg, nproc)
+        batch.resolve(cfg, nproc)  # refuse a global batch that cannot split before spawning
         data.check_source(cfg.data.path, cfg.data.column)
         argv = dist.python_argv() + ["train", "--run-dir", str(target)]
         if config is not None:

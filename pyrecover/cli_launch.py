@@ -72,7 +72,7 @@ def launch(
     job inherits them from this environment.
     """
     from pyrecover import config as config_mod
-    from pyrecover.experiment import prepare_run_dir
+    from pyrecover.experiment import prepare_run_dir, resolve_for_run
     from pyrecover.slurm import LaunchError, profile, render, submit
 
     cwd = os.getcwd()
@@ -87,11 +87,11 @@ def launch(
         partition=partition, account=account, image=image, launcher=launcher,
         max_restarts=max_restarts, signal_seconds=signal_seconds)
     profile.validate(prof)
-    config_mod.check_world_size(cfg, prof.nodes * prof.gpus_per_node)
+    cfg, batch_note = resolve_for_run(cfg, prof.nodes * prof.gpus_per_node)
     spec = render.job_spec(cfg, prof, sys.executable)
     script = render.render(spec)
     argv = submit.sbatch_argv(spec.run.job_script)
-    for note in _notes(cfg, spec):
+    for note in [batch_note] * bool(batch_note) + _notes(cfg, spec):
         typer.echo(f"note: {note}", err=True)
 
     if dry_run:
@@ -106,7 +106,7 @@ def launch(
         raise LaunchError(f"image {spec.image!r} does not exist: build it with `make image`, "
                           "fix image/--image, or use --dry-run")
     submit.require_sbatch(os.environ)
-    prepare_run_dir(cfg, spec.run)
+    prepare_run_dir(cfg, spec.run, batch_note)
     spec.run.job_script.write_text(script)
     job_id = submit.submit(argv, cwd=spec.run_dir)
     log = spec.run.logs / f"{job_id}.out"
