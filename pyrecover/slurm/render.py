@@ -91,7 +91,8 @@ def job_spec(cfg: Config, profile: ClusterProfile, python: str) -> JobSpec:
     image = None if profile.launcher == "none" else profile.image
     if profile.launcher == "srun" and image is None:
         raise LaunchError("launcher srun runs the tasks in a container but no image is set: "
-                          "set image in the cluster profile or pass --image, or use "
+                          "set image in the cluster profile, pass --image, set "
+                          "PYRECOVER_IMAGE or build ./pyrecover.sif with `make image`; or use "
                           "--launcher none")
     binds: tuple[Bind, ...] = ()
     if image is not None:
