@@ -58,6 +58,8 @@ class JobSpec:
     binds: tuple[Bind, ...]
     python: str
     """The interpreter that runs pyrecover (and torchrun) when there is no container."""
+    stop_signal: str = "USR2"
+    """run.stop_signal, without SIG: torchrun's agent passes it on to its workers."""
 
     @property
     def run(self) -> RunDir:
@@ -115,6 +117,7 @@ def job_spec(cfg: Config, profile: ClusterProfile, python: str) -> JobSpec:
         image=image,
         binds=binds,
         python=python,
+        stop_signal=cfg.run.stop_signal.upper().removeprefix("SIG"),
     )
 
 
@@ -158,8 +161,10 @@ def step_lines(spec: JobSpec) -> list[list[Word]]:
                  "--ntasks-per-node=1"]
         if spec.cpus_per_task is not None:
             srun.append(f"--cpus-per-task={spec.cpus_per_task * spec.gpus_per_node}")
-        torchrun: list[Word] = (["torchrun"] if spec.image else
-                                [spec.python, "-m", "torch.distributed.run"])
+        # torchrun itself, run by pyrecover.elastic_agent so the stop signal reaches the
+        # workers as a clean stop instead of killing the agent.
+        torchrun: list[Word] = ["python" if spec.image else spec.python, "-m",
+                                "pyrecover.elastic_agent", "--stop-signal", spec.stop_signal]
         command: list[list[Word]] = [
             [*torchrun, "--nnodes", Shell('"$SLURM_NNODES"'), "--nproc-per-node",
              spec.gpus_per_node],

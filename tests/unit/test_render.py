@@ -172,7 +172,8 @@ def test_unset_partition_account_and_cpus_leave_no_sbatch_line():
     ("torchrun", ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks=2",
                   "--ntasks-per-node=1", "--cpus-per-task=32", "apptainer", "exec", "--nv",
                   "--bind", "/scratch/pyrecover:/scratch/pyrecover", "/images/pyrecover.sif",
-                  "torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend",
+                  "python", "-m", "pyrecover.elastic_agent", "--stop-signal", "USR2",
+                  "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend",
                   "c10d", "--rdzv-endpoint", "node1:10123", "--rdzv-id", "123", "-m",
                   "pyrecover", "train", "--config", "/scratch/pyrecover/tiny-gpt/run.yaml"]),
 ])
