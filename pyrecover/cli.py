@@ -49,8 +49,9 @@ def train(
     run_dir: Annotated[Path | None, typer.Option(
         help="Run directory; default <run.storage>/<run.exp_name>.")] = None,
     nproc: Annotated[int, typer.Option(
-        min=1, help="Start this many local worker processes (when not already under SLURM "
-        "or torchrun): CPU with gloo, or one GPU each.")] = 1,
+        min=1, help="Start this many worker processes here (alone, or as one srun task per "
+        "node: then node n's workers are ranks n x NPROC and up): CPU with gloo, or one GPU "
+        "each.")] = 1,
 ) -> None:
     """Train, resuming from the newest valid checkpoint in the run directory.
 
@@ -63,15 +64,17 @@ def train(
     cfg = config_mod.load(config, overrides or [])
     target = run_dir if run_dir is not None else cfg.run_dir()
     env = dist.detect(os.environ)
-    if nproc > 1 and env.launcher == "single":
-        batch.resolve(cfg, nproc)  # refuse a global batch that cannot split before spawning
+    if nproc > 1 and env.launcher in ("single", "slurm"):  # slurm: one task per node
+        workers = dist.worker_envs(env, nproc)  # refuses a layout it cannot spawn
+        batch.resolve(cfg, int(workers[0]["WORLD_SIZE"]))  # before spawning anything
         data.check_source(cfg.data.path, cfg.data.column)
         argv = dist.python_argv() + ["train", "--run-dir", str(target)]
         if config is not None:
             argv += ["--config", str(config)]
         for item in overrides or []:
             argv += ["--set", item]
-        code = dist.spawn_local(argv, nproc, os.environ)
+        code = dist.spawn_local(argv, nproc, os.environ,
+                                parent=None if env.launcher == "single" else env)
         raise typer.Exit(code)
     if nproc > 1:
         typer.echo(f"note: --nproc {nproc} ignored; this process is rank {env.rank} of "

@@ -60,9 +60,10 @@ def launch(
     max_restarts: Annotated[int | None, typer.Option(
         help=f"Requeues allowed after a stop or crash ({P}: max_restarts).")] = None,
     launcher: Annotated[str | None, typer.Option(
-        help="srun: one task per GPU in the container; torchrun: one torchrun per node (in "
-        "the container when there is an image); none: one task per GPU with this python, "
-        f"no container ({P}: launcher).")] = None,
+        help="srun: one task per GPU in the container; torchrun: one torchrun per node; "
+        "spawn: one task per node running `pyrecover train --nproc GPUS` (both in the "
+        "container when there is an image); none: one task per GPU with this python, no "
+        f"container ({P}: launcher).")] = None,
     signal_seconds: Annotated[int | None, typer.Option(
         help=f"SIGUSR2 this many seconds before the time limit ({P}: signal_seconds).")] = None,
     dry_run: Annotated[bool, typer.Option(

@@ -24,7 +24,7 @@ from pyrecover import container
 from pyrecover.container import Bind
 from pyrecover.slurm import LaunchError
 
-LAUNCHERS = ("srun", "torchrun", "none")
+LAUNCHERS = ("srun", "torchrun", "spawn", "none")
 MAX_SIGNAL_SECONDS = 65535  # SLURM keeps --signal's time in 16 bits
 # SLURM's --time forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _TIME = re.compile(r"(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)")
@@ -49,8 +49,9 @@ class ClusterProfile:
     binds: tuple[Bind, ...] = ()
     """Bind mounts `SRC[:DST[:ro]]` besides run.storage, which is always bound."""
     launcher: str = "srun"
-    """srun: one task per GPU in the container; torchrun: one torchrun per node; none: one
-    task per GPU running this machine's python, no container."""
+    """srun: one task per GPU in the container; torchrun: one torchrun per node; spawn: one
+    task per node running `pyrecover train --nproc <gpus_per_node>`; none: one task per GPU
+    running this machine's python, no container."""
     max_restarts: int = 3
     """How often the job may requeue itself after a stop or crash."""
     signal_seconds: int = 120

@@ -154,18 +154,23 @@ def step_lines(spec: JobSpec) -> list[list[Word]]:
     """step_lines is the step's command in readable pieces: srun, the container, the trainer."""
     train = ["train", "--config", str(spec.run.config)]
     srun: list[Word] = ["srun", "--kill-on-bad-exit=1"]
-    if spec.launcher == "torchrun":
-        # One torchrun per node, which starts one worker per GPU. srun would otherwise take
+    if spec.launcher in ("torchrun", "spawn"):
+        # One task per node, which starts one worker per GPU. srun would otherwise take
         # the allocation's task count (one per GPU) from the environment.
         srun += [Shell('--nodes="$SLURM_NNODES"'), Shell('--ntasks="$SLURM_NNODES"'),
                  "--ntasks-per-node=1"]
         if spec.cpus_per_task is not None:
             srun.append(f"--cpus-per-task={spec.cpus_per_task * spec.gpus_per_node}")
+    if spec.launcher == "spawn":
+        # pyrecover.dist.worker_envs: node n's workers are ranks n x gpus_per_node and up.
+        train.extend(["--nproc", str(spec.gpus_per_node)])
+    command: list[list[Word]]
+    if spec.launcher == "torchrun":
         # torchrun itself, run by pyrecover.elastic_agent so the stop signal reaches the
         # workers as a clean stop instead of killing the agent.
         torchrun: list[Word] = ["python" if spec.image else spec.python, "-m",
                                 "pyrecover.elastic_agent", "--stop-signal", spec.stop_signal]
-        command: list[list[Word]] = [
+        command = [
             [*torchrun, "--nnodes", Shell('"$SLURM_NNODES"'), "--nproc-per-node",
              spec.gpus_per_node],
             ["--rdzv-backend", "c10d", "--rdzv-endpoint", Shell('"$MASTER_ADDR:$MASTER_PORT"'),

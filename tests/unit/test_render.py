@@ -127,6 +127,7 @@ GOLDEN_CASES = {
     "torchrun.sbatch": lambda: spec_for("torchrun"),
     "torchrun-no-image.sbatch": lambda: spec_for("torchrun", image=None),
     "none.sbatch": lambda: spec_for("none"),
+    "spawn.sbatch": lambda: spec_for("spawn"),
 }
 
 
@@ -176,6 +177,11 @@ def test_unset_partition_account_and_cpus_leave_no_sbatch_line():
                   "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend",
                   "c10d", "--rdzv-endpoint", "node1:10123", "--rdzv-id", "123", "-m",
                   "pyrecover", "train", "--config", "/scratch/pyrecover/tiny-gpt/run.yaml"]),
+    ("spawn", ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks=2",
+               "--ntasks-per-node=1", "--cpus-per-task=32", "apptainer", "exec", "--nv",
+               "--bind", "/scratch/pyrecover:/scratch/pyrecover", "/images/pyrecover.sif",
+               "pyrecover", "train", "--config", "/scratch/pyrecover/tiny-gpt/run.yaml",
+               "--nproc", "4"]),
 ])
 def test_the_script_runs_exactly_the_launchers_command(launcher, command, tmp_path):
     argv, stderr, code = run_step(render.render(spec_for(launcher)), tmp_path)
