@@ -66,8 +66,12 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 300
-    global_batch_size: int = 16
-    """Sequences per optimizer step, summed over all ranks and accumulation micro-steps."""
+    global_batch_size: int | str = "auto:16"
+    """Sequences per optimizer step, summed over all ranks and accumulation micro-steps.
+    `N`: exactly N, refused unless it splits over the ranks; `auto:N`: N where it splits,
+    otherwise the nearest multiple of world size x micro_batch_size; `auto`: one micro batch
+    per rank. The number an `auto` value resolves to is recorded in run.yaml and kept on
+    resume (`resolve_global_batch`)."""
     micro_batch_size: int = 8
     """Sequences per forward pass on one rank."""
     seed: int = 1337
@@ -186,9 +190,11 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def dump(cfg: Config) -> str:
-    """dump renders the resolved config as YAML that `load` reads back to an equal Config."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+def dump(cfg: Config, note: str | None = None) -> str:
+    """dump renders the resolved config as YAML that `load` reads back to an equal Config;
+    `note` (how an `auto` value was resolved) goes first, as a comment."""
+    head = f"# {' '.join(note.split())}\n" if note else ""
+    return head + yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
 def diff_identity(old: Config, new: Config) -> list[str]:
@@ -222,10 +228,11 @@ def validate(cfg: Config) -> None:
     if not cfg.data.path:
         _bad("data.path", cfg.data.path, "the path of a parquet file")
     t = cfg.train
-    for key in ("max_steps", "global_batch_size", "micro_batch_size", "max_bad_steps"):
+    for key in ("max_steps", "micro_batch_size", "max_bad_steps"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.log_interval", t.log_interval)
-    if t.global_batch_size % t.micro_batch_size:
+    target = parse_global_batch(t.global_batch_size)
+    if isinstance(t.global_batch_size, int) and target % t.micro_batch_size:
         _bad("train.global_batch_size", t.global_batch_size,
              f"a multiple of train.micro_batch_size ({t.micro_batch_size})")
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
@@ -248,12 +255,31 @@ def validate(cfg: Config) -> None:
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
-    """check_world_size raises unless the global batch splits over ranks and micro-batches."""
+    """check_world_size raises unless a fixed global batch splits over ranks and micro-batches
+    (an `auto` one always fits: pyrecover.batch resolves it)."""
+    size = cfg.train.global_batch_size
     per_step = world_size * cfg.train.micro_batch_size
-    if cfg.train.global_batch_size % per_step:
-        _bad("train.global_batch_size", cfg.train.global_batch_size,
+    if isinstance(size, int) and size % per_step:
+        _bad("train.global_batch_size", size,
              f"a multiple of world size x train.micro_batch_size ({world_size} x "
-             f"{cfg.train.micro_batch_size} = {per_step})")
+             f"{cfg.train.micro_batch_size} = {per_step}), or auto:{size}")
+
+
+_AUTO = re.compile(r"auto(?::(\d+))?")
+
+
+def parse_global_batch(value: int | str) -> int | None:
+    """parse_global_batch reads `N`, `auto:N` (the target N) or `auto` (None: no target)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        target: int | None = value
+    else:
+        m = _AUTO.fullmatch(str(value).strip().lower())
+        if not m:
+            _bad("train.global_batch_size", value, "a number of sequences N, auto:N or auto")
+        target = int(m.group(1)) if m.group(1) else None
+    if target is not None and target < 1:
+        _bad("train.global_batch_size", value, "a number of sequences >= 1")
+    return target
 
 
 def check_local_gpus(cfg: Config, local_processes: int, visible_gpus: int) -> None:
@@ -308,6 +334,10 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
+    if hint == int | str:  # an int, or a word such as `auto`
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{key}={value!r} is not allowed: expected a number or a word")
+        return value
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):

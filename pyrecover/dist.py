@@ -65,7 +65,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
     world = _int(env, "WORLD_SIZE")
     local_world = _int(env, "LOCAL_WORLD_SIZE", world)
     return _checked(DistEnv(
-        launcher="torchrun",
+        launcher="spawn" if env.get(SPAWNED) == "1" else "torchrun",
         rank=_int(env, "RANK"),
         world_size=world,
         local_rank=_int(env, "LOCAL_RANK", 0),
@@ -272,23 +272,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SPAWNED = "PYRECOVER_SPAWNED"  # set for workers of `pyrecover train --nproc N`
+
+
+def worker_envs(parent: DistEnv, nproc: int) -> list[dict[str, str]]:
+    """worker_envs are the torchrun-style variables of the `nproc` workers that process
+    `parent` starts: alone (`single`), or as one `srun` task per node (`slurm`), where
+    worker i of node n is rank n x nproc + i and node 0's address hosts the rendezvous."""
+    if parent.launcher == "slurm" and parent.local_world_size != 1:
+        raise DistError(f"--nproc {nproc} under srun needs one task per node (srun "
+                        f"--ntasks-per-node=1), but this node runs {parent.local_world_size}")
+    if parent.launcher not in ("single", "slurm"):
+        raise DistError(f"--nproc {nproc}: this process is already a worker of {parent.launcher}")
+    nodes = parent.world_size
+    return [{"RANK": str(parent.node_rank * nproc + i), "WORLD_SIZE": str(nodes * nproc),
+             "LOCAL_RANK": str(i), "LOCAL_WORLD_SIZE": str(nproc),
+             "GROUP_RANK": str(parent.node_rank), "MASTER_ADDR": parent.master_addr,
+             "MASTER_PORT": str(parent.master_port), SPAWNED: "1"} for i in range(nproc)]
+
+
+def exit_status(code: int) -> int:
+    """exit_status is a child's return code as a shell shows it: a signal's death -N is 128+N."""
+    return 128 - code if code < 0 else code
+
+
 def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
-                grace_s: float = 60.0) -> int:
-    """spawn_local runs `argv` as `nproc` local workers with torchrun-style variables.
+                grace_s: float = 60.0, parent: DistEnv | None = None) -> int:
+    """spawn_local runs `argv` as `nproc` workers of this process (`parent`, default: alone
+    on this machine) with torchrun-style variables from `worker_envs`.
 
     Waits for all of them. When one fails, the others get `grace_s` seconds to notice (their
     next collective fails) and exit by themselves, which lets memory mode persist what the
     survivors hold; then they are terminated (then killed). The first failure's exit code is
-    returned, so the caller exits like the job did.
+    returned (128+N for a death by signal N), so the caller exits like the job did.
     """
-    port = free_port()
-    procs = []
-    for rank in range(nproc):
-        env = dict(environ)
-        env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(list(argv), env=env))
+    if parent is None:
+        parent = DistEnv("single", 0, 1, 0, 1, 0, "127.0.0.1", free_port())
+    procs = [subprocess.Popen(list(argv), env={**environ, **worker})
+             for worker in worker_envs(parent, nproc)]
 
     def forward(signum, _frame):
         for p in procs:
@@ -307,7 +328,7 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                 _stop_all(procs)
             time.sleep(0.05)
         codes = [p.returncode for p in procs]
-        return failed or next((c for c in codes if c != 0), 0)
+        return exit_status(failed or next((c for c in codes if c != 0), 0))
     finally:
         _stop_all(procs)
         for s, handler in old.items():

@@ -7,16 +7,35 @@ from __future__ import annotations
 
 import os
 
+from pyrecover import batch
 from pyrecover import config as config_mod
 from pyrecover.config import Config, ConfigError
 from pyrecover.rundir import RunDir
 
 
-def prepare_run_dir(cfg: Config, run: RunDir) -> None:
+def resolve_for_run(cfg: Config, world_size: int) -> tuple[Config, str | None]:
+    """resolve_for_run fixes the global batch for `world_size`, keeping the run's recorded one
+    (pyrecover.batch.resolve); returns the config and the line that says what was chosen."""
+    return batch.resolve(cfg, world_size, recorded_global_batch(RunDir(cfg.run_dir())))
+
+
+def recorded_global_batch(run: RunDir) -> int | None:
+    """recorded_global_batch is the global batch run.yaml holds; None without a readable one
+    (prepare_run_dir reports a broken run.yaml)."""
+    try:
+        size = config_mod.load(run.config).train.global_batch_size if run.config.is_file() \
+            else None
+    except ConfigError:
+        return None
+    return size if isinstance(size, int) else None
+
+
+def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None) -> None:
     """prepare_run_dir creates the run directory and records or checks `run.yaml`.
 
     A restart whose config changes what the run computes (model, data, seed, global batch) is
-    refused; limits such as train.max_steps may change.
+    refused; limits such as train.max_steps may change. `note` says how an `auto` global
+    batch was resolved; it goes into a new run.yaml as a comment.
     """
     if run.config.is_file():
         try:
@@ -30,11 +49,11 @@ def prepare_run_dir(cfg: Config, run: RunDir) -> None:
                 "use a new run.exp_name or --run-dir, or restore the old values")
     run.create()
     if not run.config.is_file():
-        write_config(cfg, run)
+        write_config(cfg, run, note)
 
 
-def write_config(cfg: Config, run: RunDir) -> None:
+def write_config(cfg: Config, run: RunDir, note: str | None = None) -> None:
     """write_config replaces `run.yaml` atomically with the resolved config."""
     tmp = run.config.with_name(f".run.yaml.{os.getpid()}")
-    tmp.write_text(config_mod.dump(cfg))
+    tmp.write_text(config_mod.dump(cfg, note))
     os.replace(tmp, run.config)

@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from pyrecover import batch, dist, flops, preempt, progress, tracking
 from pyrecover import config as config_mod
-from pyrecover import dist, flops, preempt, progress, tracking
 from pyrecover.checkpoint import CheckpointManager, rng
 from pyrecover.checkpoint.manager import Parts
 from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
 from pyrecover.data import Batches, DataError, load_tokens
-from pyrecover.experiment import prepare_run_dir
+from pyrecover.experiment import prepare_run_dir, recorded_global_batch
 from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig
 from pyrecover.optim import build_optimizer, build_scheduler
@@ -59,7 +59,7 @@ def main(cfg: Config, run_dir: Path) -> None:
     setup_logging(env.rank)
     run = RunDir(run_dir)
     try:  # config and data errors surface here, on every rank, before any collective
-        config_mod.check_world_size(cfg, env.world_size)
+        cfg, batch_note = batch.resolve(cfg, env.world_size, recorded_global_batch(run))
         kind = device_kind(cfg)
         if kind == "cuda":
             config_mod.check_local_gpus(cfg, env.local_world_size, torch.cuda.device_count())
@@ -72,7 +72,9 @@ def main(cfg: Config, run_dir: Path) -> None:
             run.event("error", rank=env.rank, error=f"{type(exc).__name__}: {exc}")
         raise
     if env.rank == 0:
-        prepare_run_dir(cfg, run)
+        if batch_note:
+            log.info("%s", batch_note)
+        prepare_run_dir(cfg, run, batch_note)
     else:
         run.create()
     # Installed before the slow parts, so a signal during start-up is not lost either.

@@ -28,7 +28,11 @@ def launch(
         "without it the demo defaults.")] = None,
     cluster: Annotated[Path | None, typer.Option(
         help="Cluster profile YAML (e.g. launch/clusters/local.yaml); the options below "
-        "override its keys.")] = None,
+        "override its keys. Default: $PYRECOVER_CLUSTER, else "
+        "~/.config/pyrecover/cluster.yaml.")] = None,
+    init_cluster: Annotated[Path | None, typer.Option(
+        metavar="PATH", help="Write a commented starting cluster profile to PATH (from sinfo "
+        "where SLURM answers) and exit.")] = None,
     nodes: Annotated[int | None, typer.Option(help=f"Nodes ({P}: nodes).")] = None,
     mode: Annotated[str | None, typer.Option(
         help="Checkpoint mode: shorthand for --set checkpoint.mode=MODE.")] = None,
@@ -48,16 +52,18 @@ def launch(
     cpus_per_task: Annotated[int | None, typer.Option(
         help=f"CPU cores per task ({P}: cpus_per_task).")] = None,
     image: Annotated[str | None, typer.Option(
-        help=f"Apptainer image, .sif ({P}: image).")] = None,
+        help=f"Apptainer image, .sif ({P}: image; else $PYRECOVER_IMAGE, else "
+        "./pyrecover.sif).")] = None,
     bind: Annotated[list[str] | None, typer.Option(
         metavar="SRC[:DST]", help=f"Bind mount, added to the profile's binds; run.storage is "
         f"always bound. Repeatable ({P}: binds).")] = None,
     max_restarts: Annotated[int | None, typer.Option(
         help=f"Requeues allowed after a stop or crash ({P}: max_restarts).")] = None,
     launcher: Annotated[str | None, typer.Option(
-        help="srun: one task per GPU in the container; torchrun: one torchrun per node (in "
-        "the container when there is an image); none: one task per GPU with this python, "
-        f"no container ({P}: launcher).")] = None,
+        help="srun: one task per GPU in the container; torchrun: one torchrun per node; "
+        "spawn: one task per node running `pyrecover train --nproc GPUS` (both in the "
+        "container when there is an image); none: one task per GPU with this python, no "
+        f"container ({P}: launcher).")] = None,
     signal_seconds: Annotated[int | None, typer.Option(
         help=f"SIGUSR2 this many seconds before the time limit ({P}: signal_seconds).")] = None,
     dry_run: Annotated[bool, typer.Option(
@@ -72,26 +78,31 @@ def launch(
     job inherits them from this environment.
     """
     from pyrecover import config as config_mod
-    from pyrecover.experiment import prepare_run_dir
-    from pyrecover.slurm import LaunchError, profile, render, submit
+    from pyrecover.experiment import prepare_run_dir, resolve_for_run
+    from pyrecover.slurm import LaunchError, profile, query, render, sinfo, submit
 
+    if init_cluster is not None:
+        typer.echo(sinfo.init_profile(init_cluster, query.sinfo(sinfo.SINFO_FORMAT)))
+        return
     cwd = os.getcwd()
     sets = list(overrides or [])
     sets += [f"checkpoint.mode={mode}"] if mode is not None else []
     sets += [f"run.exp_name={exp_name}"] if exp_name is not None else []
     cfg = config_mod.load(config, sets)
     cfg = config_mod.from_dict(config_mod.to_dict(render.absolute_paths(cfg, cwd)))
+    found = profile.find_profile(cluster, os.environ, Path.home())
     prof = profile.with_overrides(
-        profile.load_profile(cluster, cwd), cwd, binds=tuple(bind or ()), nodes=nodes,
+        profile.load_profile(found, cwd), cwd, binds=tuple(bind or ()), nodes=nodes,
         gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, time=time,
         partition=partition, account=account, image=image, launcher=launcher,
         max_restarts=max_restarts, signal_seconds=signal_seconds)
+    prof = profile.find_image(prof, os.environ, cwd)
     profile.validate(prof)
-    config_mod.check_world_size(cfg, prof.nodes * prof.gpus_per_node)
+    cfg, batch_note = resolve_for_run(cfg, prof.nodes * prof.gpus_per_node)
     spec = render.job_spec(cfg, prof, sys.executable)
     script = render.render(spec)
     argv = submit.sbatch_argv(spec.run.job_script)
-    for note in _notes(cfg, spec):
+    for note in [batch_note] * bool(batch_note) + _notes(cfg, spec):
         typer.echo(f"note: {note}", err=True)
 
     if dry_run:
@@ -106,7 +117,7 @@ def launch(
         raise LaunchError(f"image {spec.image!r} does not exist: build it with `make image`, "
                           "fix image/--image, or use --dry-run")
     submit.require_sbatch(os.environ)
-    prepare_run_dir(cfg, spec.run)
+    prepare_run_dir(cfg, spec.run, batch_note)
     spec.run.job_script.write_text(script)
     job_id = submit.submit(argv, cwd=spec.run_dir)
     log = spec.run.logs / f"{job_id}.out"

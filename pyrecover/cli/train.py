@@ -21,22 +21,24 @@ def train(
     run_dir: Annotated[Path | None, typer.Option(
         help="Run directory; default <run.storage>/<run.exp_name>.")] = None,
     nproc: Annotated[int, typer.Option(
-        min=1, help="Start this many local worker processes (when not already under SLURM "
-        "or torchrun): CPU with gloo, or one GPU each.")] = 1,
+        min=1, help="Start this many worker processes here (alone, or as one srun task per "
+        "node: then node n's workers are ranks n x NPROC and up): CPU with gloo, or one GPU "
+        "each.")] = 1,
 ) -> None:
     """Train, resuming from the newest valid checkpoint in the run directory.
 
     Run the same command again after any interruption: it picks up where the last committed
     checkpoint left off, with the same data position and random state.
     """
+    from pyrecover import batch, data, dist
     from pyrecover import config as config_mod
-    from pyrecover import data, dist
 
     cfg = config_mod.load(config, overrides or [])
     target = run_dir if run_dir is not None else cfg.run_dir()
     env = dist.detect(os.environ)
-    if nproc > 1 and env.launcher == "single":
-        config_mod.check_world_size(cfg, nproc)
+    if nproc > 1 and env.launcher in ("single", "slurm"):  # slurm: one task per node
+        workers = dist.worker_envs(env, nproc)  # refuses a layout it cannot spawn
+        batch.resolve(cfg, int(workers[0]["WORLD_SIZE"]))  # before spawning anything
         config_mod.check_local_gpus(cfg, nproc, dist.visible_gpus())
         data.check_source(cfg.data.path, cfg.data.column)
         argv = dist.python_argv() + ["train", "--run-dir", str(target)]
@@ -44,7 +46,8 @@ def train(
             argv += ["--config", str(config)]
         for item in overrides or []:
             argv += ["--set", item]
-        code = dist.spawn_local(argv, nproc, os.environ)
+        code = dist.spawn_local(argv, nproc, os.environ,
+                                parent=None if env.launcher == "single" else env)
         raise typer.Exit(code)
     if nproc > 1:
         typer.echo(f"note: --nproc {nproc} ignored; this process is rank {env.rank} of "

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import re
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from pyrecover import container
 from pyrecover.container import Bind
 from pyrecover.slurm import LaunchError
 
-LAUNCHERS = ("srun", "torchrun", "none")
+LAUNCHERS = ("srun", "torchrun", "spawn", "none")
 MAX_SIGNAL_SECONDS = 65535  # SLURM keeps --signal's time in 16 bits
 # SLURM's --time forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _TIME = re.compile(r"(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)")
@@ -48,8 +49,9 @@ class ClusterProfile:
     binds: tuple[Bind, ...] = ()
     """Bind mounts `SRC[:DST[:ro]]` besides run.storage, which is always bound."""
     launcher: str = "srun"
-    """srun: one task per GPU in the container; torchrun: one torchrun per node; none: one
-    task per GPU running this machine's python, no container."""
+    """srun: one task per GPU in the container; torchrun: one torchrun per node; spawn: one
+    task per node running `pyrecover train --nproc <gpus_per_node>`; none: one task per GPU
+    running this machine's python, no container."""
     max_restarts: int = 3
     """How often the job may requeue itself after a stop or crash."""
     signal_seconds: int = 120
@@ -63,6 +65,38 @@ FIELDS = tuple(f.name for f in dataclasses.fields(ClusterProfile))
 def option_name(key: str) -> str:
     """option_name is the `pyrecover launch` option that overrides profile key `key`."""
     return "--bind" if key == "binds" else "--" + key.replace("_", "-")
+
+
+PROFILE_ENV, IMAGE_ENV = "PYRECOVER_CLUSTER", "PYRECOVER_IMAGE"
+USER_PROFILE = Path(".config", "pyrecover", "cluster.yaml")  # under the home directory
+LOCAL_IMAGE = "pyrecover.sif"  # what `make image` builds, looked for where launch runs
+
+
+def find_profile(option: str | Path | None, environ: Mapping[str, str], home: str | Path,
+                 exists: Callable[[Path], bool] = Path.is_file) -> Path:
+    """find_profile picks the cluster profile: `--cluster`, else $PYRECOVER_CLUSTER, else
+    ~/.config/pyrecover/cluster.yaml when it exists. Raises LaunchError when none is set."""
+    if option is not None:
+        return Path(option)
+    if environ.get(PROFILE_ENV):
+        return Path(environ[PROFILE_ENV])
+    user = Path(home) / USER_PROFILE
+    if exists(user):
+        return user
+    raise LaunchError(f"no cluster profile: pass --cluster FILE, set {PROFILE_ENV}, or write "
+                      f"~/{USER_PROFILE} with `pyrecover launch --init-cluster ~/{USER_PROFILE}`")
+
+
+def find_image(profile: ClusterProfile, environ: Mapping[str, str], cwd: str | Path,
+               exists: Callable[[Path], bool] = Path.is_file) -> ClusterProfile:
+    """find_image fills in the image where the profile (or --image) sets none: $PYRECOVER_IMAGE,
+    else ./pyrecover.sif when `make image` built it there. Launcher none never uses one."""
+    if profile.image is not None or profile.launcher == "none":
+        return profile
+    image = environ.get(IMAGE_ENV) or None
+    if image is None and exists(Path(cwd) / LOCAL_IMAGE):
+        image = LOCAL_IMAGE
+    return absolute(dataclasses.replace(profile, image=image), cwd)
 
 
 def load_profile(path: str | Path | None, cwd: str | Path) -> ClusterProfile:

@@ -24,3 +24,13 @@ def squeue_state(job_id: str) -> str | None:
         if field_.startswith("JobState="):
             return field_.split("=", 1)[1]
     return None
+
+
+def sinfo(fmt: str) -> str | None:
+    """sinfo asks SLURM for its partitions in `fmt`; None when SLURM does not answer."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", fmt], capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 and out.stdout.strip() else None

@@ -58,6 +58,8 @@ class JobSpec:
     binds: tuple[Bind, ...]
     python: str
     """The interpreter that runs pyrecover (and torchrun) when there is no container."""
+    stop_signal: str = "USR2"
+    """run.stop_signal, without SIG: torchrun's agent passes it on to its workers."""
 
     @property
     def run(self) -> RunDir:
@@ -91,7 +93,8 @@ def job_spec(cfg: Config, profile: ClusterProfile, python: str) -> JobSpec:
     image = None if profile.launcher == "none" else profile.image
     if profile.launcher == "srun" and image is None:
         raise LaunchError("launcher srun runs the tasks in a container but no image is set: "
-                          "set image in the cluster profile or pass --image, or use "
+                          "set image in the cluster profile, pass --image, set "
+                          "PYRECOVER_IMAGE or build ./pyrecover.sif with `make image`; or use "
                           "--launcher none")
     binds: tuple[Bind, ...] = ()
     if image is not None:
@@ -114,6 +117,7 @@ def job_spec(cfg: Config, profile: ClusterProfile, python: str) -> JobSpec:
         image=image,
         binds=binds,
         python=python,
+        stop_signal=cfg.run.stop_signal.upper().removeprefix("SIG"),
     )
 
 
@@ -150,16 +154,23 @@ def step_lines(spec: JobSpec) -> list[list[Word]]:
     """step_lines is the step's command in readable pieces: srun, the container, the trainer."""
     train = ["train", "--config", str(spec.run.config)]
     srun: list[Word] = ["srun", "--kill-on-bad-exit=1"]
-    if spec.launcher == "torchrun":
-        # One torchrun per node, which starts one worker per GPU. srun would otherwise take
+    if spec.launcher in ("torchrun", "spawn"):
+        # One task per node, which starts one worker per GPU. srun would otherwise take
         # the allocation's task count (one per GPU) from the environment.
         srun += [Shell('--nodes="$SLURM_NNODES"'), Shell('--ntasks="$SLURM_NNODES"'),
                  "--ntasks-per-node=1"]
         if spec.cpus_per_task is not None:
             srun.append(f"--cpus-per-task={spec.cpus_per_task * spec.gpus_per_node}")
-        torchrun: list[Word] = (["torchrun"] if spec.image else
-                                [spec.python, "-m", "torch.distributed.run"])
-        command: list[list[Word]] = [
+    if spec.launcher == "spawn":
+        # pyrecover.dist.worker_envs: node n's workers are ranks n x gpus_per_node and up.
+        train.extend(["--nproc", str(spec.gpus_per_node)])
+    command: list[list[Word]]
+    if spec.launcher == "torchrun":
+        # torchrun itself, run by pyrecover.elastic_agent so the stop signal reaches the
+        # workers as a clean stop instead of killing the agent.
+        torchrun: list[Word] = ["python" if spec.image else spec.python, "-m",
+                                "pyrecover.elastic_agent", "--stop-signal", spec.stop_signal]
+        command = [
             [*torchrun, "--nnodes", Shell('"$SLURM_NNODES"'), "--nproc-per-node",
              spec.gpus_per_node],
             ["--rdzv-backend", "c10d", "--rdzv-endpoint", Shell('"$MASTER_ADDR:$MASTER_PORT"'),

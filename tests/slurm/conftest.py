@@ -43,6 +43,15 @@ def local_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm
         cluster.stop()
 
 
+@pytest.fixture
+def jobs(local_slurm: LocalSlurm) -> Iterator[list[int]]:
+    """Job ids to cancel when the test ends, so a failed test leaves nothing running."""
+    ids: list[int] = []
+    yield ids
+    for job_id in ids:
+        local_slurm.run("scancel", str(job_id), check=False)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small parquet of Python-like text in a `text` column, in its own folder (the e2e

@@ -117,7 +117,8 @@ def test_torchrun_runs_one_agent_per_node_in_the_container(local_slurm, corpus, 
         "--image", "pyrecover.sif", "--bind", f"{corpus.parent}:{IN_CONTAINER_DATA}",
         "--set", f"data.path={IN_CONTAINER_DATA}/{corpus.name}")
     check_trained_run(run_dir, job_id, info, log, "torchrun")
-    assert "torchrun --nnodes" in (run_dir / "job.sbatch").read_text()
+    assert "pyrecover.elastic_agent --stop-signal USR2 --nnodes" in (
+        run_dir / "job.sbatch").read_text()
 
 
 def test_launcher_none_runs_this_venvs_python_without_a_container(local_slurm, corpus,

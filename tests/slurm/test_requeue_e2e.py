@@ -43,9 +43,13 @@ WORLD = ("--nodes", "2", "--gpus-per-node", "1", "--launcher", "none")
 def reference_model(corpus: Path, tmp_path_factory: pytest.TempPathFactory
                     ) -> dict[str, torch.Tensor]:
     """The final weights of one uninterrupted local run: same config, world size 2."""
-    storage = tmp_path_factory.mktemp("reference")
-    argv = [sys.executable, "-m", "pyrecover", "train", "--nproc", "2", "--config", str(TINY),
-            "--set", f"data.path={corpus}", "--set", f"run.storage={storage}",
+    return reference_run(corpus, tmp_path_factory.mktemp("reference"), 2)
+
+
+def reference_run(corpus: Path, storage: Path, nproc: int) -> dict[str, torch.Tensor]:
+    """The final weights of `train --nproc NPROC` of the tiny run, uninterrupted, here."""
+    argv = [sys.executable, "-m", "pyrecover", "train", "--nproc", str(nproc), "--config",
+            str(TINY), "--set", f"data.path={corpus}", "--set", f"run.storage={storage}",
             "--set", "run.exp_name=reference"]
     for item in SETS:
         argv += ["--set", item]
@@ -54,15 +58,6 @@ def reference_model(corpus: Path, tmp_path_factory: pytest.TempPathFactory
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return export_model(storage / "reference", env)
-
-
-@pytest.fixture
-def jobs(local_slurm: LocalSlurm):
-    """Job ids to cancel when the test ends, so a failed test leaves nothing running."""
-    ids: list[int] = []
-    yield ids
-    for job_id in ids:
-        local_slurm.run("scancel", str(job_id), check=False)
 
 
 # ------------------------------------------------------------------------------- helpers

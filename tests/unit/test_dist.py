@@ -8,9 +8,11 @@ from pyrecover.dist import (
     DistError,
     detect,
     device_index,
+    exit_status,
     expand_hostlist,
     expand_tasks_per_node,
     port_for_job,
+    worker_envs,
 )
 
 
@@ -102,3 +104,44 @@ def test_each_local_rank_gets_its_own_gpu_either_way_slurm_exposes_them(local_ra
 def test_more_local_ranks_than_visible_gpus_is_an_error():
     with pytest.raises(DistError, match="local rank 2"):
         device_index(2, 2)
+
+
+# One srun task per node (`--launcher spawn`) on node 2 of 2, each task 2 GPUs: the task
+# runs `pyrecover train --nproc 2`, whose workers see the task's variables plus their own.
+SPAWN_TASK = {
+    "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+    "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "node[1-2]",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_TASKS_PER_NODE": "2(x2)",
+    "MASTER_ADDR": "node1", "MASTER_PORT": "14242",
+}
+
+
+def test_spawned_workers_under_one_task_per_node_are_ranks_of_one_group():
+    task = detect(SPAWN_TASK)
+    assert (task.launcher, task.rank, task.world_size, task.local_world_size) == (
+        "slurm", 1, 2, 1)
+    workers = [detect({**SPAWN_TASK, **env}) for env in worker_envs(task, 2)]
+    assert [(w.launcher, w.rank, w.world_size, w.local_rank, w.local_world_size, w.node_rank,
+             w.master_addr, w.master_port) for w in workers] == [
+        ("spawn", 2, 4, 0, 2, 1, "node1", 14242),
+        ("spawn", 3, 4, 1, 2, 1, "node1", 14242),
+    ]
+
+
+def test_spawned_workers_alone_on_one_machine_are_ranks_0_to_n():
+    alone = detect({})
+    workers = [detect(env) for env in worker_envs(alone, 3)]
+    assert [(w.launcher, w.rank, w.world_size, w.local_rank) for w in workers] == [
+        ("spawn", 0, 3, 0), ("spawn", 1, 3, 1), ("spawn", 2, 3, 2)]
+
+
+def test_spawning_under_several_tasks_per_node_is_refused_with_what_to_do():
+    with pytest.raises(DistError, match="one task per node"):
+        worker_envs(detect(SRUN_TASK), 4)
+    with pytest.raises(DistError, match="already a worker"):
+        worker_envs(detect({"RANK": "0", "WORLD_SIZE": "2"}), 2)
+
+
+@pytest.mark.parametrize("code, status", [(0, 0), (75, 75), (1, 1), (-9, 137), (-15, 143)])
+def test_a_workers_death_by_signal_reads_as_the_shell_shows_it(code, status):
+    assert exit_status(code) == status

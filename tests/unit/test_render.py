@@ -127,6 +127,7 @@ GOLDEN_CASES = {
     "torchrun.sbatch": lambda: spec_for("torchrun"),
     "torchrun-no-image.sbatch": lambda: spec_for("torchrun", image=None),
     "none.sbatch": lambda: spec_for("none"),
+    "spawn.sbatch": lambda: spec_for("spawn"),
 }
 
 
@@ -172,9 +173,15 @@ def test_unset_partition_account_and_cpus_leave_no_sbatch_line():
     ("torchrun", ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks=2",
                   "--ntasks-per-node=1", "--cpus-per-task=32", "apptainer", "exec", "--nv",
                   "--bind", "/scratch/pyrecover:/scratch/pyrecover", "/images/pyrecover.sif",
-                  "torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend",
+                  "python", "-m", "pyrecover.elastic_agent", "--stop-signal", "USR2",
+                  "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend",
                   "c10d", "--rdzv-endpoint", "node1:10123", "--rdzv-id", "123", "-m",
                   "pyrecover", "train", "--config", "/scratch/pyrecover/tiny-gpt/run.yaml"]),
+    ("spawn", ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks=2",
+               "--ntasks-per-node=1", "--cpus-per-task=32", "apptainer", "exec", "--nv",
+               "--bind", "/scratch/pyrecover:/scratch/pyrecover", "/images/pyrecover.sif",
+               "pyrecover", "train", "--config", "/scratch/pyrecover/tiny-gpt/run.yaml",
+               "--nproc", "4"]),
 ])
 def test_the_script_runs_exactly_the_launchers_command(launcher, command, tmp_path):
     argv, stderr, code = run_step(render.render(spec_for(launcher)), tmp_path)
@@ -366,8 +373,13 @@ def test_launcher_srun_without_an_image_says_what_to_do():
 
 
 def launch(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+    """`pyrecover launch` the tiny run; the cluster profile is the built-in defaults (an
+    empty file beside tmp_path) unless the test passes --cluster."""
+    defaults = tmp_path.parent / f"{tmp_path.name}-defaults-cluster.yaml"
+    defaults.write_text("")
     base = ["launch", "--config", str(TINY), "--set", f"run.storage={tmp_path / 'store'}",
             "--set", f"data.path={tmp_path / 'data.parquet'}"]
+    env = {"PYRECOVER_CLUSTER": str(defaults), **(env or {})}
     return pyrecover(*base, *args, env=env, cwd=tmp_path)
 
 

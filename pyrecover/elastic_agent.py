@@ -1,0 +1,95 @@
+"""`python -m pyrecover.elastic_agent --stop-signal SIG TORCHRUN_ARGS...`: torchrun, with the
+run's stop signal passed on to the workers and a clean stop reported as exit code 75.
+
+torch's elastic agent (torchrun) handles SIGTERM, SIGINT, SIGHUP and SIGQUIT by sending the
+same signal to its workers, waiting for them, and raising SignalException; any other signal
+keeps its default action, and SIGUSR2's kills the agent while the workers, which it started
+in sessions of their own, never hear of it. (torch 2.9 added `--signals-to-handle`; the
+image's torch is older.) So this runs torchrun's own `main` in-process with a handler that
+forwards the stop signal to the agent's children, the workers: they save and exit 75, the
+agent reports them failed, and `exit_code` turns that back into 75. A worker that crashed
+wins over the others' 75, so the job script requeues it as a crash.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from pyrecover.preempt import EXIT_CRASH, EXIT_STOPPED, parse_signal
+
+
+def exit_code(failures: Iterable[int]) -> int:
+    """exit_code is the agent's exit code for its workers' failed exit codes, in the order
+    they failed: 75 when one stopped cleanly and the others did too or were ended by the
+    agent (which SIGTERMs, then SIGKILLs, the rest once one has exited); else the first
+    other one, a signal's death (-N) written as the shell does (128 + N).
+
+    The ranks agree on a stop and commit its checkpoint before any exits 75, so a 75 means
+    the stop is saved whatever the agent did to the others afterwards.
+    """
+    codes = list(failures)
+    cleanup = (-signal.SIGTERM, -signal.SIGKILL) if EXIT_STOPPED in codes else ()
+    other = [c for c in codes if c != EXIT_STOPPED and c not in cleanup]
+    if not codes:
+        return EXIT_CRASH
+    if not other:
+        return EXIT_STOPPED
+    return 128 - other[0] if other[0] < 0 else other[0] or EXIT_CRASH
+
+
+def children(pid: int, proc: Path = Path("/proc")) -> list[int]:
+    """children are the processes whose parent is `pid`, read from /proc."""
+    found = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # comm, the 2nd field, is in parentheses and may hold spaces: split after it.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def forward_to_children(signum: int, _frame: object = None) -> None:
+    """forward_to_children passes `signum` on to this process's children."""
+    for child in children(os.getpid()):
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
+
+
+def main(argv: Sequence[str]) -> int:
+    args = list(argv)
+    if len(args) < 2 or args[0] != "--stop-signal":
+        print("usage: python -m pyrecover.elastic_agent --stop-signal SIG TORCHRUN_ARGS...",
+              file=sys.stderr)
+        return 2
+    stop = parse_signal(args[1])
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if stop not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(stop, forward_to_children)  # torch's agent forwards those four itself
+    try:
+        run.main(args[2:])
+    except ChildFailedError as exc:
+        failed = sorted(exc.failures.values(), key=lambda f: f.timestamp)
+        code = exit_code(f.exitcode for f in failed)
+        print(f"pyrecover: workers exited with {[f.exitcode for f in failed]}: exit code "
+              f"{code}", file=sys.stderr)
+        return code
+    except SignalException as exc:  # the workers got the same signal and were waited for
+        print(f"pyrecover: torchrun got {exc.sigval.name}", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

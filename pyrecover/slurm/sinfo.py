@@ -1,0 +1,133 @@
+"""A starting cluster profile from what `sinfo` says: pure parsing and rendering.
+
+`pyrecover launch --init-cluster PATH` runs `sinfo -h -o SINFO_FORMAT` (pyrecover.slurm.query)
+and passes its output here; without SLURM it passes None and gets the commented defaults.
+Only `init_profile` touches the filesystem.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyrecover.slurm import LaunchError
+from pyrecover.slurm.profile import ClusterProfile, load_profile
+
+SINFO_FORMAT = "%P|%G|%l|%c|%D"  # partition (default marked *), gres, time limit, CPUs, nodes
+_GPUS = re.compile(r"gpu(?::[^:,(]+)?:(\d+)")
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    default: bool
+    gpus_per_node: int
+    """The most GPUs on one of its nodes; 0 where none has any."""
+    cpus_per_node: int
+    nodes: int
+    time_limit: str
+    """As sinfo prints it: `infinite`, `1-00:00:00`, `30:00`."""
+
+
+def parse_sinfo(text: str) -> list[Partition]:
+    """parse_sinfo reads SINFO_FORMAT lines into one Partition each, merging the lines sinfo
+    prints per node configuration; the order is sinfo's."""
+    merged: dict[str, Partition] = {}
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) != 5 or not fields[0]:
+            continue
+        raw, gres, limit, cpus, nodes = fields
+        name = raw.rstrip("*")
+        gpus = max((int(n) for n in _GPUS.findall(gres)), default=0)
+        part = Partition(name, raw.endswith("*"), gpus, _number(cpus), _number(nodes), limit)
+        old = merged.get(name)
+        if old is not None:
+            part = Partition(name, old.default or part.default,
+                             max(old.gpus_per_node, gpus), max(old.cpus_per_node,
+                                                               part.cpus_per_node),
+                             old.nodes + part.nodes, old.time_limit)
+        merged[name] = part
+    return list(merged.values())
+
+
+def pick(partitions: list[Partition]) -> Partition | None:
+    """pick is the partition a job goes to: the default one with GPUs, else any with GPUs,
+    else the default, else the first."""
+    ranked = sorted(partitions, key=lambda p: (p.gpus_per_node == 0, not p.default))
+    return ranked[0] if ranked else None
+
+
+def starting_profile(partitions: list[Partition] | None) -> str:
+    """starting_profile is the text of a commented cluster profile: what sinfo said where it
+    answered (None: it did not), the built-in defaults otherwise."""
+    d = ClusterProfile()
+    part = pick(partitions or [])
+    lines = ["# A pyrecover cluster profile (`pyrecover launch` options override every key).",
+             "# Written by `pyrecover launch --init-cluster` "
+             + ("from `sinfo`." if part else "with the defaults: sinfo did not answer."),
+             "# Look it over, then launch with: pyrecover launch --nodes 2 --mode dcp", ""]
+    if part is None:
+        lines += [_line("# partition: gpu", "sinfo -s lists them; unset: the site's default"),
+                  _line(f"gpus_per_node: {d.gpus_per_node}", "one task (rank) per GPU"),
+                  _line(f'time: "{d.time}"', "quote it: YAML reads some times as numbers")]
+    else:
+        others = [p.name for p in partitions or [] if p.name != part.name]
+        seen = f"; others: {', '.join(others)}" if others else ""
+        lines.append(_line(f"partition: {part.name}",
+                           ("the default" if part.default else "has GPUs") + seen))
+        gpus = part.gpus_per_node or 1
+        lines.append(_line(f"gpus_per_node: {gpus}", "one task (rank) per GPU"
+                           if part.gpus_per_node else "sinfo shows no GPUs: one task per node"))
+        if part.cpus_per_node >= gpus:
+            lines.append(_line(f"cpus_per_task: {part.cpus_per_node // gpus}",
+                               f"{part.cpus_per_node} CPUs per node / {gpus} tasks"))
+        limit = part.time_limit
+        if limit.lower() in ("infinite", "unlimited", "n/a", ""):
+            lines.append(_line(f'time: "{d.time}"', "the partition sets no limit"))
+        else:
+            lines.append(_line(f'time: "{limit}"',
+                               "the partition's longest; shorter jobs start sooner"))
+    lines += [
+        _line("# account: my-project", "sacctmgr show assoc user=$USER; where one is needed"),
+        _line(f"nodes: {d.nodes}", "the default for --nodes"),
+        _line(f"signal_seconds: {d.signal_seconds}", "SIGUSR2 this long before the limit"),
+        _line(f"max_restarts: {d.max_restarts}", "requeues after a stop or a crash"),
+        "# srun: one task per GPU in the container; torchrun: one torchrun per node; spawn:",
+        "# one task per node that starts a worker per GPU; none: this python, no container.",
+        f"launcher: {d.launcher}",
+        "# image: unset: $PYRECOVER_IMAGE, else ./pyrecover.sif where `make image` built it",
+        "# image: /path/to/pyrecover.sif",
+        _line("# binds: [/scratch/datasets]", "run.storage is always bound"),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _line(text: str, comment: str) -> str:
+    return f"{text:<25} # {comment}"
+
+
+def init_profile(path: str | Path, sinfo_text: str | None) -> str:
+    """init_profile writes starting_profile(...) to `path` (never over an existing file),
+    checks that it loads, and returns the line to print."""
+    target = Path(path).expanduser()
+    if target.exists():
+        raise LaunchError(f"{target} already exists: edit it, or pass another path to "
+                          "--init-cluster")
+    partitions = parse_sinfo(sinfo_text) if sinfo_text else None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(starting_profile(partitions or None))
+    except OSError as exc:
+        raise LaunchError(f"cannot write {target}: {exc.strerror or exc}") from None
+    load_profile(target, target.parent)
+    source = "from sinfo" if partitions else "with the defaults (sinfo did not answer)"
+    return f"wrote cluster profile {target} {source}; look it over, then: pyrecover launch " \
+           "--nodes 2 --mode dcp"
+
+
+def _number(text: str) -> int:
+    m = re.match(r"\d+", text.strip())
+    return int(m.group()) if m else 0

@@ -1,0 +1,83 @@
+"""torchrun through pyrecover.elastic_agent: the run's stop signal sent to the agent alone
+reaches its workers as a clean stop (exit 75), and a crashed worker is a crash, not a stop.
+
+Without the agent, torchrun dies of SIGUSR2 and its workers, in sessions of their own, never
+hear of it: the job is killed instead of stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import tiny_args
+
+from pyrecover import elastic_agent
+from pyrecover.preempt import EXIT_STOPPED
+from pyrecover.rundir import read_jsonl
+
+pytestmark = pytest.mark.multiproc
+
+
+def agent(storage: Path, corpus: Path, name: str, env: dict[str, str] | None = None
+          ) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "pyrecover.elastic_agent", "--stop-signal", "USR2",
+            "--standalone", "--nproc-per-node", "2", "-m", "pyrecover", "train",
+            *tiny_args(storage, corpus, name, "train.max_steps=200", "train.log_interval=1",
+                       "checkpoint.interval=50")]
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("PYRECOVER_", "SLURM_", "TORCHELASTIC_"))}
+    return subprocess.Popen(argv, env={**clean, "WANDB_MODE": "disabled", **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
+    deadline = time.monotonic() + 240
+    while max((m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")), default=0) < step:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.1)
+
+
+def test_the_stop_signal_to_the_agent_alone_stops_every_worker_cleanly(tmp_path, corpus):
+    proc = agent(tmp_path, corpus, "stop")
+    wait_step(proc, tmp_path / "stop", 3)
+    proc.send_signal(signal.SIGUSR2)  # the agent only, as SLURM signals a step's tasks
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_STOPPED, stderr[-3000:]
+    events = read_jsonl(tmp_path / "stop" / "events.jsonl")
+    [stop] = [e for e in events if e["event"] == "stop"]
+    assert stop["reason"] == "SIGUSR2" and stop["step"] >= 3
+    assert (tmp_path / "stop" / "checkpoints" / f"step-{stop['step']}" / "manifest.json").is_file()
+
+
+def test_a_crashed_worker_is_a_crash_code_not_a_stop(tmp_path, corpus):
+    proc = agent(tmp_path, corpus, "crash", env={
+        "PYRECOVER_KILL_AT_STEP": "3", "PYRECOVER_KILL_RANK": "1",
+        "PYRECOVER_KILL_TARGET": "self"})
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode not in (0, 2, EXIT_STOPPED), stderr[-3000:]
+    assert "stop" not in [e["event"] for e in read_jsonl(tmp_path / "crash" / "events.jsonl")]
+
+
+@pytest.mark.parametrize("codes, expected", [
+    ([75, 75], 75), ([75], 75), ([75, -15], 75), ([75, -9], 75),  # the agent ended the rest
+    ([1, 75], 1), ([75, -11], 139), ([-15, -15], 143), ([-9], 137), ([2, 75], 2), ([], 1),
+])
+def test_the_agents_exit_code_is_75_only_when_every_failed_worker_stopped(codes, expected):
+    assert elastic_agent.exit_code(codes) == expected
+
+
+def test_children_are_found_by_parent_pid():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in elastic_agent.children(os.getpid())
+        assert os.getpid() not in elastic_agent.children(os.getpid())
+    finally:
+        child.kill()
+        child.wait()

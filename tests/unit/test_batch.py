@@ -1,0 +1,72 @@
+"""`train.global_batch_size: auto`: the global batch a run trains with at each world size."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyrecover import batch, config
+from pyrecover.config import ConfigError
+from pyrecover.experiment import prepare_run_dir, resolve_for_run
+from pyrecover.rundir import RunDir
+
+
+@pytest.mark.parametrize("value, micro, world, expected", [
+    # auto:N keeps N wherever it splits into world size x micro batch ...
+    ("auto:16", 8, 1, 16), ("auto:16", 8, 2, 16), ("auto:16", 4, 4, 16), ("auto:16", 2, 8, 16),
+    ("auto:256", 16, 8, 256), ("auto:256", 16, 16, 256),
+    # ... and otherwise takes the nearest multiple, never less than one micro batch per rank
+    ("auto:16", 8, 8, 64), ("auto:16", 8, 4, 32), ("auto:16", 8, 3, 24),
+    ("auto:100", 8, 8, 128), ("auto:200", 8, 8, 192), ("auto:20", 2, 3, 18),
+    ("auto:96", 8, 8, 64),  # a tie: the smaller one
+    ("auto:256", 16, 12, 192), ("auto:128", 4, 6, 120),
+    # auto: one micro batch per rank
+    ("auto", 8, 1, 8), ("auto", 8, 8, 64), ("auto", 3, 5, 15),
+    # a number is exact, as before
+    (16, 8, 2, 16), (64, 8, 8, 64),
+])
+def test_the_global_batch_for_each_world_size_and_micro_batch(value, micro, world, expected):
+    size, note = batch.resolve_global_batch(value, micro, world)
+    assert size == expected
+    assert size % (world * micro) == 0
+    if isinstance(value, int):
+        assert note is None
+    else:
+        assert note is not None and f": {expected} sequences" in note and "\n" not in note
+        assert ("kept" in note) == (value == f"auto:{expected}")
+
+
+def test_a_fixed_global_batch_that_does_not_split_is_refused_and_auto_is_suggested():
+    with pytest.raises(ConfigError, match=r"8 x 8 = 64\), or auto:16"):
+        batch.resolve_global_batch(16, 8, 8)
+
+
+@pytest.mark.parametrize("value", ["automatic", "auto:", "auto:0", "auto:-4", "16 seqs", 0])
+def test_bad_global_batch_values_are_one_line_naming_the_key(value):
+    with pytest.raises(ConfigError, match="train.global_batch_size") as err:
+        config.load(None, [f"train.global_batch_size={value}"])
+    assert "\n" not in str(err.value)
+
+
+def test_an_auto_run_keeps_its_recorded_batch_on_resume_or_is_refused():
+    assert batch.resolve_global_batch("auto:16", 8, 4, recorded=64)[0] == 64  # 4 x 8 x 2
+    with pytest.raises(ConfigError, match="recorded 64 in run.yaml"):
+        batch.resolve_global_batch("auto:16", 8, 3, recorded=64)
+
+
+def test_the_defaults_run_at_any_world_size_and_run_yaml_records_what_was_chosen(tmp_path):
+    cfg = config.load(None, [f"run.storage={tmp_path}"])
+    for world in (1, 2, 3, 4, 8, 16):
+        size, _ = batch.resolve_global_batch(cfg.train.global_batch_size,
+                                             cfg.train.micro_batch_size, world)
+        assert size % (world * cfg.train.micro_batch_size) == 0
+
+    resolved, note = resolve_for_run(cfg, 8)
+    run = RunDir(resolved.run_dir())
+    prepare_run_dir(resolved, run, note)
+    text = run.config.read_text()
+    assert text.startswith("# train.global_batch_size=auto:16: 64 sequences chosen")
+    assert config.load(run.config).train.global_batch_size == 64
+    # Launching the same run again at world size 4 keeps 64; at 3 it is refused.
+    assert resolve_for_run(cfg, 4)[0].train.global_batch_size == 64
+    with pytest.raises(ConfigError, match="keeps its global batch"):
+        resolve_for_run(cfg, 3)

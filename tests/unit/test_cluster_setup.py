@@ -1,0 +1,95 @@
+"""Finding a cluster profile and an image without flags, and writing a starting profile from
+`sinfo` (`pyrecover launch --init-cluster PATH`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import pyrecover
+
+from pyrecover.slurm import LaunchError, profile, sinfo
+from pyrecover.slurm.profile import ClusterProfile
+
+LOCAL_SINFO = "debug*|gpu:4|infinite|4|2\n"  # tests/localslurm.py's cluster
+SITE_SINFO = ("gpu|gpu:a100:4(S:0-1),tmpdisk:100|2-00:00:00|64|10\n"
+              "cpu*|(null)|1:00:00|128|100\n"
+              "gpu|gpu:a100:8(S:0-1)|2-00:00:00|64|2\n")
+
+
+def test_the_profile_is_the_option_else_the_environment_else_the_users_file(tmp_path):
+    user = tmp_path / ".config" / "pyrecover" / "cluster.yaml"
+    env = {"PYRECOVER_CLUSTER": "/env.yaml"}
+    assert profile.find_profile("/opt.yaml", env, tmp_path) == Path("/opt.yaml")
+    assert profile.find_profile(None, env, tmp_path) == Path("/env.yaml")
+    with pytest.raises(LaunchError, match=r"--init-cluster ~/.config/pyrecover/cluster.yaml`$"):
+        profile.find_profile(None, {}, tmp_path)
+    user.parent.mkdir(parents=True)
+    user.write_text("")
+    assert profile.find_profile(None, {}, tmp_path) == user
+
+
+def test_the_image_is_the_profiles_else_the_environments_else_the_local_sif(tmp_path):
+    env = {"PYRECOVER_IMAGE": "/images/env.sif"}
+    set_ = ClusterProfile(image="/images/profile.sif")
+    assert profile.find_image(set_, env, tmp_path).image == "/images/profile.sif"
+    assert profile.find_image(ClusterProfile(), env, tmp_path).image == "/images/env.sif"
+    assert profile.find_image(ClusterProfile(), {}, tmp_path).image is None
+    (tmp_path / "pyrecover.sif").write_text("")
+    assert profile.find_image(ClusterProfile(), {}, tmp_path).image == str(
+        tmp_path / "pyrecover.sif")
+    assert profile.find_image(ClusterProfile(launcher="none"), env, tmp_path).image is None
+
+
+@pytest.mark.parametrize("text, expected", [
+    (LOCAL_SINFO, [("debug", True, 4, 4, 2, "infinite")]),
+    (SITE_SINFO, [("gpu", False, 8, 64, 12, "2-00:00:00"), ("cpu", True, 0, 128, 100,
+                                                            "1:00:00")]),
+    ("a*|gpu:2,gpu:h100:1|30:00|8|1\nnot a line\n", [("a", True, 2, 8, 1, "30:00")]),
+    ("", []),
+])
+def test_sinfo_lines_become_one_partition_each(text, expected):
+    got = [(p.name, p.default, p.gpus_per_node, p.cpus_per_node, p.nodes, p.time_limit)
+           for p in sinfo.parse_sinfo(text)]
+    assert got == expected
+
+
+@pytest.mark.parametrize("text, partition, gpus, cpus, time", [
+    (LOCAL_SINFO, "debug", 4, 1, "01:00:00"),
+    (SITE_SINFO, "gpu", 8, 8, "2-00:00:00"),  # the partition with GPUs, not the default
+    (None, None, 4, None, "01:00:00"),
+])
+def test_the_starting_profile_loads_and_holds_what_sinfo_said(tmp_path, text, partition, gpus,
+                                                              cpus, time):
+    path = tmp_path / "sub" / "cluster.yaml"
+    line = sinfo.init_profile(path, text)
+    assert str(path) in line and "pyrecover launch --nodes 2 --mode dcp" in line
+    written = path.read_text()
+    assert written.startswith("# A pyrecover cluster profile") and "launcher: srun" in written
+    prof = profile.load_profile(path, tmp_path)
+    profile.validate(prof)
+    assert (prof.partition, prof.gpus_per_node, prof.cpus_per_task, prof.time) == (
+        partition, gpus, cpus, time)
+    with pytest.raises(LaunchError, match="already exists"):
+        sinfo.init_profile(path, text)
+
+
+def test_launch_without_a_profile_is_one_line_naming_init_cluster_which_then_works(tmp_path):
+    env = {"HOME": str(tmp_path), "PATH": str(Path(sys.executable).parent)}  # no sinfo here
+    done = pyrecover("launch", "--nodes", "2", "--mode", "dcp", "--dry-run", env=env,
+                     cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "error: no cluster profile: pass --cluster FILE, set PYRECOVER_CLUSTER, or write "
+        "~/.config/pyrecover/cluster.yaml with `pyrecover launch --init-cluster "
+        "~/.config/pyrecover/cluster.yaml`"]
+
+    done = pyrecover("launch", "--init-cluster", str(tmp_path / ".config/pyrecover/cluster.yaml"),
+                     env=env, cwd=tmp_path)
+    assert done.returncode == 0 and "with the defaults (sinfo did not answer)" in done.stdout
+    done = pyrecover("launch", "--nodes", "2", "--mode", "dcp", "--launcher", "none",
+                     "--dry-run", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --nodes=2" in done.stdout and "#SBATCH --ntasks-per-node=4" in done.stdout
+    assert "note: train.global_batch_size=auto:16: 64 sequences chosen" in done.stderr
