@@ -99,7 +99,7 @@ def _train_config(config: Path | None, overrides: Sequence[str], steps: int,
                   warmup: int) -> tuple[Any, list[str]]:
     """_train_config checks the trainer's config and corpus for 2 ranks; (config, --set list)."""
     from pyrecover import config as config_mod
-    from pyrecover import data
+    from pyrecover import data, dist
 
     total = warmup + steps
     base = list(overrides) + [f"train.max_steps={total}", "train.log_interval=1",
@@ -107,6 +107,7 @@ def _train_config(config: Path | None, overrides: Sequence[str], steps: int,
                               f"checkpoint.interval={total + 1}"]
     cfg = config_mod.load(config, base)
     config_mod.check_world_size(cfg, WORLD_SIZE)
+    config_mod.check_local_gpus(cfg, WORLD_SIZE, dist.visible_gpus())
     data.check_source(cfg.data.path, cfg.data.column)
     return cfg, base
 

@@ -15,6 +15,8 @@ from helpers import TINY, pyrecover
     (["--config", str(TINY), "--set", "train.global_batch_size=3"],
      "train.global_batch_size=3"),
     (["--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
+    (["--config", str(TINY), "--set", "train.device=cuda"],  # this machine has no GPU
+     "2 processes on this machine need 2 GPUs, but 0 are visible"),
 ])
 def test_bench_memory_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     done = pyrecover("bench", "memory", "--dir", str(tmp_path / "bench"), *args, cwd=tmp_path)
