@@ -65,8 +65,12 @@ class Copier:
                 event.record(self.stream)
             self._event = event
 
-            def land() -> Any:
+            def land(keep: list[torch.Tensor] = sources) -> Any:
+                # `keep` holds the sources until the side stream has read them: a temporary
+                # (a state dict's fresh tensor) freed earlier could be reallocated by the
+                # loop's stream under the copy.
                 event.synchronize()
+                del keep
                 return then() if then is not None else None
             job = land
         else:
