@@ -25,7 +25,10 @@ are the loop's: data, forward, backward, allreduce, optimizer, checkpoint, sync)
 `PYRECOVER_HANG_HOW=sleep` (the default) blocks the loop's thread for good while the others
 run on, like a stuck collective; `stop` sends the process SIGSTOP, like a task stopped by the
 kernel or a debugger (nothing in it runs, its own watchdog included).
-`PYRECOVER_HANG_ONCE=PATH` works as `PYRECOVER_KILL_ONCE` does.
+`PYRECOVER_HANG_FOR=SECONDS` ends the stall after that long (a slow phase, not a hang); with
+`PYRECOVER_HANG_WRITE_TO=PATH` the stalled rank appends 4 KiB to PATH every 0.2 s meanwhile,
+like a slow save that keeps writing. `PYRECOVER_HANG_ONCE=PATH` works as
+`PYRECOVER_KILL_ONCE` does.
 
 A slow rank, for straggler detection: `PYRECOVER_SLOW_RANK=R` (comma-separated for several)
 adds `PYRECOVER_SLOW_S` seconds (default 0.1) to every forward pass of those ranks.
@@ -80,8 +83,15 @@ def maybe_hang(phase: str, step: int, rank: int) -> None:
           file=sys.stderr, flush=True)
     if os.environ.get("PYRECOVER_HANG_HOW", "sleep") == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
-    while True:
-        time.sleep(3600)
+    end = time.monotonic() + float(os.environ.get("PYRECOVER_HANG_FOR", "inf"))
+    write_to = os.environ.get("PYRECOVER_HANG_WRITE_TO")
+    if write_to:
+        os.makedirs(os.path.dirname(write_to) or ".", exist_ok=True)
+    while time.monotonic() < end:
+        if write_to:
+            with open(write_to, "ab") as f:
+                f.write(bytes(4096))
+        time.sleep(min(0.2 if write_to else 3600, max(0.0, end - time.monotonic())))
 
 
 def maybe_slow(rank: int) -> None:

@@ -86,7 +86,9 @@ def main(cfg: Config, run_dir: Path) -> None:
             managers[0].persist_after_failure()
 
     dog = watchdog.Watchdog(rule, env.rank, socket.gethostname(), on_hang=lambda hang:
-                            watchdog.handle(hang, run.event, persist, device)).start()
+                            watchdog.handle(hang, run.event, persist, device),
+                            progress=lambda: watchdog.io_bytes() +
+                            watchdog.saving_bytes(run.checkpoints)).start()
     try:
         _train(cfg, run, env, device, tokens, managers, flag, dog)
     except StopRequested as stop:

@@ -11,7 +11,8 @@ Limits: a normal step's phases get `hang_timeout` seconds, or with `auto` a mult
 slowest step seen so far between a floor and a ceiling. The first step of a start (process
 group warm-up, compilation), a checkpoint load and a checkpoint save get the larger startup
 limit, and for loads and saves it counts from the last sign of progress (this process read
-or wrote bytes, `/proc/self/io`), so a long save that keeps writing never fires.
+or wrote bytes, `/proc/self/io`, or a checkpoint being written grew), so a long save that
+keeps writing never fires, on the writing rank or on the ranks waiting for it.
 torch's process group timeout is set above every limit (`backstop_seconds`): the watchdog
 always speaks first, torch's timeout stays the backstop.
 """
@@ -26,6 +27,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 log = logging.getLogger("pyrecover")
 
@@ -81,13 +83,43 @@ def backstop_seconds(rule: Rule) -> float:
     return max(step, rule.startup) + BACKSTOP_MARGIN_S
 
 
-def io_bytes() -> int:
-    """io_bytes is the bytes this process read and wrote so far (0 where /proc has no io)."""
+def saving_bytes(root: Path) -> int:
+    """saving_bytes is the size of the files in checkpoints being written under `root` (its
+    `.tmp-step-*` and `.snap-step-*` folders): a rank waiting for a peer's write sees the
+    save progress there."""
+    total = 0
     try:
-        with open("/proc/self/io", "rb") as f:
-            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
-        return int(fields.get(b"rchar", 0)) + int(fields.get(b"wchar", 0))
-    except (OSError, ValueError):
+        with os.scandir(root) as entries:
+            folders = [e.path for e in entries if e.name.startswith((".tmp-step-", ".snap-step-"))]
+        for folder in folders:
+            with os.scandir(folder) as files:
+                total += sum(f.stat().st_size for f in files if f.is_file())
+    except OSError:  # a folder renamed or removed while looked at: progress too
+        return -1
+    return total
+
+
+_self_read = 0  # bytes io_bytes itself read from /proc/self/io (they count in rchar too)
+
+
+def io_bytes() -> int:
+    """io_bytes is the bytes this process read and wrote so far, less the reads of this
+    function itself (0 where /proc has no io)."""
+    global _self_read
+    try:
+        fd = os.open("/proc/self/io", os.O_RDONLY)
+        try:
+            data = os.read(fd, 4096)  # one read: rchar grows by exactly len(data)
+        finally:
+            os.close(fd)
+    except OSError:
+        return 0
+    # The text was made before this read was counted: only the earlier ones are in it.
+    earlier, _self_read = _self_read, _self_read + len(data)
+    fields = dict(line.split(b":", 1) for line in data.splitlines() if b":" in line)
+    try:
+        return int(fields[b"rchar"]) + int(fields[b"wchar"]) - earlier
+    except (KeyError, ValueError):
         return 0
 
 

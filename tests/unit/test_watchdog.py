@@ -199,3 +199,23 @@ def test_hang_timeout_takes_seconds_auto_or_off():
     for text in ("auto", "off", "30", "2.5"):
         config.from_dict({"run": {"hang_timeout": text}})
     assert config.from_dict({"run": {"hang_timeout": 45}}).run.hang_timeout == "45"
+
+
+def test_saving_bytes_counts_the_checkpoints_being_written_not_the_committed_ones(tmp_path):
+    assert watchdog.saving_bytes(tmp_path / "absent") == -1
+    (tmp_path / "step-10").mkdir()
+    (tmp_path / "step-10" / "model.pt").write_bytes(bytes(100))
+    assert watchdog.saving_bytes(tmp_path) == 0
+    (tmp_path / ".tmp-step-20-abc").mkdir()
+    (tmp_path / ".tmp-step-20-abc" / "part").write_bytes(bytes(7))
+    (tmp_path / ".snap-step-19").mkdir()
+    (tmp_path / ".snap-step-19" / "part").write_bytes(bytes(5))
+    assert watchdog.saving_bytes(tmp_path) == 12
+
+
+def test_io_bytes_does_not_count_its_own_reading_as_progress(tmp_path):
+    before = watchdog.io_bytes()
+    assert all(watchdog.io_bytes() == before for _ in range(20))
+    with open(tmp_path / "f", "wb") as f:
+        f.write(bytes(5000))
+    assert watchdog.io_bytes() >= before + 5000
