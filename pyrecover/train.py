@@ -85,7 +85,7 @@ def main(cfg: Config, run_dir: Path) -> None:
         if managers:
             managers[0].persist_after_failure()
 
-    dog = watchdog.Watchdog(rule, env.rank, socket.gethostname(), on_hang=lambda hang:
+    dog = watchdog.Watchdog(rule, env.rank, node_name(), on_hang=lambda hang:
                             watchdog.handle(hang, run.event, persist, device),
                             progress=lambda: watchdog.io_bytes() +
                             watchdog.saving_bytes(run.checkpoints)).start()
@@ -203,7 +203,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                 watchdog=dog, stragglers=straggler.StragglerWatch(
                     cfg.run.straggler_interval, cfg.run.straggler_factor,
                     cfg.run.straggler_windows, env.world_size,
-                    dist.gather_objects(socket.gethostname(), env.world_size)))
+                    dist.gather_objects(node_name(), env.world_size)))
     if state.step >= t.max_steps:
         log.info("nothing to do: step %d already reached train.max_steps=%d", state.step,
                  t.max_steps)
@@ -243,6 +243,11 @@ def settle_ddp_buckets(model: DDP, batches: Batches, micro_batch: int,
         _, loss = model(x.to(device), y.to(device))
         loss.backward()
     model.zero_grad(set_to_none=True)
+
+
+def node_name() -> str:
+    """node_name is SLURM's name for this node (several can share a host), else the host's."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def last_logged_step(run: RunDir) -> int:
