@@ -97,7 +97,9 @@ def main(cfg: Config, run_dir: Path) -> None:
             log.info("%s", stop)
         raise
     except Exception as exc:
-        watchdog.wait_for_exit(dog)  # it fired: it ends the process with EXIT_HANG
+        # Stopped before persisting, so this path's own work is never taken for a hang; one
+        # that already fired ends the process with EXIT_HANG inside this call.
+        dog.stop()
         user_error = isinstance(exc, (ConfigError, DataError, CheckpointError, TrainingError))
         if not user_error:
             watchdog.persist_once(persist)  # once, whether this thread or the watchdog is first

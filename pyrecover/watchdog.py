@@ -224,6 +224,7 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
+        """stop ends the thread; if it is reporting a hang, the process exits meanwhile."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
@@ -317,11 +318,3 @@ def handle(hang: Hang, event: Callable[..., object], persist: Callable[[], None]
         h.flush()
     sys.stderr.flush()
     exit(EXIT_HANG if exit_code is None else exit_code)
-
-
-def wait_for_exit(dog: Watchdog | None) -> None:
-    """wait_for_exit blocks forever once the watchdog fired: it is about to end the process
-    with EXIT_HANG, and the main thread must not race it to another exit code."""
-    if dog is not None and dog.fired.is_set():
-        while True:
-            time.sleep(3600)
