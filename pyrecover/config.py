@@ -40,6 +40,18 @@ class RunConfig:
     stop_signal: str = "USR2"
     """Signal that asks for a clean stop (save, exit 75, requeue); SIGTERM always does too.
     USR2 by default because NCCL may use USR1."""
+    hang_timeout: str = "auto"
+    """Seconds a phase of a step may run before the rank counts as hung (stacks, `hang`
+    event, exit 76); `auto`: 10 x the slowest step so far, within 60-600 s; `off`: no watchdog."""
+    hang_startup_timeout: float = 900.0
+    """The same for the first step of a start, a checkpoint load, and a save (loads and saves:
+    counted from their last read or write)."""
+    straggler_interval: int = 50
+    """Every this many steps the ranks compare their own compute time; 0 turns it off."""
+    straggler_factor: float = 1.5
+    """A rank this many times slower than the median counts as slow in a window."""
+    straggler_windows: int = 3
+    """Slow windows in a row before a `straggler` event."""
 
 
 @dataclass
@@ -216,6 +228,7 @@ def validate(cfg: Config) -> None:
         _bad("run.stop_signal", cfg.run.stop_signal, "one of USR1, USR2, TERM, INT, HUP, XCPU")
     if not cfg.run.storage:
         _bad("run.storage", cfg.run.storage, "a folder path")
+    _check_watchdog(cfg.run)
     m = cfg.model
     for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
         _positive(f"model.{key}", getattr(m, key))
@@ -252,6 +265,24 @@ def validate(cfg: Config) -> None:
     if c.keep < 2:
         _bad("checkpoint.keep", c.keep, "at least 2, so a failed save never leaves no checkpoint")
     _choice("tracking.wandb", cfg.tracking.wandb, WANDB_MODES)
+
+
+def _check_watchdog(r: RunConfig) -> None:
+    text = r.hang_timeout.strip().lower()
+    if text not in ("auto", "off"):
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = 0.0
+        if not (math.isfinite(seconds) and seconds > 0):
+            _bad("run.hang_timeout", r.hang_timeout, "auto, off, or a number of seconds > 0")
+    if not r.hang_startup_timeout > 0:
+        _bad("run.hang_startup_timeout", r.hang_startup_timeout, "a number of seconds > 0")
+    if r.straggler_interval < 0:
+        _bad("run.straggler_interval", r.straggler_interval, ">= 0 (0 turns it off)")
+    if not r.straggler_factor > 1:
+        _bad("run.straggler_factor", r.straggler_factor, "a number > 1")
+    _positive("run.straggler_windows", r.straggler_windows)
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:

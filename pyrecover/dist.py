@@ -320,7 +320,9 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                                                   signal.SIGINT)}
     try:
         failed, deadline = 0, None
-        while any(p.poll() is None for p in procs):
+        # Poll every worker each round (`any` would stop at the first live one): the failure
+        # that came first is the one reported, e.g. a hung rank's 76 before its peers' 1.
+        while None in [p.poll() for p in procs]:
             bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if bad and not failed:
                 failed, deadline = bad[0], time.monotonic() + grace_s

@@ -17,6 +17,21 @@ requeued or restarted run, which redoes step N after resuming from an earlier ch
 the guard file keeps that run from being killed again.
 
 Nothing is flushed or saved first; that is the point. Unset, this costs one dict lookup.
+
+A hang, for the watchdog (pyrecover/watchdog.py): `PYRECOVER_HANG_AT_STEP=N` makes the ranks
+named by `PYRECOVER_HANG_RANK` (default 0, a comma-separated list names several) stop making
+progress when step N enters phase `PYRECOVER_HANG_PHASE` (default `forward`; the phase names
+are the loop's: data, forward, backward, allreduce, optimizer, checkpoint, sync).
+`PYRECOVER_HANG_HOW=sleep` (the default) blocks the loop's thread for good while the others
+run on, like a stuck collective; `stop` sends the process SIGSTOP, like a task stopped by the
+kernel or a debugger (nothing in it runs, its own watchdog included).
+`PYRECOVER_HANG_FOR=SECONDS` ends the stall after that long (a slow phase, not a hang); with
+`PYRECOVER_HANG_WRITE_TO=PATH` the stalled rank appends 4 KiB to PATH every 0.2 s meanwhile,
+like a slow save that keeps writing. `PYRECOVER_HANG_ONCE=PATH` works as
+`PYRECOVER_KILL_ONCE` does.
+
+A slow rank, for straggler detection: `PYRECOVER_SLOW_RANK=R` (comma-separated for several)
+adds `PYRECOVER_SLOW_S` seconds (default 0.1) to every forward pass of those ranks.
 """
 
 from __future__ import annotations
@@ -32,15 +47,60 @@ def maybe_kill(step: int, rank: int, point: str = "step") -> None:
         return
     if os.environ.get("PYRECOVER_KILL_POINT", "step") != point:
         return
-    once = os.environ.get("PYRECOVER_KILL_ONCE")
-    if once:
-        try:  # O_EXCL: exactly one process, in one run, gets to create the guard
-            os.close(os.open(once, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        except FileExistsError:
-            return
+    if not _first_time(os.environ.get("PYRECOVER_KILL_ONCE")):
+        return
     if os.environ.get("PYRECOVER_KILL_TARGET", "group") == "self":
         os.kill(os.getpid(), signal.SIGKILL)
     os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _first_time(guard: str | None) -> bool:
+    """_first_time is False when the guard file exists; else creates it and is True."""
+    if not guard:
+        return True
+    try:  # O_EXCL: exactly one process, in one run, gets to create the guard
+        os.close(os.open(guard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
+def maybe_hang(phase: str, step: int, rank: int) -> None:
+    """maybe_hang stops this rank for good at `phase` of `step`, if the environment says so."""
+    at = os.environ.get("PYRECOVER_HANG_AT_STEP")
+    if at is None or int(at) != step:
+        return
+    if str(rank) not in os.environ.get("PYRECOVER_HANG_RANK", "0").split(","):
+        return
+    if os.environ.get("PYRECOVER_HANG_PHASE", "forward") != phase:
+        return
+    if not _first_time(os.environ.get("PYRECOVER_HANG_ONCE")):
+        return
+    import sys
+    import time
+
+    print(f"pyrecover fault: rank {rank} hangs in phase {phase} of step {step}",
+          file=sys.stderr, flush=True)
+    if os.environ.get("PYRECOVER_HANG_HOW", "sleep") == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    end = time.monotonic() + float(os.environ.get("PYRECOVER_HANG_FOR", "inf"))
+    write_to = os.environ.get("PYRECOVER_HANG_WRITE_TO")
+    if write_to:
+        os.makedirs(os.path.dirname(write_to) or ".", exist_ok=True)
+    while time.monotonic() < end:
+        if write_to:
+            with open(write_to, "ab") as f:
+                f.write(bytes(4096))
+        time.sleep(min(0.2 if write_to else 3600, max(0.0, end - time.monotonic())))
+
+
+def maybe_slow(rank: int) -> None:
+    """maybe_slow sleeps `PYRECOVER_SLOW_S` seconds on the ranks in `PYRECOVER_SLOW_RANK`."""
+    ranks = os.environ.get("PYRECOVER_SLOW_RANK")
+    if ranks and str(rank) in ranks.split(","):
+        import time
+
+        time.sleep(float(os.environ.get("PYRECOVER_SLOW_S", "0.1")))
 
 
 def maybe_delay() -> None:

@@ -23,7 +23,10 @@ from pyrecover.data import Batches
 from pyrecover.preempt import Stopper, StopRequested
 from pyrecover.progress import Progress
 from pyrecover.rundir import RunDir
+from pyrecover.straggler import StragglerWatch
+from pyrecover.straggler import report as report_stragglers
 from pyrecover.tracking import Tracker
+from pyrecover.watchdog import Watchdog
 
 log = logging.getLogger("pyrecover")
 
@@ -65,6 +68,9 @@ class Loop:
     progress: Progress | None = None  # a bar on rank 0's terminal; None in a batch log
     flops_per_token: float = 0.0  # for MFU (flops.py)
     peak_flops: float | None = None  # one device's bf16 peak; None: no MFU (CPU, unknown GPU)
+    # Hang watchdog and straggler detection (issue 14): phases are reported through _phase.
+    watchdog: Watchdog = field(default_factory=Watchdog)  # unstarted: keeps time only
+    stragglers: StragglerWatch | None = None
 
     def run_steps(self) -> TrainState:
         t = self.cfg.train
@@ -74,6 +80,7 @@ class Loop:
             step_started = time.perf_counter()
             loss, grad_norm = self.one_step()
             faults.maybe_delay()
+            _, own_s = self.watchdog.step_done()  # issue 14: step time for the hang limit
             self.state.step += 1
             self.state.tokens_seen += tokens_per_step
             self.state.data_position = self.batches.position
@@ -86,12 +93,19 @@ class Loop:
                 self._log(step, loss, grad_norm, tokens_per_step * window_steps / elapsed,
                           elapsed / window_steps)
                 window_start, window_steps = time.perf_counter(), 0
+            self._phase("checkpoint")
             self.manager.at_step(step, final=step == t.max_steps)
+            self._phase("sync")
+            if self.stragglers is not None:  # issue 14: one all-gather every N steps
+                found = self.stragglers.after_step(step, own_s)
+                if self.rank == 0:
+                    report_stragglers(found, self.run.event)
             if self.stopper is not None:
                 self.stopper.deadline.observe(time.perf_counter() - step_started,
                                               self.manager.last_save_seconds)
                 reason = self.stopper.check()
                 if reason is not None and step < t.max_steps:
+                    self._phase("checkpoint")
                     self.manager.finish(step)  # the stop checkpoint, committed before exit
                     raise StopRequested(step, reason)
             self.tracker.after_step(step)
@@ -102,11 +116,14 @@ class Loop:
 
     def one_step(self) -> tuple[float, float]:
         t = self.cfg.train
+        self._phase("data", self.state.step + 1)
         micro = self.batches.next_global(t.global_batch_size, self.rank, self.world_size,
                                          t.micro_batch_size)
         self.model.train()
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro):
+            self._phase("forward")
+            faults.maybe_slow(self.rank)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             last = i == len(micro) - 1
             # Gradients are averaged across ranks only on the last micro-step.
@@ -114,12 +131,15 @@ class Loop:
             with self.model.no_sync() if skip_sync else contextlib.nullcontext():
                 with self.autocast():
                     _, loss = self.model(x, y)
+                self._phase("backward")
                 (loss / len(micro)).backward()
             total += loss.detach().float()
         total /= len(micro)
+        self._phase("allreduce")
         if self.world_size > 1:
             tdist.all_reduce(total)
             total /= self.world_size
+        self._phase("optimizer")
         # The state is about to change: a background save must have finished copying it.
         self.manager.before_update()
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
@@ -145,6 +165,11 @@ class Loop:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return loss_value, norm_value
+
+    def _phase(self, name: str, step: int | None = None) -> None:
+        """_phase tells the watchdog that `name` begins (and lets a test hang there)."""
+        self.watchdog.phase(name, step)
+        faults.maybe_hang(name, self.watchdog.step, self.rank)
 
     def _log(self, step: int, loss: float, grad_norm: float, tok_s: float, step_s: float) -> None:
         lr = self.optimizer.param_groups[0]["lr"]

@@ -39,6 +39,10 @@ class Status:
     goodput: float | None = None
     last_error: str | None = None
     requeue_decisions: list[dict[str, Any]] = field(default_factory=list)
+    hangs: list[dict[str, Any]] = field(default_factory=list)
+    """`hang` events (the watchdog fired), without their stacks."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """The newest `straggler` event of each rank."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,12 +85,23 @@ def read(path: str | Path, squeue=None, now: float | None = None) -> Status:
         restore_seconds=round(restore_s, 3), wall_seconds=round(wall, 1),
         goodput=round(goodput, 4) if goodput is not None else None, last_error=last_error,
         requeue_decisions=[e for e in events if e.get("event") in ("requeue", "no_requeue")],
+        hangs=[{k: v for k, v in e.items() if k != "stacks"} for e in events
+               if e.get("event") == "hang"],
+        stragglers=list({e.get("rank"): e for e in events
+                         if e.get("event") == "straggler"}.values()),
     )
 
 
 def _cause(events: list[dict[str, Any]], resume_index: int) -> str:
-    """_cause names why the attempt before a resume ended: its last stop, crash or kill."""
-    for e in reversed(events[:resume_index]):
+    """_cause names why the attempt before a resume ended: a hang, its last stop, crash or
+    kill."""
+    attempt = events[:resume_index]
+    for e in reversed(attempt):
+        if e.get("event") in ("start", "resume"):
+            break
+        if e.get("event") == "hang":
+            return "hang"
+    for e in reversed(attempt):
         kind = e.get("event")
         if kind == "stop":
             reason = str(e.get("reason", "signal"))
@@ -205,6 +220,13 @@ def render(s: Status) -> str:
     for d in s.requeue_decisions[-3:]:
         lines.append(f"requeue     job {d.get('job_id')} restart {d.get('restart_count')}: "
                      f"exit {d.get('exit_code')} -> {d.get('event')} ({d.get('reason')})")
+    for h in s.hangs[-3:]:
+        lines.append(f"hang        rank {h.get('rank')} on {h.get('node')}: phase {h.get('phase')} "
+                     f"of step {h.get('step')} ran {h.get('seconds')}s (limit {h.get('limit')}s)")
+    for g in s.stragglers:
+        lines.append(f"straggler   rank {g.get('rank')} on {g.get('node')}: {g.get('seconds')}s "
+                     f"own compute per step, median {g.get('median')}s (step {g.get('step')}, "
+                     f"{g.get('windows')} windows in a row)")
     if s.last_error:
         lines.append(f"last error  {s.last_error}")
     return "\n".join(lines)

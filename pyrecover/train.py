@@ -10,6 +10,7 @@ import contextlib
 import gc
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pyrecover import batch, dist, flops, preempt, progress, tracking
+from pyrecover import batch, dist, flops, preempt, progress, straggler, tracking, watchdog
 from pyrecover import config as config_mod
 from pyrecover.checkpoint import CheckpointManager, rng
 from pyrecover.checkpoint.manager import Parts
@@ -79,19 +80,33 @@ def main(cfg: Config, run_dir: Path) -> None:
         run.create()
     # Installed before the slow parts, so a signal during start-up is not lost either.
     flag = preempt.StopFlag().install((cfg.run.stop_signal, "SIGTERM"))
-    device = dist.setup(env, kind)
+    # Issue 14: the hang watchdog; torch's own timeout is set above its limits (backstop).
+    rule = watchdog.rule_from(cfg.run.hang_timeout, cfg.run.hang_startup_timeout)
+    device = dist.setup(env, kind, timeout_s=watchdog.backstop_seconds(rule))
     managers: list[CheckpointManager] = []
+
+    def persist() -> None:
+        if managers:
+            managers[0].persist_after_failure()
+
+    dog = watchdog.Watchdog(rule, env.rank, node_name(), on_hang=lambda hang:
+                            watchdog.handle(hang, run.event, persist, device),
+                            progress=lambda: watchdog.io_bytes() +
+                            watchdog.saving_bytes(run.checkpoints)).start()
     try:
-        _train(cfg, run, env, device, tokens, managers, flag)
+        _train(cfg, run, env, device, tokens, managers, flag, dog)
     except StopRequested as stop:
         if env.rank == 0:
             run.event("stop", step=stop.step, reason=stop.reason)
             log.info("%s", stop)
         raise
     except Exception as exc:
+        # Stopped before persisting, so this path's own work is never taken for a hang; one
+        # that already fired ends the process with EXIT_HANG inside this call.
+        dog.stop()
         user_error = isinstance(exc, (ConfigError, DataError, CheckpointError, TrainingError))
-        if managers and not user_error:
-            managers[0].persist_after_failure()
+        if not user_error:
+            watchdog.persist_once(persist)  # once, whether this thread or the watchdog is first
         lost = peer_lost(exc)
         if env.rank == 0 or lost:
             run.event("error" if user_error else "crash", rank=env.rank,
@@ -101,6 +116,7 @@ def main(cfg: Config, run_dir: Path) -> None:
                            "run the same command again to resume") from exc
         raise
     finally:
+        dog.stop()
         # Free DDP (its reducer holds gloo work) before the group goes: destroying the group
         # under a live DDP aborted a rank now and then ("terminate called without an active
         # exception", about 1 job in 7 on the local SLURM cluster; 0 in 36 with this).
@@ -132,7 +148,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
            tokens: torch.Tensor, managers: list[CheckpointManager],
-           flag: preempt.StopFlag) -> None:
+           flag: preempt.StopFlag, dog: watchdog.Watchdog) -> None:
     t = cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank
     model = GPT(GPTConfig(**config_mod.to_dict(cfg)["model"])).to(device)
@@ -162,6 +178,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     system = tracking.diagnostics(env, device) if env.rank == 0 else {}
     for line in tracking.describe(system, cfg) if system else []:
         log.info("%s", line)  # versions, devices, layout, SLURM job, resolved config
+    dog.phase("load")
     ckpt = manager.find_resume()
     if ckpt is None:
         rng.seed_rank(t.seed, env.rank)
@@ -184,6 +201,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
             run.event("resume", step=state.step, path=str(ckpt.path), steps_lost=lost,
                       world_size=env.world_size, saved_world_size=ckpt.manifest["world_size"],
                       mode=ckpt.mode, restore_seconds=round(restore_s, 4))
+    dog.phase("setup")
     if env.world_size > 1:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         settle_ddp_buckets(model, batches, t.micro_batch_size, device)
@@ -198,13 +216,19 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                 progress=progress.for_terminal(env.rank, t.max_steps, state.step),
                 stopper=preempt.Stopper(flag, preempt.Deadline(
                     preempt.job_end_time(os.environ), preempt.env_margin()), env.rank,
-                    env.world_size))
+                    env.world_size),
+                watchdog=dog, stragglers=straggler.StragglerWatch(
+                    cfg.run.straggler_interval, cfg.run.straggler_factor,
+                    cfg.run.straggler_windows, env.world_size,
+                    dist.gather_objects(node_name(), env.world_size)))
     if state.step >= t.max_steps:
         log.info("nothing to do: step %d already reached train.max_steps=%d", state.step,
                  t.max_steps)
     with loop.tracker:  # closes the wandb run, failed if the loop raised
         loop.run_steps()
+        dog.phase("checkpoint")
         manager.finish(state.step)
+        dog.phase("idle")
         loop.tracker.after_step(state.step)
     if env.rank == 0:
         run.event("finish", step=state.step, tokens_seen=state.tokens_seen)
@@ -244,6 +268,11 @@ def settle_ddp_buckets(model: DDP, batches: Batches, micro_batch: int,
         _, loss = model(x.to(device), y.to(device))
         loss.backward()
     model.zero_grad(set_to_none=True)
+
+
+def node_name() -> str:
+    """node_name is SLURM's name for this node (several can share a host), else the host's."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def last_logged_step(run: RunDir) -> int:

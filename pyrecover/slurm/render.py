@@ -242,8 +242,9 @@ trap 'echo "pyrecover: batch shell got SIGTERM; waiting for the training step" >
 
 # ---- after the training step: the requeue decision ----------------------------------
 # Exit 0: finished. 2: a config or data error, which a requeue cannot fix. 75: stopped
-# cleanly with a checkpoint (signal or deadline). Anything else: a crash. 75 and crashes
-# are requeued while SLURM_RESTART_COUNT is below MAX_RESTARTS; each decision is recorded.
+# cleanly with a checkpoint (signal or deadline). 76: a rank hung (the watchdog fired), a
+# crash recorded as hang. Anything else: a crash. 75 and crashes are requeued while
+# SLURM_RESTART_COUNT is below MAX_RESTARTS; each decision is recorded.
 record() {
     local fmt='{"event": "%s", "time": %s, "job_id": "%s", "restart_count": %s, '
     fmt+='"exit_code": %s, "reason": "%s"}\n'
@@ -256,7 +257,7 @@ record() {
 # shutting down: 143. The trainer's own record of this attempt tells what really happened.
 attempt_outcome() {
     local this="\"job_id\": \"$SLURM_JOB_ID\", \"restart_count\": ${SLURM_RESTART_COUNT:-0}[,}]"
-    grep -E "^\{\"event\": \"(stop|error)\".*$this" "$EVENTS" 2>/dev/null | tail -n 1 |
+    grep -E "^\{\"event\": \"(stop|error|hang)\".*$this" "$EVENTS" 2>/dev/null | tail -n 1 |
         sed -E 's/^\{"event": "([a-z]+)".*/\1/'
 }
 after_training() {
@@ -267,6 +268,7 @@ after_training() {
         case $(attempt_outcome) in
             stop) code=75 ;;
             error) code=2 ;;
+            hang) code=76 ;;
         esac
         [ "$code" -gt 128 ] || echo "pyrecover: a task was ended by SLURM after the" \
             "trainer recorded this attempt's outcome; taking it as exit code $code" >&2
@@ -275,6 +277,7 @@ after_training() {
         0) exit 0 ;;
         2) record no_requeue "$code" "config or data error"; exit 2 ;;
         75) reason="stopped cleanly" ;;
+        76) reason=hang ;;
     esac
     if [ "$restart" -ge "$MAX_RESTARTS" ]; then
         record no_requeue "$code" "$reason; max restarts ($MAX_RESTARTS) reached"

@@ -1,0 +1,108 @@
+"""Straggler detection: a rank whose own compute time stays well above the median.
+
+Every `interval` steps each rank shares its mean own compute time per step over the window
+(one all-gather of one float; `Watchdog.step_done` measures it: the phases that never wait on
+another rank, so a slow rank does not make the fast ones look slow too). A rank slower than
+the median by `factor` in `windows` windows in a row is a straggler: rank 0 records a
+`straggler` event and logs a line, again after every further `windows` slow windows.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("pyrecover")
+
+
+def slow_ranks(times: list[float], factor: float) -> list[int]:
+    """slow_ranks lists the ranks whose time exceeds `factor` x the median of all ranks."""
+    if len(times) < 2:
+        return []
+    median = statistics.median(times)
+    return [r for r, t in enumerate(times) if t > factor * median and t > 0]
+
+
+def update_streaks(streaks: list[int], slow: list[int]) -> list[int]:
+    """update_streaks counts, per rank, the slow windows in a row (0 after a normal one)."""
+    return [s + 1 if r in slow else 0 for r, s in enumerate(streaks)]
+
+
+def due(streak: int, windows: int) -> bool:
+    """due tells whether a streak of slow windows is reported now: at `windows`, `2 windows`..."""
+    return streak > 0 and streak % windows == 0
+
+
+@dataclass
+class Straggler:
+    rank: int
+    node: str
+    seconds: float
+    """Its own compute time per step, mean over the window."""
+    median: float
+    windows: int
+    step: int
+
+
+def gather_times(own: float, world_size: int) -> list[float]:
+    """gather_times is every rank's `own` value, on every rank (one all-gather of one float).
+
+    A CPU tensor: the process group routes it to gloo, also on GPUs (`cpu:gloo,cuda:nccl`).
+    """
+    import torch
+    import torch.distributed as tdist
+
+    if world_size < 2 or not tdist.is_initialized():
+        return [own]
+    mine = torch.tensor([own], dtype=torch.float64)
+    out = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
+    tdist.all_gather(out, mine)
+    return [float(t.item()) for t in out]
+
+
+@dataclass
+class StragglerWatch:
+    """What the loop calls after every step; every rank calls it at the same steps."""
+
+    interval: int
+    factor: float
+    windows: int
+    world_size: int
+    nodes: list[str]
+    """Host name of every rank (gathered once at start)."""
+    gather: Callable[[float, int], list[float]] = gather_times
+    _sum: float = 0.0
+    _count: int = 0
+    streaks: list[int] = field(default_factory=list)
+
+    def after_step(self, step: int, own_seconds: float) -> list[Straggler]:
+        """after_step adds one step's own time; at the end of a window, shares and judges."""
+        if self.interval <= 0 or self.world_size < 2:
+            return []
+        self._sum += own_seconds
+        self._count += 1
+        if step % self.interval:
+            return []
+        mean = self._sum / self._count
+        self._sum, self._count = 0.0, 0
+        times = self.gather(mean, self.world_size)
+        if not self.streaks:
+            self.streaks = [0] * len(times)
+        self.streaks = update_streaks(self.streaks, slow_ranks(times, self.factor))
+        median = statistics.median(times)
+        return [Straggler(r, self.nodes[r] if r < len(self.nodes) else "?", round(t, 6),
+                          round(median, 6), self.streaks[r], step)
+                for r, t in enumerate(times) if due(self.streaks[r], self.windows)]
+
+
+def report(found: list[Straggler], event: Callable[..., object]) -> None:
+    """report logs each straggler and records a `straggler` event (rank 0 calls it)."""
+    for s in found:
+        log.warning("straggler: rank %d on %s takes %.3fs of its own compute per step, %.1fx "
+                    "the median %.3fs, for %d windows in a row (step %d)", s.rank, s.node,
+                    s.seconds, s.seconds / s.median if s.median else float("inf"), s.median,
+                    s.windows, s.step)
+        event("straggler", rank=s.rank, node=s.node, seconds=s.seconds, median=s.median,
+              windows=s.windows, step=s.step)

@@ -1,0 +1,102 @@
+"""A task stopped mid-run on the real local SLURM cluster (2 nodes x 2 tasks, memory mode,
+a snapshot every step): the other ranks' watchdogs report the hang, persist, the job
+requeues with reason `hang`, resumes from the survivors' snapshot and completes with the
+model of an uninterrupted run, bit for bit.
+
+The stop is `SIGSTOP` from the fault hook (PYRECOVER_HANG_HOW=stop): no signal, no error,
+no exit reaches anyone; only time passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from localslurm import LocalSlurm
+from test_requeue_e2e import (
+    SETS,
+    TINY,
+    assert_same_model,
+    events,
+    explain,
+    export_model,
+    launch,
+    status,
+    wait_end,
+)
+
+pytestmark = pytest.mark.slurm
+
+HANG_TIMEOUT = 5
+MEMORY = ("checkpoint.mode=memory", "checkpoint.snapshot_interval=1", "checkpoint.replicas=2",
+          "checkpoint.interval=100", f"run.hang_timeout={HANG_TIMEOUT}",
+          "run.hang_startup_timeout=120")
+MAX_STEPS = 20  # as in SETS
+
+
+@pytest.fixture
+def jobs(local_slurm: LocalSlurm):
+    """Job ids to cancel when the test ends, so a failed test leaves nothing running."""
+    ids: list[int] = []
+    yield ids
+    for job_id in ids:
+        local_slurm.run("scancel", str(job_id), check=False)
+
+
+@pytest.fixture(scope="module")
+def reference_model_4(corpus: Path, tmp_path_factory: pytest.TempPathFactory
+                      ) -> dict[str, torch.Tensor]:
+    """The final weights of one uninterrupted local run at world size 4."""
+    storage = tmp_path_factory.mktemp("reference4")
+    argv = [sys.executable, "-m", "pyrecover", "train", "--nproc", "4", "--config", str(TINY),
+            "--set", f"data.path={corpus}", "--set", f"run.storage={storage}",
+            "--set", "run.exp_name=reference"]
+    for item in SETS:
+        argv += ["--set", item]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    done = subprocess.run(argv, env=env, cwd=storage, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return export_model(storage / "reference", env)
+
+
+def test_a_stopped_task_is_reported_as_a_hang_requeued_and_the_job_completes_bitwise(
+        local_slurm, jobs, corpus, reference_model_4, tmp_path):
+    sets = [w for item in MEMORY for w in ("--set", item)]
+    job_id, run_dir = launch(local_slurm, jobs, tmp_path, "hang", corpus, "--gpus-per-node",
+                             "2", *sets, env={
+                                 "PYRECOVER_HANG_AT_STEP": "9", "PYRECOVER_HANG_RANK": "1",
+                                 "PYRECOVER_HANG_PHASE": "forward", "PYRECOVER_HANG_HOW": "stop",
+                                 "PYRECOVER_HANG_ONCE": str(tmp_path / "hung-once")})
+    info = wait_end(local_slurm, job_id, run_dir, timeout=420)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), explain(run_dir, job_id)
+    assert info["Restarts"] == "1"
+
+    every = events(run_dir)
+    hangs = [e for e in every if e["event"] == "hang"]
+    # The stopped rank cannot report; the three others do, each naming itself. (SLURM sends
+    # SIGCONT before it ends the step's tasks: the stopped one may wake and report last.)
+    assert sorted(e["rank"] for e in hangs[:3]) == [0, 2, 3], explain(run_dir, job_id)
+    assert [e["rank"] for e in hangs[3:]] in ([], [1])
+    assert {e["step"] for e in hangs} == {9} and all(e["seconds"] > HANG_TIMEOUT for e in hangs)
+    assert {e["node"] for e in hangs} == {"node1", "node2"}
+    [requeue] = [e for e in every if e["event"] == "requeue"]
+    assert (requeue["exit_code"], requeue["reason"]) == (76, "hang"), explain(run_dir, job_id)
+    [resume] = [e for e in every if e["event"] == "resume"]
+    assert resume["step"] == 8, explain(run_dir, job_id)  # one snapshot interval back at most
+    assert any(e["event"] == "snapshot_recovered" and e["step"] == 8 for e in every)
+    report = status(local_slurm, run_dir)
+    assert report["state"] == "finished" and report["restarts_by_cause"] == {"hang": 1}
+    assert_same_model(local_slurm, run_dir, reference_model_4)
+
+    # How long the allocation was lost to the hang: from the stop to the first resumed step.
+    stopped = min(e["time"] - e["seconds"] for e in hangs)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first_resumed = min(m["time"] for m in metrics if m["time"] > resume["time"])
+    print(f"\nhang to first resumed step: {first_resumed - stopped:.1f}s "
+          f"(hang_timeout {HANG_TIMEOUT}s; torch's default process group timeout: 600s)")

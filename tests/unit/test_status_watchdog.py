@@ -1,0 +1,27 @@
+"""`pyrecover status` shows hangs and stragglers, and counts a restart after a hang as one."""
+
+from __future__ import annotations
+
+from pyrecover import status
+from pyrecover.rundir import RunDir
+
+
+def test_status_names_the_hung_rank_the_straggler_and_the_restart_cause(tmp_path):
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    run.event("start", step=0)
+    run.event("straggler", rank=2, node="n2", seconds=0.4, median=0.1, windows=3, step=30)
+    run.event("straggler", rank=2, node="n2", seconds=0.5, median=0.1, windows=6, step=60)
+    run.event("hang", rank=1, node="n1", phase="allreduce", step=64, seconds=61.0, limit=60.0,
+              stacks="thread MainThread: ...")
+    run.event("snapshot_persisted", rank=0, steps=[63])
+    run.event("crash", rank=0, error="RuntimeError: Connection closed by peer")
+    run.event("resume", step=63)
+    s = status.read(run.root)
+    assert s.restarts_by_cause == {"hang": 1}
+    assert [h["phase"] for h in s.hangs] == ["allreduce"] and "stacks" not in s.hangs[0]
+    assert [(g["rank"], g["step"]) for g in s.stragglers] == [(2, 60)]
+    text = status.render(s)
+    assert "restarts 1 x hang" in text
+    assert "hang        rank 1 on n1: phase allreduce of step 64 ran 61.0s (limit 60.0s)" in text
+    assert "straggler   rank 2 on n2: 0.5s own compute per step, median 0.1s (step 60" in text
