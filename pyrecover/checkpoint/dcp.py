@@ -103,17 +103,19 @@ class DcpMode:
         model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         writer = dcp_io.Writer(folder)
+        upload = None
         if self.asynchronous:
-            response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
-                                      async_stager=self.stager)
-            self._staged, future = True, response.upload_completion
+            # What dcp.async_save does, without its API, which changed between torch releases
+            # (2.7 has no async_stager): the copy starts now, the save runs in our thread.
+            staged = self.stager.stage(state)
+            self._staged = True
+
+            def upload() -> None:
+                self._save(staged.result(), writer)
         else:
-            with quiet_single_process():
-                dcp.save(state, storage_writer=writer, process_group=self.group,
-                         no_dist=self.group is None)
-            future = None
+            self._save(state, writer)
         self._result = None
-        self._thread = threading.Thread(target=self._finish, args=(future, writer, pending),
+        self._thread = threading.Thread(target=self._finish, args=(upload, writer, pending),
                                         name="pyrecover-dcp-save", daemon=True)
         self._thread.start()
         if not self.asynchronous:
@@ -127,12 +129,18 @@ class DcpMode:
             self._staged = False
             self.stager.fence()
 
-    def _finish(self, future, writer: dcp_io.Writer, pending: Pending) -> None:
+    def _save(self, state: dict[str, Any], writer: dcp_io.Writer) -> None:
+        """_save plans and writes `state` with DCP over the checkpoint group (collective)."""
+        with quiet_single_process():
+            dcp.save(state, storage_writer=writer, process_group=self.group,
+                     no_dist=self.group is None)
+
+    def _finish(self, upload, writer: dcp_io.Writer, pending: Pending) -> None:
         folder = pending.tmp
         try:
             faults.maybe_kill(pending.step, self.rank, point="save")
-            if future is not None:
-                future.result()
+            if upload is not None:
+                upload()
             files = {}
             for name in own_files(folder, self.rank):
                 if name in writer.entries:  # checksummed and fsynced while written

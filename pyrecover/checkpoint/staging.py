@@ -11,13 +11,13 @@ One path for every device, so what CPU CI runs is what a GPU runs:
 - `Copier.fence()` is what the loop calls before the optimizer changes the state. On CUDA it
   makes the loop's stream wait for the copy's event: the host does not block, and the GPU
   waits only for what is not copied yet. On CPU it waits for the thread.
-- `StateStager` is DCP's `AsyncStager` on top of it: buffers kept per key (shape, dtype) from
-  one save to the next, tied tensors copied once, the staged state dict made of plain
-  tensors (no parameters, no subclasses), anything that is not a tensor deep-copied.
+- `StateStager` stages a state dict for DCP mode on top of it: buffers kept per key (shape,
+  dtype) from one save to the next, tied tensors copied once, the staged state dict made of
+  plain tensors (no parameters, no subclasses), anything that is not a tensor deep-copied.
 
 torch's own `DefaultStager` did this job on CUDA until torch 2.11, where every save after the
 first failed inside its deep copy (`KeyError: <class 'type'>`); nothing here depends on
-torch's staging internals.
+torch's staging internals or on `dcp.async_save`, whose API changed between releases.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.staging import AsyncStager
 
 
 def host_buffer(like: torch.Tensor | torch.Size | tuple, dtype: torch.dtype,
@@ -47,7 +46,12 @@ class Copier:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pyrecover-stage")
+        # On CUDA the thread waits on events of this device: make it the thread's current
+        # device, or the wait would open a context (hundreds of MB) on GPU 0 for every rank.
+        self._thread = ThreadPoolExecutor(
+            1, thread_name_prefix="pyrecover-stage",
+            initializer=torch.cuda.set_device if self.cuda else None,
+            initargs=(device,) if self.cuda else ())
         self._event: Any = None  # CUDA: the end of the copy in flight, until fenced
         self._future: Future | None = None
 
@@ -88,7 +92,9 @@ class Copier:
         return self._future
 
     def _copy(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-        if targets:  # one dispatch for every tensor: a copy_ call each cost 4 us apiece
+        # One dispatch for every tensor on CPU (a copy_ call each cost 4 us apiece); across
+        # devices torch takes its slow path, one asynchronous copy_ per tensor.
+        if targets:
             torch._foreach_copy_(targets, sources, non_blocking=self.cuda)
 
     def fence(self) -> None:
@@ -114,10 +120,8 @@ class Copier:
         self._thread.shutdown(wait=True)
 
 
-class StateStager(AsyncStager):
-    """StateStager stages a state dict for DCP's `async_save` through a `Copier`."""
-
-    _synchronize_after_execute = False
+class StateStager:
+    """StateStager stages a state dict for an asynchronous DCP save through a `Copier`."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -161,9 +165,6 @@ class StateStager(AsyncStager):
 
     def fence(self) -> None:
         self.copier.fence()
-
-    def synchronize_staging(self) -> None:
-        pass
 
     def close(self) -> None:
         self.copier.close()
