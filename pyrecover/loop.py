@@ -140,8 +140,6 @@ class Loop:
             tdist.all_reduce(total)
             total /= self.world_size
         self._phase("optimizer")
-        # The state is about to change: a background save must have finished copying it.
-        self.manager.before_update()
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         # One device-to-host transfer (a sync on CUDA) for both numbers, not two.
@@ -161,6 +159,9 @@ class Loop:
                     f"(train.max_bad_steps={t.max_bad_steps}); lower train.lr or check the data")
             return loss_value, norm_value
         self.state.bad_steps = 0
+        # The state is about to change: a background save must have finished copying it (on
+        # CUDA the update waits on the device; the host goes on).
+        self.manager.before_update()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -179,7 +180,7 @@ class Loop:
                       checkpoint_stall_total=round(self.manager.stall_seconds, 5))
         use = flops.mfu(tok_s, self.flops_per_token, self.peak_flops, self.world_size)
         if use is not None:
-            record["mfu"] = round(use, 4)
+            record["mfu"] = float(f"{use:.3g}")  # a tiny model's MFU is 1e-5, not 0
         self.run.metric(**record)
         self.tracker.log(step, record)
         if self.progress is None:  # on a terminal the bar shows the same

@@ -10,6 +10,7 @@ import contextlib
 import gc
 import logging
 import os
+import shutil
 import socket
 import sys
 import time
@@ -156,7 +157,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     if device.type == "cuda":  # TF32 for what is not under bf16 autocast
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    if compile_enabled(cfg, device):
+    if compile_enabled(cfg, device, log):
         # In place: the module keeps its parameter names, so checkpoints and exports never see
         # `_orig_mod.` and a compiled run resumes an eager checkpoint and the reverse.
         model.compile()
@@ -204,7 +205,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     dog.phase("setup")
     if env.world_size > 1:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        settle_ddp_buckets(model, batches, t.micro_batch_size, device)
+        settle_ddp_buckets(model, batches, t.micro_batch_size, device, autocast_for(cfg, device))
 
     loop = Loop(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
                 manager=manager, run=run, rank=env.rank, world_size=env.world_size,
@@ -235,12 +236,29 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         log.info("finished at step %d; run directory %s", state.step, run.root)
 
 
-def compile_enabled(cfg: Config, device: torch.device) -> bool:
+def compile_enabled(cfg: Config, device: torch.device, logger=None) -> bool:
     """compile_enabled: `train.compile`, where `auto` means on CUDA only (on a CPU the compile
-    takes longer than the short runs made there gain)."""
-    if cfg.train.compile == "auto":
-        return device.type == "cuda"
-    return cfg.train.compile == "true"
+    takes longer than the short runs made there gain), and only where a C compiler exists:
+    Inductor's kernels need one at run time (the CUDA runtime images have none)."""
+    wanted = cfg.train.compile == "true" or (cfg.train.compile == "auto"
+                                             and device.type == "cuda")
+    if not wanted or c_compiler() is not None:
+        return wanted
+    if cfg.train.compile == "true":
+        raise ConfigError("train.compile=true needs a C compiler (cc, gcc or clang) on PATH "
+                          "for torch.compile's kernels; install one or set train.compile=auto")
+    if logger is not None:
+        logger.warning("train.compile=auto: no C compiler on PATH, so the model runs without "
+                       "torch.compile (slower); install gcc to compile it")
+    return False
+
+
+def c_compiler() -> str | None:
+    """c_compiler is the C compiler torch.compile would find ($CC, cc, gcc, clang), or None."""
+    for name in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
 
 
 def autocast_for(cfg: Config, device: torch.device):
@@ -252,8 +270,8 @@ def autocast_for(cfg: Config, device: torch.device):
     return contextlib.nullcontext
 
 
-def settle_ddp_buckets(model: DDP, batches: Batches, micro_batch: int,
-                       device: torch.device) -> None:
+def settle_ddp_buckets(model: DDP, batches: Batches, micro_batch: int, device: torch.device,
+                       autocast=contextlib.nullcontext) -> None:
     """settle_ddp_buckets runs one throw-away forward/backward before the first real step.
 
     DDP lays out its gradient buckets one way on the first iteration after it is built and
@@ -261,11 +279,13 @@ def settle_ddp_buckets(model: DDP, batches: Batches, micro_batch: int,
     A run that resumed would otherwise take its first step in the first layout while the
     uninterrupted run took that step in the second, and differ in the last bits. After this
     call every real step of every run uses the settled layout. Weights, optimizer, RNG and the
-    data position are untouched.
+    data position are untouched. It runs under the steps' autocast, so a compiled model
+    compiles once, for the graph the steps use.
     """
     x, y = batches.windows(batches.window_ids(0, micro_batch))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        _, loss = model(x.to(device), y.to(device))
+        with autocast():
+            _, loss = model(x.to(device), y.to(device))
         loss.backward()
     model.zero_grad(set_to_none=True)
 

@@ -167,8 +167,9 @@ def test_a_cuda_run_compiles_by_default_and_logs_its_mfu(tmp_path, corpus):
                      timeout=TIMEOUT)
     check(done)
     assert "MFU" in done.stderr
-    metrics = list(read_jsonl(run / "metrics.jsonl"))
-    assert all(0 < m["mfu"] < 1 for m in metrics), metrics
+    metrics = [m for m in read_jsonl(run / "metrics.jsonl") if m["step"] > 1]  # 1 compiles
+    assert any(m["mfu"] > 0 for m in metrics), metrics
+    assert all(0 <= m["mfu"] < 1 for m in metrics), metrics
 
 
 @pytest.mark.skipif(GPUS != 1, reason=f"needs exactly 1 CUDA GPU, torch sees {GPUS}")

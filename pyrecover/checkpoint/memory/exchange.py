@@ -226,7 +226,9 @@ class Snapshots:
         a, b = self.bounds[slice_id]
         buf = snap.buffers.get(slice_id)
         if buf is None or buf.numel() != b - a + rng.RNG_BYTES:
-            buf = torch.empty(b - a + rng.RNG_BYTES, dtype=torch.uint8, pin_memory=self.pin)
+            # Only the own slice is a device copy's target: the replicas stay unpinned.
+            buf = torch.empty(b - a + rng.RNG_BYTES, dtype=torch.uint8,
+                              pin_memory=self.pin and slice_id == self.rank)
             snap.buffers[slice_id] = buf
             snap.slices[slice_id], snap.rngs[slice_id] = buf[:b - a], buf[b - a:]
             if slice_id == self.rank:
