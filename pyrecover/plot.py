@@ -206,9 +206,14 @@ def _draw(title: str, losses: list[Series], speed: list[Series], found: list[Mar
                          color=_rgb(RESUME))
     top.set_ylabel("loss")
     top.grid(True, color="0.9")
-    # Above the panels, where it hides no mark.
-    fig.legend(loc="outside upper right", fontsize="small", ncols=5, frameon=False)
-    _throughput_panel(low, speed, found)
+    right = _throughput_panel(low, speed, found)
+    # One legend for both panels, above them, where it hides no data.
+    handles, labels = [], []
+    for ax in (top, low, right):
+        h, lab = ax.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    fig.legend(handles, labels, loc="outside upper right", fontsize="small", frameon=False,
+               ncols=min(len(handles), max(2, width // 140)))
     top.set_xlim(0, max(steps) * 1.02 or 1)
     fig.canvas.draw()  # fixes the layout, so the pixel positions below are final
     box = top.get_window_extent()
@@ -218,8 +223,9 @@ def _draw(title: str, losses: list[Series], speed: list[Series], found: list[Mar
     return fig, layout
 
 
-def _throughput_panel(ax, speed: list[Series], found: list[Mark]) -> None:
-    """_throughput_panel draws tokens/s per start and each checkpoint's stall of the loop."""
+def _throughput_panel(ax, speed: list[Series], found: list[Mark]):
+    """_throughput_panel draws tokens/s per start and, on a right axis that it returns, each
+    checkpoint's stall of the loop."""
     for i, ser in enumerate(speed):
         ax.plot(ser.steps, ser.losses, color=_rgb(THROUGHPUT), linewidth=1,
                 label="tokens/s" if i == 0 else None)
@@ -233,6 +239,4 @@ def _throughput_panel(ax, speed: list[Series], found: list[Mark]) -> None:
         right.plot([s for s, _ in stalls], [v for _, v in stalls], linestyle="none",
                    marker="v", color=_rgb(CHECKPOINT), label="checkpoint stall")
         right.set_ylim(0, max(v for _, v in stalls) * 1.2 or 1)
-    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-    if handles:
-        ax.legend(handles=handles, loc="best", fontsize="small", framealpha=0.9)
+    return right
