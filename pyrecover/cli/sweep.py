@@ -108,6 +108,7 @@ def launch(
         prepare_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()))
     job.run.job_script.write_text(script)
     job_id = submit.submit(argv, cwd=job.run_dir)
+    record.add_job(sweep_dir, job_id)
     typer.echo(f"submitted job array {job_id} ({len(cfgs)} trials):\n{table}")
     typer.echo(f"sweep directory: {sweep_dir}")
     typer.echo(f"follow it: pyrecover sweep status {shlex.quote(str(sweep_dir))}")

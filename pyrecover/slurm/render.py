@@ -299,16 +299,19 @@ def task_path(spec: JobSpec, name: str) -> Word:
                  f'"$SLURM_ARRAY_TASK_ID"{shlex.quote("/" + name)}')
 
 
-# In a job array, the first task's SLURM_JOB_ID is the array's own id, and `scontrol requeue`
-# of that id requeues every task: a task requeues itself as ARRAYID_TASKID.
-_REQUEUE_JOB = 'scontrol requeue "$SLURM_JOB_ID"'
-_REQUEUE_TASK = 'scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"'
+# In a job array, the task that holds the array's own record (the last to start) has the
+# array's id as its SLURM_JOB_ID, and `scontrol requeue` or `squeue -j` of that id means every
+# task (seen on SLURM 22.05). An array task names itself ARRAYID_TASKID instead.
+_ARRAY_TASK = '"${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"'
+_ARRAY_WORDS = ('squeue -h -j "$SLURM_JOB_ID"', 'scontrol requeue "$SLURM_JOB_ID"')
 
 
 def _array_requeue(block: str) -> str:
-    if block.count(_REQUEUE_JOB) != 1:
-        raise AssertionError("the requeue block no longer holds one " + _REQUEUE_JOB)
-    return block.replace(_REQUEUE_JOB, _REQUEUE_TASK)
+    for words in _ARRAY_WORDS:
+        if block.count(words) != 1:
+            raise AssertionError(f"the requeue block no longer holds one {words}")
+        block = block.replace(words, words.replace('"$SLURM_JOB_ID"', _ARRAY_TASK))
+    return block
 
 
 def _word(word: Word) -> str:

@@ -3,6 +3,7 @@
     <storage>/<sweep name>/
       sweep.yaml       name, method, metric, seed, and each trial's folder and values
       job.sbatch       the job array's script
+      jobs             the array's job id, one line per submission
       trial-<i>/       one ordinary run directory per trial (run.yaml, events.jsonl, ...)
 
 Launching the same sweep again resubmits the same trials (each resumes from its own run
@@ -23,6 +24,7 @@ from pyrecover.sweep.spec import Sweep
 from pyrecover.sweep.trials import trial_name
 
 RECORD = "sweep.yaml"
+JOBS = "jobs"
 
 
 @dataclass(frozen=True)
@@ -76,3 +78,16 @@ def write(sweep_dir: Path, record: Record) -> None:
     tmp = path.with_name(f".{RECORD}.{os.getpid()}")
     tmp.write_text(to_yaml(record))
     os.replace(tmp, path)
+
+
+def add_job(sweep_dir: Path, job_id: int) -> None:
+    """add_job records a submission of the array; the last one is the live one."""
+    with (sweep_dir / JOBS).open("a") as f:
+        f.write(f"{job_id}\n")
+
+
+def last_job(sweep_dir: str | Path) -> str | None:
+    """last_job is the array's job id of the newest submission, if any."""
+    path = Path(sweep_dir) / JOBS
+    lines = path.read_text().split() if path.is_file() else []
+    return lines[-1] if lines else None

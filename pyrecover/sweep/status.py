@@ -51,7 +51,10 @@ def read(sweep_dir: str | Path, squeue: Callable[[str], str | None] | None = Non
     """read builds the SweepStatus; `squeue(job_id) -> state | None` is optional."""
     rec = record.read(sweep_dir)
     root = Path(sweep_dir)
-    trials = [_trial(root / t["dir"], int(t["index"]), dict(t["params"]), rec, squeue)
+    array = record.last_job(root)
+    trials = [_trial(root / t["dir"], int(t["index"]), dict(t["params"]), rec,
+                     # ARRAYID_TASKID: one task's SLURM_JOB_ID may be the whole array's id
+                     squeue(f"{array}_{t['index']}") if squeue and array else None)
               for t in rec.trials]
     sign = 1.0 if rec.goal == "minimize" else -1.0
     trials.sort(key=lambda t: (t.last is None, sign * t.last if t.last is not None else 0.0,
@@ -62,15 +65,15 @@ def read(sweep_dir: str | Path, squeue: Callable[[str], str | None] | None = Non
 
 
 def _trial(path: Path, index: int, params: dict[str, Any], rec: record.Record,
-           squeue: Callable[[str], str | None] | None) -> Trial:
+           slurm_state: str | None) -> Trial:
     run = RunDir(path)
     values = [float(m[rec.metric]) for m in read_jsonl(run.metrics) if rec.metric in m]
     if run.problem() is not None:  # written at launch; gone only if someone removed it
-        return Trial(index, str(path), params, "missing", None, 0, None, 0, None, None)
-    s = run_status.read(path, squeue=squeue)
+        return Trial(index, str(path), params, "missing", slurm_state, 0, None, 0, None, None)
+    s = run_status.read(path)
     best = (min(values) if rec.goal == "minimize" else max(values)) if values else None
     return Trial(index=index, run_dir=str(path), params=params, state=s.state,
-                 slurm_state=s.slurm_state, step=s.step, max_steps=s.max_steps,
+                 slurm_state=slurm_state, step=s.step, max_steps=s.max_steps,
                  restarts=max(0, s.starts - 1), last=values[-1] if values else None,
                  best=best)
 
