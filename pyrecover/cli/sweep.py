@@ -92,8 +92,8 @@ def launch(
 
     if dry_run:
         typer.echo(script, nl=False)
-        typer.echo(f"# --dry-run: nothing written or submitted. {len(cfgs)} trials "
-                   f"({sweep.method}, seed {sweep.seed}):")
+        how = "grid" if sweep.method == "grid" else f"random, seed {sweep.seed}"
+        typer.echo(f"# --dry-run: nothing written or submitted. {len(cfgs)} trials ({how}):")
         typer.echo(table)
         typer.echo(f"# pyrecover would write sweep.yaml, job.sbatch and trial-*/run.yaml to"
                    f"\n#   {job.run_dir}\n# and run:\n#   {shlex.join(argv)}")
