@@ -103,6 +103,7 @@ def launch(
                           "fix image/--image, or use --dry-run")
     submit.require_sbatch(os.environ)
     sweep_dir = Path(job.run_dir)
+    _refuse_a_second_live_array(sweep_dir)
     record.write(sweep_dir, rec)
     for trial_cfg in cfgs:
         prepare_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()))
@@ -129,3 +130,20 @@ def status(
     report = sweep_status.read(sweep_dir, squeue=squeue_state)
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else
                sweep_status.render(report))
+
+
+def _refuse_a_second_live_array(sweep_dir: Path) -> None:
+    """Each trial has one live run: a second array would only have its tasks refused."""
+    from pyrecover.slurm import LaunchError
+    from pyrecover.slurm.query import squeue_state
+    from pyrecover.sweep import record
+
+    if not (sweep_dir / record.RECORD).is_file():
+        return  # a new sweep; record.write refuses a folder that holds another one
+    job = record.last_job(sweep_dir)
+    states = (squeue_state(job) or "").split() if job else []
+    if any(s in ("PENDING", "RUNNING", "REQUEUED", "SUSPENDED", "CONFIGURING")
+           for s in states):
+        raise LaunchError(f"sweep {sweep_dir.name}'s job array {job} is still queued or "
+                          f"running; wait for it (pyrecover sweep status {sweep_dir}) or "
+                          f"scancel {job} first")

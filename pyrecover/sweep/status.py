@@ -94,7 +94,9 @@ def render(s: SweepStatus) -> str:
         lines.append(f"best: none yet (no trial has logged {s.metric})")
     else:
         top = s.trials[0]
-        lines.append(f"best: trial {top.index} ({top.run_dir}), {s.metric} {_fmt(top.last)}")
+        where = "" if top.state == "finished" else f" at step {top.step}, not finished"
+        lines.append(f"best: trial {top.index} ({top.run_dir}), {s.metric} {_fmt(top.last)}"
+                     f"{where}")
     return "\n".join(lines)
 
 

@@ -194,6 +194,16 @@ def test_each_task_trains_its_own_trial_and_requeues_only_itself(tmp_path):
     shellcheck(render(spec_), tmp_path, "SC2016")
 
 
+def test_a_hostile_parameter_value_stays_in_run_yaml_and_never_reaches_the_script():
+    sweep = sweep_of({"name": "tags", "method": "grid", "parameters": {
+        "tracking.tags": {"values": [HOSTILE, "plain"]}}})
+    base = trials.base_for(sweep, base_config())
+    (cfg, _) = trials.configs(sweep, base, trials.choose(sweep))
+    assert config_mod.from_dict(yaml.safe_load(config_mod.dump(cfg))).tracking.tags == HOSTILE
+    prof = profile.ClusterProfile(launcher="none")
+    assert "pwned" not in render(sweep_render.array_spec(base, prof, PYTHON, 2, None))
+
+
 # ------------------------------------------------------------------------------ status
 
 
