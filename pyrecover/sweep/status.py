@@ -74,8 +74,20 @@ def _trial(path: Path, index: int, params: dict[str, Any], rec: record.Record,
     best = (min(values) if rec.goal == "minimize" else max(values)) if values else None
     return Trial(index=index, run_dir=str(path), params=params, state=s.state,
                  slurm_state=slurm_state, step=s.step, max_steps=s.max_steps,
-                 restarts=max(0, s.starts - 1), last=values[-1] if values else None,
+                 restarts=_restarts(run), last=values[-1] if values else None,
                  best=best)
+
+
+def _restarts(run: RunDir) -> int:
+    """_restarts counts resumes after an interruption, not a finished trial launched again."""
+    count, previous = 0, None
+    for e in read_jsonl(run.events):
+        kind = e.get("event")
+        if kind == "resume" and previous != "finish":
+            count += 1
+        if kind in ("start", "resume", "finish"):
+            previous = kind
+    return count
 
 
 def render(s: SweepStatus) -> str:

@@ -118,6 +118,18 @@ def test_a_grid_sweep_runs_as_one_array_and_a_preempted_trial_requeues_alone(
     assert {(t["params"]["train.lr"], t["params"]["train.seed"]) for t in report["trials"]} == {
         (0.001, 1), (0.001, 2), (0.003, 1), (0.003, 2)}
 
+    # One task holds the array's own record and has the array's id as its SLURM_JOB_ID: that is
+    # why a task requeues itself as ARRAYID_TASKID, and status asks SLURM about that name.
+    starts = {i: next(e for e in events(sweep_dir / f"trial-{i}") if e["event"] == "start")
+              for i in range(4)}
+    assert {s["array_task"] for s in starts.values()} == set(tasks)
+    assert str(array) in {s["job_id"] for s in starts.values()}
+    for i in range(4):
+        done = subprocess.run([sys.executable, "-m", "pyrecover", "status",
+                               str(sweep_dir / f"trial-{i}"), "--json"], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert json.loads(done.stdout)["slurm_state"] == "COMPLETED", done.stderr
+
     # The preempted trial ends with the model of its own config run without interruption.
     clean = {k: v for k, v in env.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
     reference = tmp_path / "reference"

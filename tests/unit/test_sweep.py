@@ -216,6 +216,8 @@ def fake_trial(root, index, losses, finished):
         run.metric(step=step, loss=loss)
     if finished:
         run.event("finish", step=len(losses))
+        run.event("resume", step=len(losses))  # launched again: nothing to do, no restart
+        run.event("finish", step=len(losses))
 
 
 def test_status_ranks_trials_by_their_last_metric_and_names_the_best(tmp_path):
@@ -224,10 +226,12 @@ def test_status_ranks_trials_by_their_last_metric_and_names_the_best(tmp_path):
     fake_trial(tmp_path, 0, [5.0, 3.0, 2.5], True)
     fake_trial(tmp_path, 1, [5.0, 1.0, 2.0], True)   # best value earlier, worse at the end
     fake_trial(tmp_path, 2, [4.0, 2.2], False)
+    RunDir(tmp_path / "trial-2").event("resume", step=1)  # requeued once
     # trial 3 never started: ranked last
     s = sweep_status.read(tmp_path)
     assert [t.index for t in s.trials] == [1, 2, 0, 3] and s.best == 1
     assert (s.trials[0].last, s.trials[0].best, s.trials[0].state) == (2.0, 1.0, "finished")
+    assert [t.restarts for t in s.trials] == [0, 1, 0, 0]
     text = sweep_status.render(s)
     assert text.splitlines()[-1].startswith("best: trial 1 (")
     done = pyrecover("sweep", "status", str(tmp_path), "--json")
