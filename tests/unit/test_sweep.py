@@ -267,3 +267,45 @@ def test_a_bad_sweep_is_one_line_exit_2_and_writes_nothing(tmp_path, body, messa
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and message in lines[0], done.stderr
     assert not (tmp_path / "st").exists()
+
+
+def test_launch_writes_the_sweep_and_every_trial_then_refuses_a_second_live_array(tmp_path):
+    """`sbatch` and `squeue` are stand-ins here (tests/slurm runs the real ones): sbatch
+    answers job 77, squeue says what SQUEUE_SAYS holds."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 77\n")
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\ncat {tmp_path / 'squeue-says'}\n")
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nexit 1\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    (tmp_path / "squeue-says").write_text("")
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump({**GRID, "name": "lr"}, sort_keys=False))
+    args = ["sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
+            "--set", f"run.storage={tmp_path / 'st'}"]
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+    done = pyrecover(*args, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "submitted job array 77 (6 trials)" in done.stdout
+    sweep_dir = tmp_path / "st" / "lr"
+    assert record.read(sweep_dir).trials[5] == {
+        "index": 5, "dir": "trial-5",
+        "params": {"train.lr": 0.01, "train.seed": 2, "model.n_layer": 2}}
+    assert (sweep_dir / "job.sbatch").read_text().count("#SBATCH --array=0-5") == 1
+    trial = config_mod.load(sweep_dir / "trial-5" / "run.yaml")
+    assert (trial.train.lr, trial.train.seed, trial.run.exp_name) == (0.01, 2, "trial-5")
+
+    (tmp_path / "squeue-says").write_text("RUNNING\nPENDING\n")
+    done = pyrecover(*args, env=env, cwd=tmp_path)
+    assert done.returncode == 2 and "job array 77 is still queued or running" in done.stderr
+
+    (tmp_path / "squeue-says").write_text("")
+    done = pyrecover(*args, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (sweep_dir / "jobs").read_text().split() == ["77", "77"]
+
+    path.write_text(yaml.safe_dump({**GRID, "name": "lr", "run_cap": 2}, sort_keys=False))
+    done = pyrecover(*args, env=env, cwd=tmp_path)
+    assert done.returncode == 2 and "holds sweep 'lr' with other trials" in done.stderr
