@@ -77,6 +77,10 @@ class RunDir:
         if job:
             record.setdefault("job_id", job)
             record.setdefault("restart_count", int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+            array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get(
+                "SLURM_ARRAY_TASK_ID")
+            if array and task:  # a sweep's trial: SLURM names the task ARRAYID_TASKID
+                record.setdefault("array_task", f"{array}_{task}")
         record.setdefault("host", socket.gethostname())
         append_jsonl(self.events, record)
         return record

@@ -78,7 +78,8 @@ def read(path: str | Path, squeue=None, now: float | None = None) -> Status:
     goodput = min(1.0, kept_step_time / wall) if wall > 0 and kept_step_time else None
     return Status(
         run_dir=str(run.root), exp_name=run.root.name, state=state,
-        slurm_state=squeue(job_id) if (squeue and job_id) else None, job_id=job_id,
+        slurm_state=squeue(_slurm_name(events, job_id)) if (squeue and job_id) else None,
+        job_id=job_id,
         step=step, max_steps=_max_steps(run), starts=len(starts),
         restarts_by_cause=dict(causes), last_checkpoint=_last_checkpoint(run, now),
         steps_lost=lost, checkpoint_seconds=round(checkpoint_s, 3),
@@ -90,6 +91,12 @@ def read(path: str | Path, squeue=None, now: float | None = None) -> Status:
         stragglers=list({e.get("rank"): e for e in events
                          if e.get("event") == "straggler"}.values()),
     )
+
+
+def _slurm_name(events: list[dict[str, Any]], job_id: str) -> str:
+    """_slurm_name is how to ask SLURM about the job: ARRAYID_TASKID for an array task, whose
+    SLURM_JOB_ID may be the whole array's id."""
+    return next((str(e["array_task"]) for e in reversed(events) if e.get("array_task")), job_id)
 
 
 def _cause(events: list[dict[str, Any]], resume_index: int) -> str:

@@ -18,6 +18,7 @@ from pyrecover.cli.image import image_app
 from pyrecover.cli.launch import launch
 from pyrecover.cli.plot import plot
 from pyrecover.cli.status import status
+from pyrecover.cli.sweep import sweep_app
 from pyrecover.cli.train import demo, train
 from pyrecover.config import ConfigError
 
@@ -33,6 +34,7 @@ app.add_typer(data_app, name="data")
 app.add_typer(ckpt_app, name="ckpt")
 app.add_typer(image_app, name="image")
 app.add_typer(bench_app, name="bench")
+app.add_typer(sweep_app, name="sweep")
 app.command()(demo)
 app.command()(launch)
 app.command()(plot)
@@ -46,9 +48,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pyrecover.loop import TrainingError
     from pyrecover.slurm import LaunchError
     from pyrecover.status import StatusError
+    from pyrecover.sweep import SweepError
 
     return (ConfigError, DataError, DistError, CheckpointError, TrainingError, StatusError,
-            LaunchError)
+            LaunchError, SweepError)
 
 
 def main() -> None:

@@ -39,6 +39,15 @@ Word = str | int | Shell
 
 
 @dataclass(frozen=True)
+class ArrayJob:
+    """A SLURM job array: task i runs in its own run directory `<run_dir>/<prefix><i>`."""
+
+    indices: str
+    """sbatch's `--array`, e.g. `0-9%4`."""
+    prefix: str = "trial-"
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """Everything the script depends on; all paths absolute."""
 
@@ -60,6 +69,8 @@ class JobSpec:
     """The interpreter that runs pyrecover (and torchrun) when there is no container."""
     stop_signal: str = "USR2"
     """run.stop_signal, without SIG: torchrun's agent passes it on to its workers."""
+    array: ArrayJob | None = None
+    """A job array (a sweep): one run directory per task under run_dir."""
 
     @property
     def run(self) -> RunDir:
@@ -129,8 +140,11 @@ def outside_binds(path: str, binds: Sequence[Bind]) -> bool:
 def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
     """sbatch_options maps option -> value; None is a flag without value. Sorted by name."""
     log = f"{_slurm_pattern(str(spec.run.logs))}/%j.out"  # stdout and stderr, one file per job
+    if spec.array is not None:  # %a: the array task's index
+        log = f"{_slurm_pattern(str(Path(spec.run_dir, spec.array.prefix)))}%a/logs/%j.out"
     options: dict[str, str | int | None] = {
         "account": spec.account,
+        "array": spec.array.indices if spec.array is not None else None,
         "chdir": spec.run_dir,
         "cpus-per-task": spec.cpus_per_task,
         "error": log,
@@ -146,13 +160,13 @@ def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
         "signal": f"USR2@{spec.signal_seconds}" if spec.signal_seconds > 0 else None,
         "time": spec.time,
     }
-    absent = ("account", "cpus-per-task", "partition", "signal")
+    absent = ("account", "array", "cpus-per-task", "partition", "signal")
     return {k: options[k] for k in sorted(options) if not (k in absent and options[k] is None)}
 
 
 def step_lines(spec: JobSpec) -> list[list[Word]]:
     """step_lines is the step's command in readable pieces: srun, the container, the trainer."""
-    train = ["train", "--config", str(spec.run.config)]
+    train: list[Word] = ["train", "--config", task_path(spec, "run.yaml")]
     srun: list[Word] = ["srun", "--kill-on-bad-exit=1"]
     if spec.launcher in ("torchrun", "spawn"):
         # One task per node, which starts one worker per GPU. srun would otherwise take
@@ -214,9 +228,9 @@ def render(spec: JobSpec) -> str:
         f"MASTER_PORT=$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))",
         "export MASTER_ADDR MASTER_PORT",
         f"MAX_RESTARTS={spec.max_restarts}",
-        f"EVENTS={shlex.quote(str(spec.run.events))}",
+        f"EVENTS={_word(task_path(spec, 'events.jsonl'))}",
         "",
-        REQUEUE_BLOCK,
+        REQUEUE_BLOCK if spec.array is None else _array_requeue(REQUEUE_BLOCK),
         "",
         'echo "pyrecover: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, '
         'rendezvous $MASTER_ADDR:$MASTER_PORT" >&2',
@@ -289,6 +303,29 @@ after_training() {
     exit "$code"
 }
 # -------------------------------------------------------------------------------------"""
+
+
+def task_path(spec: JobSpec, name: str) -> Word:
+    """task_path is a file of the run directory: of this array task's own in a job array."""
+    if spec.array is None:
+        return str(spec.run.root / name)
+    return Shell(shlex.quote(str(Path(spec.run_dir, spec.array.prefix))) +
+                 f'"$SLURM_ARRAY_TASK_ID"{shlex.quote("/" + name)}')
+
+
+# In a job array, the task that holds the array's own record (the last to start) has the
+# array's id as its SLURM_JOB_ID, and `scontrol requeue` or `squeue -j` of that id means every
+# task (seen on SLURM 22.05). An array task names itself ARRAYID_TASKID instead.
+_ARRAY_TASK = '"${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"'
+_ARRAY_WORDS = ('squeue -h -j "$SLURM_JOB_ID"', 'scontrol requeue "$SLURM_JOB_ID"')
+
+
+def _array_requeue(block: str) -> str:
+    for words in _ARRAY_WORDS:
+        if block.count(words) != 1:
+            raise AssertionError(f"the requeue block no longer holds one {words}")
+        block = block.replace(words, words.replace('"$SLURM_JOB_ID"', _ARRAY_TASK))
+    return block
 
 
 def _word(word: Word) -> str:

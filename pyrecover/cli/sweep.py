@@ -1,0 +1,149 @@
+"""`pyrecover sweep launch|status`: a grid or random search as one SLURM job array.
+
+Parse, call, print. Every trial's config is built and checked before anything is written; a
+user mistake is one `error:` line and exit code 2. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+sweep_app = typer.Typer(help="Grid and random searches: one SLURM job array, a run per trial.",
+                        no_args_is_help=True)
+P = "cluster profile"
+
+
+@sweep_app.command("launch")
+def launch(
+    sweep_file: Annotated[Path, typer.Argument(
+        metavar="SWEEP.yaml", help="wandb's sweep format; parameters are config keys.")],
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="Experiment YAML every trial starts from.")] = None,
+    cluster: Annotated[Path | None, typer.Option(
+        help="Cluster profile YAML; the options below override its keys.")] = None,
+    max_parallel: Annotated[int | None, typer.Option(
+        help="Trials running at once (--array=0-N%M); default: the sweep file's "
+        "max_parallel, else no limit.")] = None,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", metavar="KEY=VALUE",
+        help="Override one experiment key for every trial. Repeatable.")] = None,
+    mode: Annotated[str | None, typer.Option(help="Checkpoint mode (checkpoint.mode).")] = None,
+    nodes: Annotated[int | None, typer.Option(help=f"Nodes per trial ({P}: nodes).")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(
+        help=f"GPUs per node = tasks per node ({P}: gpus_per_node).")] = None,
+    cpus_per_task: Annotated[int | None, typer.Option(
+        help=f"CPU cores per task ({P}: cpus_per_task).")] = None,
+    partition: Annotated[str | None, typer.Option(help=f"Partition ({P}).")] = None,
+    account: Annotated[str | None, typer.Option(help=f"Account ({P}).")] = None,
+    time: Annotated[str | None, typer.Option(help=f"Time limit per trial ({P}).")] = None,
+    image: Annotated[str | None, typer.Option(help=f"Apptainer image ({P}).")] = None,
+    bind: Annotated[list[str] | None, typer.Option(
+        metavar="SRC[:DST]", help=f"Bind mount, repeatable ({P}: binds).")] = None,
+    launcher: Annotated[str | None, typer.Option(
+        help=f"srun, torchrun or none ({P}: launcher).")] = None,
+    max_restarts: Annotated[int | None, typer.Option(
+        help=f"Requeues allowed per trial ({P}: max_restarts).")] = None,
+    signal_seconds: Annotated[int | None, typer.Option(
+        help=f"SIGUSR2 this many seconds before the time limit ({P}).")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the script and the trials; write and submit nothing.")] = False,
+) -> None:
+    """Check every trial, write the sweep's folder and each trial's run.yaml, submit the array.
+
+    Trial i runs in <run.storage>/<sweep name>/trial-<i>/ as an ordinary run: it stops,
+    requeues (as its own array task) and resumes by itself. The trials are recorded in
+    sweep.yaml; launching the same sweep again resubmits them, and each resumes.
+    """
+    from pyrecover import config as config_mod
+    from pyrecover.experiment import prepare_run_dir
+    from pyrecover.rundir import RunDir
+    from pyrecover.slurm import LaunchError, profile, submit
+    from pyrecover.slurm.render import absolute_paths
+    from pyrecover.sweep import record, render, spec, trials
+
+    cwd = os.getcwd()
+    sweep = spec.load(sweep_file)
+    sets = list(overrides or []) + ([f"checkpoint.mode={mode}"] if mode else [])
+    cfg = config_mod.load(config, sets)
+    cfg = trials.base_for(sweep, absolute_paths(cfg, cwd))
+    prof = profile.with_overrides(
+        profile.load_profile(cluster, cwd), cwd, binds=tuple(bind or ()), nodes=nodes,
+        gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, time=time,
+        partition=partition, account=account, image=image, launcher=launcher,
+        max_restarts=max_restarts, signal_seconds=signal_seconds)
+    profile.validate(prof)
+    if max_parallel is not None and max_parallel < 1:
+        raise LaunchError(f"--max-parallel={max_parallel} is not allowed: expected >= 1")
+    chosen = trials.choose(sweep)
+    cfgs = trials.configs(sweep, cfg, chosen, prof.nodes * prof.gpus_per_node)
+    keys = [p.key for p in sweep.params]
+    rec = record.make(sweep, [trials.resolved(c, keys) for c in cfgs])
+    job = render.array_spec(cfg, prof, sys.executable, len(cfgs),
+                            max_parallel or sweep.max_parallel)
+    script = render.script(job)
+    argv = submit.sbatch_argv(job.run.job_script)
+    table = "\n".join(f"#   {t['dir']}: {trials.describe(t['params'])}" for t in rec.trials)
+
+    if dry_run:
+        typer.echo(script, nl=False)
+        how = "grid" if sweep.method == "grid" else f"random, seed {sweep.seed}"
+        typer.echo(f"# --dry-run: nothing written or submitted. {len(cfgs)} trials ({how}):")
+        typer.echo(table)
+        typer.echo(f"# pyrecover would write sweep.yaml, job.sbatch and trial-*/run.yaml to"
+                   f"\n#   {job.run_dir}\n# and run:\n#   {shlex.join(argv)}")
+        return
+    if job.image is not None and not Path(job.image).is_file():
+        raise LaunchError(f"image {job.image!r} does not exist: build it with `make image`, "
+                          "fix image/--image, or use --dry-run")
+    submit.require_sbatch(os.environ)
+    sweep_dir = Path(job.run_dir)
+    _refuse_a_second_live_array(sweep_dir)
+    record.write(sweep_dir, rec)
+    for trial_cfg in cfgs:
+        prepare_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()))
+    job.run.job_script.write_text(script)
+    job_id = submit.submit(argv, cwd=job.run_dir)
+    record.add_job(sweep_dir, job_id)
+    typer.echo(f"submitted job array {job_id} ({len(cfgs)} trials):\n{table}")
+    typer.echo(f"sweep directory: {sweep_dir}")
+    typer.echo(f"follow it: pyrecover sweep status {shlex.quote(str(sweep_dir))}")
+
+
+@sweep_app.command("status")
+def status(
+    sweep_dir: Annotated[Path, typer.Argument(help="<run.storage>/<sweep name>.")],
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object, for scripts.")] =
+    False,
+) -> None:
+    """Show every trial (values, state, step, restarts, the metric), best first."""
+    import json
+
+    from pyrecover.slurm.query import squeue_state
+    from pyrecover.sweep import status as sweep_status
+
+    report = sweep_status.read(sweep_dir, squeue=squeue_state)
+    typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else
+               sweep_status.render(report))
+
+
+def _refuse_a_second_live_array(sweep_dir: Path) -> None:
+    """Each trial has one live run: a second array would only have its tasks refused."""
+    from pyrecover.slurm import LaunchError
+    from pyrecover.slurm.query import squeue_state
+    from pyrecover.sweep import record
+
+    if not (sweep_dir / record.RECORD).is_file():
+        return  # a new sweep; record.write refuses a folder that holds another one
+    job = record.last_job(sweep_dir)
+    states = (squeue_state(job) or "").split() if job else []
+    if any(s in ("PENDING", "RUNNING", "REQUEUED", "SUSPENDED", "CONFIGURING")
+           for s in states):
+        raise LaunchError(f"sweep {sweep_dir.name}'s job array {job} is still queued or "
+                          f"running; wait for it (pyrecover sweep status {sweep_dir}) or "
+                          f"scancel {job} first")

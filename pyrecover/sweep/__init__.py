@@ -1,0 +1,16 @@
+"""Sweeps: a grid or random search over config keys, run as one SLURM job array.
+
+    spec.py    the sweep file (wandb's sweep format) read and checked: `parse(raw) -> Sweep`
+    trials.py  the trials: grid expansion or seeded random draws, each a validated Config
+    record.py  the sweep directory: `sweep.yaml` (the trials as drawn) read and written
+    render.py  the job array script, through pyrecover.slurm.render
+    status.py  the trials read back from their run directories, ranked by the metric
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+
+class SweepError(ValueError):
+    """A user mistake in a sweep file or a sweep directory: one line naming what and where."""

@@ -1,0 +1,93 @@
+"""The sweep directory and its record, `sweep.yaml`: what was launched, trial by trial.
+
+    <storage>/<sweep name>/
+      sweep.yaml       name, method, metric, seed, and each trial's folder and values
+      job.sbatch       the job array's script
+      jobs             the array's job id, one line per submission
+      trial-<i>/       one ordinary run directory per trial (run.yaml, events.jsonl, ...)
+
+Launching the same sweep again resubmits the same trials (each resumes from its own run
+directory); a sweep file that now gives other trials is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pyrecover.sweep import SweepError
+from pyrecover.sweep.spec import Sweep
+from pyrecover.sweep.trials import trial_name
+
+RECORD = "sweep.yaml"
+JOBS = "jobs"
+
+
+@dataclass(frozen=True)
+class Record:
+    name: str
+    method: str
+    metric: str
+    goal: str
+    seed: int
+    trials: list[dict[str, Any]]
+    """[{index, dir, params}] in trial order."""
+
+
+def make(sweep: Sweep, params: list[dict[str, Any]]) -> Record:
+    return Record(name=sweep.name, method=sweep.method, metric=sweep.metric, goal=sweep.goal,
+                  seed=sweep.seed, trials=[{"index": i, "dir": trial_name(i), "params": p}
+                                           for i, p in enumerate(params)])
+
+
+def to_yaml(record: Record) -> str:
+    return yaml.safe_dump({"name": record.name, "method": record.method,
+                           "metric": {"name": record.metric, "goal": record.goal},
+                           "seed": record.seed, "trials": record.trials}, sort_keys=False)
+
+
+def read(sweep_dir: str | Path) -> Record:
+    """read loads `sweep.yaml`; raises SweepError when the folder is no sweep."""
+    path = Path(sweep_dir) / RECORD
+    if not path.is_file():
+        raise SweepError(f"{sweep_dir} is not a sweep directory (no {RECORD}); it is "
+                         "<run.storage>/<sweep name> of a `pyrecover sweep launch`")
+    try:
+        raw = yaml.safe_load(path.read_text())
+        return Record(name=raw["name"], method=raw["method"], metric=raw["metric"]["name"],
+                      goal=raw["metric"]["goal"], seed=int(raw["seed"]),
+                      trials=list(raw["trials"]))
+    except (yaml.YAMLError, KeyError, TypeError, ValueError):
+        raise SweepError(f"{path} is damaged: not the record `sweep launch` wrote") from None
+
+
+def write(sweep_dir: Path, record: Record) -> None:
+    """write records the sweep, or checks that a relaunch has the same trials."""
+    path = sweep_dir / RECORD
+    if path.is_file():
+        old = read(sweep_dir)
+        if (old.trials, old.method) != (record.trials, record.method):
+            raise SweepError(f"{sweep_dir} holds sweep {old.name!r} with other trials; give "
+                             "this sweep another name (name: in the sweep file)")
+        return
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{RECORD}.{os.getpid()}")
+    tmp.write_text(to_yaml(record))
+    os.replace(tmp, path)
+
+
+def add_job(sweep_dir: Path, job_id: int) -> None:
+    """add_job records a submission of the array; the last one is the live one."""
+    with (sweep_dir / JOBS).open("a") as f:
+        f.write(f"{job_id}\n")
+
+
+def last_job(sweep_dir: str | Path) -> str | None:
+    """last_job is the array's job id of the newest submission, if any."""
+    path = Path(sweep_dir) / JOBS
+    lines = path.read_text().split() if path.is_file() else []
+    return lines[-1] if lines else None

@@ -1,0 +1,33 @@
+"""The sweep's job array: the single-run script of pyrecover.slurm.render with `--array`.
+
+Task i runs trial i: `--config <sweep dir>/trial-$SLURM_ARRAY_TASK_ID/run.yaml`, its log in
+that trial's `logs/`, its events there, and on a stop or a crash it requeues only itself
+(`scontrol requeue ARRAYID_TASKID`), with its own SLURM_RESTART_COUNT. Pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pyrecover.config import Config
+from pyrecover.slurm import render
+from pyrecover.slurm.profile import ClusterProfile
+from pyrecover.slurm.render import ArrayJob, JobSpec
+from pyrecover.sweep.trials import TRIAL_PREFIX
+
+
+def indices(trials: int, max_parallel: int | None) -> str:
+    """indices is sbatch's --array value: `0-N` and `%M` to run at most M at once."""
+    return f"0-{trials - 1}" + (f"%{max_parallel}" if max_parallel else "")
+
+
+def array_spec(base: Config, profile: ClusterProfile, python: str, trials: int,
+               max_parallel: int | None) -> JobSpec:
+    """array_spec is the JobSpec of the sweep: `base`'s run dir is the sweep's folder."""
+    spec = render.job_spec(base, profile, python)
+    return dataclasses.replace(spec, array=ArrayJob(indices(trials, max_parallel),
+                                                    TRIAL_PREFIX))
+
+
+def script(spec: JobSpec) -> str:
+    return render.render(spec)

@@ -1,0 +1,205 @@
+"""The sweep file: wandb's sweep format, read and checked before anything else happens.
+
+    name: lr-search            # optional; default: the file's name without .yaml
+    method: grid               # grid | random
+    metric: {name: loss, goal: minimize}
+    run_cap: 8                 # random: how many trials (required); grid: at most this many
+    max_parallel: 2            # pyrecover: tasks running at once (--array=0-N%M)
+    seed: 0                    # pyrecover: seeds the random draws (default 0)
+    parameters:
+      train.lr: {values: [1e-3, 3e-3]}
+      train.seed: {value: 1}
+      train.warmup_steps: {distribution: int_uniform, min: 0, max: 20}
+
+Pure: `parse(raw, default_name)` takes the loaded YAML and raises SweepError naming the bad
+key. Whether a parameter is a config key, and its values possible, is trials.py's check.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pyrecover.sweep import SweepError
+
+METHODS = ("grid", "random")
+GOALS = ("minimize", "maximize")
+DISTRIBUTIONS = ("categorical", "constant", "uniform", "log_uniform_values", "int_uniform",
+                 "q_uniform")
+METRICS = ("loss", "grad_norm", "tokens_per_s", "step_time", "mfu")
+"""What metrics.jsonl records per logged step that a sweep can rank by."""
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_TOP_KEYS = ("name", "method", "metric", "parameters", "run_cap", "max_parallel", "seed",
+             "description", "program", "command", "project", "entity")
+Scalar = str | int | float | bool
+
+
+@dataclass(frozen=True)
+class Param:
+    """One swept config key and how its values are chosen."""
+
+    key: str
+    distribution: str
+    values: tuple[Scalar, ...] = ()
+    """categorical: the choices; constant: the one value."""
+    low: float = 0.0
+    high: float = 0.0
+    q: float = 1.0
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    method: str
+    metric: str
+    goal: str
+    params: tuple[Param, ...]
+    run_cap: int | None
+    max_parallel: int | None
+    seed: int
+
+
+def load(path: str | Path) -> Sweep:
+    """load reads a sweep file; its name defaults to the file's stem."""
+    p = Path(path)
+    if not p.is_file():
+        raise SweepError(f"sweep file {str(p)!r} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise SweepError(f"{p}{where}: not valid YAML") from None
+    return parse(raw, p.stem, str(p))
+
+
+def parse(raw: Any, default_name: str, source: str = "sweep") -> Sweep:
+    """parse checks the sweep's grammar and returns it; raises SweepError naming the key."""
+    if not isinstance(raw, dict):
+        raise SweepError(f"{source}: expected a mapping with method and parameters")
+    unknown = sorted(set(map(str, raw)) - set(_TOP_KEYS))
+    if unknown:
+        raise SweepError(f"{source}: unknown key {unknown[0]!r}; known: {', '.join(_TOP_KEYS)}")
+    name = str(raw.get("name") or default_name)
+    if not _NAME.match(name) or ".." in name:
+        raise SweepError(f"{source}: name={name!r} is not allowed: letters, digits, '.', '_' "
+                         "and '-' (it names the sweep's folder)")
+    method = raw.get("method")
+    if method == "bayes":
+        raise SweepError(f"{source}: method=bayes needs wandb's sweep controller, which "
+                         "pyrecover does not run; use grid or random")
+    if method not in METHODS:
+        raise SweepError(f"{source}: method={method!r} is not allowed: expected grid or random")
+    metric, goal = _metric(raw.get("metric"), source)
+    params = raw.get("parameters")
+    if not isinstance(params, dict) or not params:
+        raise SweepError(f"{source}: parameters must map config keys (e.g. train.lr) to "
+                         "{values: [...]}, {value: ...} or {distribution: ..., min, max}")
+    parsed = tuple(_param(str(k), v, source) for k, v in params.items())
+    run_cap = _count(raw, "run_cap", source)
+    if method == "random" and run_cap is None:
+        raise SweepError(f"{source}: method=random needs run_cap, the number of trials")
+    if method == "grid":
+        loose = next((p for p in parsed if p.distribution not in ("categorical", "constant")),
+                     None)
+        if loose is not None:
+            raise SweepError(f"{source}: parameters.{loose.key}: method=grid needs values or "
+                             f"value, not distribution {loose.distribution}")
+    seed = raw.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise SweepError(f"{source}: seed={seed!r} is not allowed: expected an integer >= 0")
+    return Sweep(name=name, method=method, metric=metric, goal=goal, params=parsed,
+                 run_cap=run_cap, max_parallel=_count(raw, "max_parallel", source), seed=seed)
+
+
+def _metric(raw: Any, source: str) -> tuple[str, str]:
+    if raw is None:
+        return "loss", "minimize"
+    if not isinstance(raw, dict) or set(raw) - {"name", "goal", "target"}:
+        raise SweepError(f"{source}: metric must be {{name: loss, goal: minimize}}")
+    name, goal = raw.get("name", "loss"), raw.get("goal", "minimize")
+    if name not in METRICS:
+        raise SweepError(f"{source}: metric.name={name!r} is not allowed: expected one of "
+                         f"{', '.join(METRICS)} (what metrics.jsonl records)")
+    if goal not in GOALS:
+        raise SweepError(f"{source}: metric.goal={goal!r} is not allowed: expected minimize "
+                         "or maximize")
+    return name, goal
+
+
+def _count(raw: dict[str, Any], key: str, source: str) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SweepError(f"{source}: {key}={value!r} is not allowed: expected an integer >= 1")
+    return value
+
+
+def _param(key: str, raw: Any, source: str) -> Param:
+    where = f"{source}: parameters.{key}"
+    if not isinstance(raw, dict):
+        raise SweepError(f"{where}: expected {{values: [...]}}, {{value: ...}} or "
+                         "{distribution: ..., min: ..., max: ...}")
+    allowed = {"values", "value", "distribution", "min", "max", "q", "probabilities"}
+    extra = sorted(set(map(str, raw)) - allowed)
+    if extra:
+        raise SweepError(f"{where}: unknown key {extra[0]!r}; known: {', '.join(sorted(allowed))}")
+    if "probabilities" in raw:
+        raise SweepError(f"{where}: probabilities are not supported; repeat a value in values "
+                         "to weigh it")
+    dist = raw.get("distribution")
+    if dist is None:  # wandb infers it from what is given
+        dist = ("categorical" if "values" in raw else "constant" if "value" in raw else
+                "int_uniform" if _all_ints(raw.get("min"), raw.get("max")) else "uniform")
+    if dist not in DISTRIBUTIONS:
+        raise SweepError(f"{where}: distribution={dist!r} is not supported: expected one of "
+                         f"{', '.join(DISTRIBUTIONS)}")
+    if dist == "categorical":
+        values = raw.get("values")
+        if not isinstance(values, list) or not values:
+            raise SweepError(f"{where}: values must be a non-empty list")
+        return Param(key, dist, tuple(_scalar(v, where) for v in values))
+    if dist == "constant":
+        if "value" not in raw:
+            raise SweepError(f"{where}: distribution constant needs value")
+        return Param(key, dist, (_scalar(raw["value"], where),))
+    low, high = _number(raw, "min", where), _number(raw, "max", where)
+    if not low <= high:
+        raise SweepError(f"{where}: min={low!r} must not exceed max={high!r}")
+    if dist == "log_uniform_values" and low <= 0:
+        raise SweepError(f"{where}: log_uniform_values needs min > 0, got {low!r}")
+    if dist == "int_uniform" and not _all_ints(raw["min"], raw["max"]):
+        raise SweepError(f"{where}: int_uniform needs integer min and max")
+    q = _number(raw, "q", where) if "q" in raw else 1.0
+    if q <= 0:
+        raise SweepError(f"{where}: q={q!r} must be > 0")
+    return Param(key, dist, low=low, high=high, q=q)
+
+
+def _all_ints(*values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+def _number(raw: dict[str, Any], key: str, where: str) -> float:
+    value = raw.get(key)
+    if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise SweepError(f"{where}: {key}={value!r} is not allowed: expected a finite number")
+    return float(value)
+
+
+def _scalar(value: Any, where: str) -> Scalar:
+    if not isinstance(value, (str, int, float, bool)):
+        raise SweepError(f"{where}: {value!r} is not allowed: a config value is a number, a "
+                         "string or true/false")
+    return value

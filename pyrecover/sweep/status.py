@@ -1,0 +1,120 @@
+"""`pyrecover sweep status SWEEP_DIR`: every trial read back from its run directory, ranked.
+
+Trials are ranked by the last logged value of the sweep's metric (the final loss of a finished
+trial), best first; trials that logged nothing yet come last. Nothing here writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pyrecover import status as run_status
+from pyrecover.rundir import RunDir, read_jsonl
+from pyrecover.sweep import record
+
+
+@dataclass
+class Trial:
+    index: int
+    run_dir: str
+    params: dict[str, Any]
+    state: str
+    slurm_state: str | None
+    step: int
+    max_steps: int | None
+    restarts: int
+    last: float | None
+    best: float | None
+
+
+@dataclass
+class SweepStatus:
+    sweep_dir: str
+    name: str
+    method: str
+    metric: str
+    goal: str
+    trials: list[Trial]
+    """Ranked by `last`, best first."""
+    best: int | None
+    """The best trial's index: the first of `trials` when it logged the metric."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read(sweep_dir: str | Path, squeue: Callable[[str], str | None] | None = None
+         ) -> SweepStatus:
+    """read builds the SweepStatus; `squeue(job_id) -> state | None` is optional."""
+    rec = record.read(sweep_dir)
+    root = Path(sweep_dir)
+    array = record.last_job(root)
+    trials = [_trial(root / t["dir"], int(t["index"]), dict(t["params"]), rec,
+                     # ARRAYID_TASKID: one task's SLURM_JOB_ID may be the whole array's id
+                     squeue(f"{array}_{t['index']}") if squeue and array else None)
+              for t in rec.trials]
+    sign = 1.0 if rec.goal == "minimize" else -1.0
+    trials.sort(key=lambda t: (t.last is None, sign * t.last if t.last is not None else 0.0,
+                               t.index))
+    best = trials[0].index if trials and trials[0].last is not None else None
+    return SweepStatus(sweep_dir=str(root), name=rec.name, method=rec.method,
+                       metric=rec.metric, goal=rec.goal, trials=trials, best=best)
+
+
+def _trial(path: Path, index: int, params: dict[str, Any], rec: record.Record,
+           slurm_state: str | None) -> Trial:
+    run = RunDir(path)
+    values = [float(m[rec.metric]) for m in read_jsonl(run.metrics) if rec.metric in m]
+    if run.problem() is not None:  # written at launch; gone only if someone removed it
+        return Trial(index, str(path), params, "missing", slurm_state, 0, None, 0, None, None)
+    s = run_status.read(path)
+    best = (min(values) if rec.goal == "minimize" else max(values)) if values else None
+    return Trial(index=index, run_dir=str(path), params=params, state=s.state,
+                 slurm_state=slurm_state, step=s.step, max_steps=s.max_steps,
+                 restarts=_restarts(run), last=values[-1] if values else None,
+                 best=best)
+
+
+def _restarts(run: RunDir) -> int:
+    """_restarts counts resumes after an interruption, not a finished trial launched again."""
+    count, previous = 0, None
+    for e in read_jsonl(run.events):
+        kind = e.get("event")
+        if kind == "resume" and previous != "finish":
+            count += 1
+        if kind in ("start", "resume", "finish"):
+            previous = kind
+    return count
+
+
+def render(s: SweepStatus) -> str:
+    """render is the table a person reads: one line per trial, best first."""
+    keys = sorted({k for t in s.trials for k in t.params})
+    head = ["#", *keys, "state", "step", "restarts", f"last {s.metric}", f"best {s.metric}"]
+    rows = [[str(t.index), *(_fmt(t.params.get(k)) for k in keys),
+             t.state + (f" ({t.slurm_state})" if t.slurm_state else ""),
+             f"{t.step}/{t.max_steps}" if t.max_steps else str(t.step), str(t.restarts),
+             _fmt(t.last), _fmt(t.best)] for t in s.trials]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = [f"sweep {s.name} ({s.method}, {s.goal} {s.metric}): {s.sweep_dir}",
+             *("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+               for r in [head, *rows])]
+    if s.best is None:
+        lines.append(f"best: none yet (no trial has logged {s.metric})")
+    else:
+        top = s.trials[0]
+        where = "" if top.state == "finished" else f" at step {top.step}, not finished"
+        lines.append(f"best: trial {top.index} ({top.run_dir}), {s.metric} {_fmt(top.last)}"
+                     f"{where}")
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -1,0 +1,116 @@
+"""The trials of a sweep: which values each one gets, and the validated Config it runs.
+
+`choose(sweep)` is pure and deterministic: a grid in file order (the last parameter varies
+fastest), cut at run_cap; random draws from `random.Random(sweep.seed)`, parameter by
+parameter in file order, rounded to 12 significant digits so the values read back from
+`sweep.yaml` are the values drawn. `configs(...)` builds each trial's Config from the
+experiment and checks it as `pyrecover train` would, before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from typing import Any
+
+from pyrecover import config as config_mod
+from pyrecover.config import Config, ConfigError
+from pyrecover.sweep import SweepError
+from pyrecover.sweep.spec import Param, Scalar, Sweep
+
+TRIAL_PREFIX = "trial-"
+OWNED = ("run.exp_name", "run.storage")
+"""Keys the sweep sets itself: each trial's folder is `<storage>/<sweep name>/trial-<i>`."""
+
+
+def trial_name(index: int) -> str:
+    """trial_name is the run directory's name of trial `index` (SLURM's %a, unpadded)."""
+    return f"{TRIAL_PREFIX}{index}"
+
+
+def choose(sweep: Sweep) -> list[dict[str, Scalar]]:
+    """choose returns each trial's parameter values, in trial order."""
+    if sweep.method == "grid":
+        grid = itertools.product(*(p.values for p in sweep.params))
+        chosen = [dict(zip((p.key for p in sweep.params), combo, strict=True)) for combo in grid]
+        return chosen[: sweep.run_cap] if sweep.run_cap else chosen
+    rng = random.Random(sweep.seed)
+    return [{p.key: draw(p, rng) for p in sweep.params} for _ in range(sweep.run_cap or 0)]
+
+
+def draw(p: Param, rng: random.Random) -> Scalar:
+    """draw picks one value of `p`; it uses exactly one rng.random() per call."""
+    u = rng.random()
+    if p.distribution == "constant":
+        return p.values[0]
+    if p.distribution == "categorical":
+        return p.values[min(int(u * len(p.values)), len(p.values) - 1)]
+    if p.distribution == "int_uniform":
+        low, high = int(p.low), int(p.high)
+        return min(low + int(u * (high - low + 1)), high)
+    if p.distribution == "log_uniform_values":
+        value = math.exp(math.log(p.low) + u * (math.log(p.high) - math.log(p.low)))
+        return _round(min(max(value, p.low), p.high))
+    value = p.low + u * (p.high - p.low)
+    if p.distribution == "q_uniform":
+        value = round(value / p.q) * p.q
+        if all(float(x).is_integer() for x in (p.q, p.low, p.high)):
+            return int(value)
+    return _round(value)
+
+
+def configs(sweep: Sweep, base: Config, chosen: list[dict[str, Scalar]],
+            world_size: int | None = None) -> list[Config]:
+    """configs builds and validates each trial's Config; raises SweepError for the first bad
+    trial, naming it and the config's complaint. `base` has absolute paths."""
+    owned = next((p.key for p in sweep.params if p.key in OWNED), None)
+    if owned is not None:
+        raise SweepError(f"parameters.{owned}: the sweep sets it (each trial runs in "
+                         f"<run.storage>/{sweep.name}/{TRIAL_PREFIX}<i>)")
+    sweep_dir = str(base.run_dir().parent / sweep.name)
+    out = []
+    for index, values in enumerate(chosen):
+        raw = config_mod.to_dict(base)
+        raw["run"].update(storage=sweep_dir, exp_name=trial_name(index))
+        tracking = raw["tracking"]
+        tracking["group"] = tracking["group"] or sweep.name
+        tracking["name"] = tracking["name"] or f"{sweep.name}-{trial_name(index)}"
+        what = f"trial {index} ({describe(values)})"
+        for key, value in values.items():
+            section, _, leaf = key.partition(".")
+            if not leaf or "." in leaf or not isinstance(raw.get(section), dict):
+                raise SweepError(f"parameters.{key}: not a config key; expected section.key "
+                                 f"with section one of {', '.join(raw)}")
+            if leaf not in raw[section]:
+                raise SweepError(f"parameters.{key}: unknown config key; known under "
+                                 f"{section}: {', '.join(raw[section])}")
+            raw[section][leaf] = value
+        try:
+            cfg = config_mod.from_dict(raw, f"sweep {sweep.name}")
+            if world_size is not None:
+                config_mod.check_world_size(cfg, world_size)
+        except ConfigError as exc:
+            raise SweepError(f"{what}: {exc}") from None
+        out.append(cfg)
+    return out
+
+
+def resolved(cfg: Config, keys: list[str]) -> dict[str, Any]:
+    """resolved reads the swept keys back from a trial's Config (1e-3 the string is 0.001)."""
+    raw = config_mod.to_dict(cfg)
+    return {k: raw[k.partition(".")[0]][k.partition(".")[2]] for k in keys}
+
+
+def describe(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in values.items())
+
+
+def base_for(sweep: Sweep, cfg: Config) -> Config:
+    """base_for is the experiment as the job array sees it: run dir = the sweep's folder."""
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, exp_name=sweep.name))
+
+
+def _round(value: float) -> float:
+    return float(f"{value:.12g}")

@@ -1,0 +1,142 @@
+"""A sweep on a real local SLURM cluster: a 2 x 2 grid (learning rate x seed) on the tiny
+config as one job array with at most 2 trials at once, each trial at world size 1 with
+`--launcher none`. One trial is preempted with SIGUSR2 mid-run: it alone saves, requeues as
+its own array task and resumes, ending with the model of the same trial run uninterrupted;
+the other trials run once, untouched. `sweep status` ranks the trials by their final loss.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from localslurm import TERMINAL_STATES, LocalSlurm
+from test_requeue_e2e import (
+    LOCAL,
+    MAX_STEPS,
+    SETS,
+    TINY,
+    events,
+    export_model,
+    kinds,
+    last_step,
+    launch_env,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slurm
+
+SWEEP = """\
+name: lr-seed
+method: grid
+metric: {name: loss, goal: minimize}
+max_parallel: 2
+parameters:
+  train.lr: {values: [1e-3, 3e-3]}
+  train.seed: {values: [1, 2]}
+"""
+PREEMPTED = 1
+
+
+def explain(sweep_dir: Path) -> str:
+    parts = []
+    for trial in sorted(sweep_dir.glob("trial-*")):
+        logs = sorted((trial / "logs").glob("*.out"))
+        tail = "".join(log.read_text()[-1500:] for log in logs) or "(no log)"
+        parts.append(f"--- {trial.name}: {kinds(trial)}\n{tail}")
+    return "\n".join(parts)
+
+
+def test_a_grid_sweep_runs_as_one_array_and_a_preempted_trial_requeues_alone(
+        local_slurm: LocalSlurm, corpus: Path, tmp_path: Path):
+    (tmp_path / "sweep.yaml").write_text(SWEEP)
+    storage = tmp_path / "storage"
+    argv = [sys.executable, "-m", "pyrecover", "sweep", "launch", str(tmp_path / "sweep.yaml"),
+            "--config", str(TINY), "--cluster", str(LOCAL), "--nodes", "1",
+            "--gpus-per-node", "1", "--launcher", "none",
+            "--set", f"run.storage={storage}", "--set", f"data.path={corpus}"]
+    for item in SETS:
+        argv += ["--set", item]
+    env = launch_env(local_slurm, {"PYRECOVER_STEP_DELAY": "0.5"})
+    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    match = re.search(r"^submitted job array (\d+) \(4 trials\)", done.stdout, re.M)
+    assert match, done.stdout
+    array = int(match.group(1))
+    sweep_dir = storage / "lr-seed"
+    tasks = [f"{array}_{i}" for i in range(4)]
+    try:
+        # At most 2 at once: while the first two run, the others wait.
+        preempted = sweep_dir / f"trial-{PREEMPTED}"
+        wait_for(lambda: local_slurm.job_state(tasks[PREEMPTED]) == "RUNNING"
+                 and last_step(preempted) >= 4, 240, "trial 1 at step 4",
+                 lambda: explain(sweep_dir))
+        queued = local_slurm.run("squeue", "-h", "-r", "-j", str(array), "-o", "%i %T").stdout
+        assert sum(" RUNNING" in line for line in queued.splitlines()) <= 2, queued
+        # Signal the task's step: on SLURM 22.05, `scancel --signal` of an array task gets
+        # "Job can not be altered now" back and retries (signalling again) until it ends.
+        step = f"{local_slurm.job_info(tasks[PREEMPTED])['JobId']}.0"
+        local_slurm.run("scancel", "--signal=USR2", step)
+
+        def all_ended() -> bool:
+            return all(local_slurm.job_state(t) in TERMINAL_STATES for t in tasks) and all(
+                "finish" in kinds(sweep_dir / f"trial-{i}") for i in range(4))
+        wait_for(all_ended, 600, "every trial finished", lambda: explain(sweep_dir))
+    finally:
+        local_slurm.run("scancel", str(array), check=False)
+
+    for i, task in enumerate(tasks):
+        info = local_slurm.job_info(task)
+        trial = sweep_dir / f"trial-{i}"
+        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), explain(sweep_dir)
+        if i == PREEMPTED:
+            assert info["Restarts"] == "1"
+            assert kinds(trial) == ["start", "stop", "requeue", "resume", "finish"], \
+                explain(sweep_dir)
+        else:
+            assert info["Restarts"] == "0"
+            assert kinds(trial) == ["start", "finish"], explain(sweep_dir)
+        assert [e["step"] for e in events(trial) if e["event"] == "finish"] == [MAX_STEPS]
+
+    done = subprocess.run([sys.executable, "-m", "pyrecover", "sweep", "status",
+                           str(sweep_dir), "--json"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    finals = {t["index"]: t["last"] for t in report["trials"]}
+    assert [t["index"] for t in report["trials"]] == sorted(finals, key=finals.__getitem__)
+    assert report["best"] == report["trials"][0]["index"]
+    assert {t["index"]: t["restarts"] for t in report["trials"]} == {0: 0, 1: 1, 2: 0, 3: 0}
+    assert {t["state"] for t in report["trials"]} == {"finished"}
+    assert {t["slurm_state"] for t in report["trials"]} == {"COMPLETED"}
+    assert {(t["params"]["train.lr"], t["params"]["train.seed"]) for t in report["trials"]} == {
+        (0.001, 1), (0.001, 2), (0.003, 1), (0.003, 2)}
+
+    # One task holds the array's own record and has the array's id as its SLURM_JOB_ID: that is
+    # why a task requeues itself as ARRAYID_TASKID, and status asks SLURM about that name.
+    starts = {i: next(e for e in events(sweep_dir / f"trial-{i}") if e["event"] == "start")
+              for i in range(4)}
+    assert {s["array_task"] for s in starts.values()} == set(tasks)
+    assert str(array) in {s["job_id"] for s in starts.values()}
+    for i in range(4):
+        done = subprocess.run([sys.executable, "-m", "pyrecover", "status",
+                               str(sweep_dir / f"trial-{i}"), "--json"], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert json.loads(done.stdout)["slurm_state"] == "COMPLETED", done.stderr
+
+    # The preempted trial ends with the model of its own config run without interruption.
+    clean = {k: v for k, v in env.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    reference = tmp_path / "reference"
+    done = subprocess.run([sys.executable, "-m", "pyrecover", "train", "--config",
+                           str(preempted / "run.yaml"), "--run-dir", str(reference)],
+                          env=clean, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    model, expected = export_model(preempted, clean), export_model(reference, clean)
+    assert model.keys() == expected.keys()
+    assert all(torch.equal(model[k], expected[k]) for k in model)
