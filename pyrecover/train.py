@@ -150,16 +150,16 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     system = tracking.diagnostics(env, device) if env.rank == 0 else {}
     for line in tracking.describe(system, cfg) if system else []:
         log.info("%s", line)  # versions, devices, layout, SLURM job, resolved config
-    ckpt = manager.find_resume()
-    if ckpt is None:
+    restore_started = time.perf_counter()
+    found = manager.resume(accept=lambda r: train_state_of(r.train))
+    if found is None:
         rng.seed_rank(t.seed, env.rank)
         if env.rank == 0:
             run.event("start", step=0, world_size=env.world_size, mode=cfg.checkpoint.mode)
     else:
-        restore_started = time.perf_counter()
-        restored = manager.restore(ckpt)
+        ckpt, restored = found
         restore_s = time.perf_counter() - restore_started
-        state = TrainState(**restored.train)
+        state = train_state_of(restored.train)
         batches.position = state.data_position
         if restored.rng is not None and ckpt.manifest["world_size"] == env.world_size:
             rng.restore(restored.rng)
@@ -194,6 +194,15 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     if env.rank == 0:
         run.event("finish", step=state.step, tokens_seen=state.tokens_seen)
         log.info("finished at step %d; run directory %s", state.step, run.root)
+
+
+def train_state_of(saved: dict) -> TrainState:
+    """train_state_of is a checkpoint's train state, refused unless every field is a count."""
+    state = TrainState(**saved)
+    bad = {k: v for k, v in vars(state).items() if type(v) is not int or v < 0}
+    if bad:
+        raise ValueError(f"train state {bad} is not made of counts")
+    return state
 
 
 def autocast_for(cfg: Config, device: torch.device):
