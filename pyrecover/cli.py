@@ -121,11 +121,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pyrecover.data import DataError
     from pyrecover.dist import DistError
     from pyrecover.loop import TrainingError
+    from pyrecover.rundir import RunLocked
     from pyrecover.slurm import LaunchError
     from pyrecover.status import StatusError
 
     return (ConfigError, DataError, DistError, CheckpointError, TrainingError, StatusError,
-            LaunchError)
+            LaunchError, RunLocked)
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ which `read_jsonl` skips. This module imports nothing else from the project.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -51,6 +52,10 @@ class RunDir:
     @property
     def wandb(self) -> Path:
         return self.root / "wandb"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.root / "run.lock"
 
     def create(self) -> None:
         """create makes the folders; safe to call on every start and on every rank."""
@@ -113,3 +118,81 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
                 continue
             if isinstance(record, dict):
                 yield record
+
+
+class RunLocked(RuntimeError):
+    """Another live process holds the run directory (exit code 2: a user error, not a fault)."""
+
+
+class RunLock:
+    """RunLock is rank 0's exclusive hold on a run directory for the life of the run.
+
+    An `flock` on `run.lock`: the kernel releases it when the holder dies, however it dies,
+    so a stale lock of a dead process never blocks. The file names the holder (host, pid,
+    SLURM job id) for the refusal message; its content is informative only.
+    """
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+        self._fd: int | None = None
+
+    def acquire(self, wait_s: float = 0.0) -> RunLock:
+        """acquire takes the lock, retrying for up to `wait_s` seconds (a requeued job whose
+        previous instance is still shutting down); raises RunLocked naming the holder."""
+        fd = os.open(self.run.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = _read_holder(fd)
+                    os.close(fd)
+                    raise RunLocked(
+                        f"{self.run.root} is in use by another run ({holder}); one run "
+                        "directory has one live run: wait for it to end, or use another "
+                        "run.exp_name") from None
+                time.sleep(0.5)
+        holder = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "job_id": os.environ.get("SLURM_JOB_ID"), "since": round(time.time(), 3)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the only descriptor releases the flock
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        parts = [f"host {info.get('host', '?')}", f"pid {info.get('pid', '?')}"]
+        if info.get("job_id"):
+            parts.append(f"SLURM job {info['job_id']}")
+        return ", ".join(parts)
+    except (OSError, ValueError, AttributeError):
+        return "holder unknown"
+
+
+def lock_wait_seconds(environ: dict[str, str] | None = None) -> float:
+    """lock_wait_seconds is how long a start waits for a held run directory: under SLURM a
+    requeued job may start while its previous instance is still shutting down (default 120 s);
+    elsewhere a second start is refused at once. PYRECOVER_LOCK_WAIT overrides it."""
+    env = os.environ if environ is None else environ
+    raw = env.get("PYRECOVER_LOCK_WAIT")
+    if raw is not None:
+        try:
+            return max(0.0, float(raw))
+        except ValueError:
+            pass
+    return 120.0 if env.get("SLURM_JOB_ID") else 0.0

@@ -29,7 +29,7 @@ from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig
 from pyrecover.optim import build_optimizer, build_scheduler
 from pyrecover.preempt import StopRequested
-from pyrecover.rundir import RunDir, read_jsonl
+from pyrecover.rundir import RunDir, RunLock, RunLocked, lock_wait_seconds, read_jsonl
 
 log = logging.getLogger("pyrecover")
 
@@ -77,8 +77,12 @@ def main(cfg: Config, run_dir: Path) -> None:
     flag = preempt.StopFlag().install((cfg.run.stop_signal, "SIGTERM"))
     device = dist.setup(env, kind)
     managers: list[CheckpointManager] = []
+    lock = RunLock(run)
     try:
+        hold_run_dir(lock, env)
         _train(cfg, run, env, device, tokens, managers, flag)
+    except RunLocked:
+        raise  # the run directory is another run's: write nothing into it
     except StopRequested as stop:
         if env.rank == 0:
             run.event("stop", step=stop.step, reason=stop.reason)
@@ -106,6 +110,27 @@ def main(cfg: Config, run_dir: Path) -> None:
             dist.teardown()
         except Exception as exc:  # a group with a dead member may not shut down cleanly
             log.debug("process group teardown failed: %s", exc)
+        lock.release()
+
+
+def hold_run_dir(lock: RunLock, env: dist.DistEnv) -> None:
+    """hold_run_dir takes the run directory's lock on rank 0 and tells every rank whether it
+    got it: a second start on a live run directory is refused on every rank, before it cleans
+    up anything (the other run's in-flight save) or writes a line."""
+    import torch.distributed as tdist
+
+    refused: list[str | None] = [None]
+    if env.rank == 0:
+        try:
+            lock.acquire(lock_wait_seconds())
+        except RunLocked as exc:
+            refused = [str(exc)]
+    if env.world_size > 1 and tdist.is_initialized():
+        tdist.broadcast_object_list(refused, src=0)
+    if refused[0] is not None:
+        if env.rank == 0:
+            raise RunLocked(refused[0])
+        raise SystemExit(2)  # rank 0 says why, once
 
 
 class PeerLost(RuntimeError):
