@@ -28,7 +28,7 @@ CHECKPOINT_MODES = ("vanilla", "dcp", "memory")
 WANDB_MODES = ("auto", "offline", "online", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
-_EXP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_EXP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # always fullmatch: `$` passes "x\n"
 
 
 @dataclass
@@ -201,7 +201,8 @@ def diff_identity(old: Config, new: Config) -> list[str]:
 
 def validate(cfg: Config) -> None:
     """validate checks values and their relations; raises ConfigError naming the first bad key."""
-    if not _EXP_NAME.match(cfg.run.exp_name) or ".." in cfg.run.exp_name:
+    name = cfg.run.exp_name
+    if not isinstance(name, str) or not _EXP_NAME.fullmatch(name) or ".." in name:
         _bad("run.exp_name", cfg.run.exp_name, "letters, digits, '.', '_' and '-', no '/' or '..'")
     if cfg.run.stop_signal.upper().removeprefix("SIG") not in ("USR1", "USR2", "TERM", "INT",
                                                                  "HUP", "XCPU"):
