@@ -266,6 +266,20 @@ def committed_steps(root: Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
+# What a manifest of each mode must list (the files a restore opens first): a manifest whose
+# mode disagrees with its files is invalid before anything is loaded.
+MODE_FILES = {"vanilla": ("state.pt",), "dcp": (".metadata", "extra.json"), "memory": ("meta-r",)}
+
+
+def _mode_problem(mode: str, names: list[str]) -> str:
+    if mode not in MODE_FILES:
+        return f"mode {mode!r} is not one this version knows ({', '.join(MODE_FILES)})"
+    for need in MODE_FILES[mode]:
+        if not any(n == need or (need.endswith("-r") and n.startswith(need)) for n in names):
+            return f"mode {mode!r}, but the manifest lists no {need}{'*' * need.endswith('-r')}"
+    return ""
+
+
 def plain_name_problem(name: object) -> str:
     """plain_name_problem is "" for a plain file name (no folder part, not `.`/`..`), else why
     not: a manifest only names files inside its own folder."""
@@ -307,7 +321,7 @@ def _structure_problem(manifest: object, folder: Path) -> str:
         if not any(isinstance(meta.get(kind), str) for kind in CHECKSUM_KINDS):
             return (f"the entry of {name!r} has no checksum this version knows (one of "
                     f"{', '.join(CHECKSUM_KINDS)}; written by a newer pyrecover?)")
-    return ""
+    return _mode_problem(manifest["mode"], list(files))
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:

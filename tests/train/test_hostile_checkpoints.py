@@ -90,6 +90,10 @@ def test_a_metadata_pickle_that_runs_code_is_refused_by_resume_and_export(run, f
     assert "exported step 10" in exported.stdout
     only = pyrecover("ckpt", "export", str(run), "--step", "20", "--out", str(tmp_path / "x.pt"))
     assert only.returncode == 2 and only.stderr.count("\n") == 1, only.stderr
+    converted = pyrecover("ckpt", "convert", str(run), "--to", "torch", str(tmp_path / "c.pt"))
+    assert converted.returncode == 0 and "converted step 10" in converted.stdout
+    listed = pyrecover("ckpt", "ls", str(run))
+    assert [line for line in listed.stdout.splitlines() if "INVALID" in line][0].split()[0] == "20"
     assert_fell_back(resume(run, corpus), run, "posix.system")
     assert not marker.exists()
 
@@ -104,7 +108,8 @@ def test_a_metadata_pickle_that_runs_code_is_refused_by_resume_and_export(run, f
      "not a plain file name"),
     (lambda m: m["files"].__setitem__("/etc/passwd", {"size": 1, "sha256": "0"}),
      "not a plain file name"),
-    (lambda m: m.__setitem__("mode", "vanilla"), "state.pt"),
+    (lambda m: m.__setitem__("mode", "vanilla"), "mode 'vanilla', but the manifest lists no "
+     "state.pt"),
 ])
 def test_a_broken_manifest_is_named_invalid_and_the_previous_checkpoint_resumes(
         run, finished_run, change, problem):
@@ -113,6 +118,10 @@ def test_a_broken_manifest_is_named_invalid_and_the_previous_checkpoint_resumes(
     verified = pyrecover("ckpt", "verify", str(run))
     assert verified.returncode == 1 and "Traceback" not in verified.stderr
     assert "step 20: INVALID: " in verified.stdout and problem in verified.stdout
+    status = pyrecover("status", str(run))
+    assert status.returncode == 0 and "Traceback" not in status.stderr
+    invalid = [line for line in status.stdout.splitlines() if line.startswith("invalid ")]
+    assert len(invalid) == 1 and "checkpoint step 20: " in invalid[0], status.stdout
     assert_fell_back(resume(run, corpus), run, problem)
 
 
