@@ -23,7 +23,7 @@ from pyrecover.checkpoint import CheckpointManager, rng
 from pyrecover.checkpoint.manager import Parts
 from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
-from pyrecover.data import Batches, DataError, load_tokens
+from pyrecover.data import Batches, DataError, check_tokens, load_tokens
 from pyrecover.experiment import prepare_run_dir
 from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig
@@ -61,6 +61,7 @@ def main(cfg: Config, run_dir: Path) -> None:
     try:  # config and data errors surface here, on every rank, before any collective
         config_mod.check_world_size(cfg, env.world_size)
         tokens = load_tokens(cfg.data.path, cfg.data.column)
+        check_tokens(tokens, cfg.model.vocab_size, cfg.model.block_size, cfg.data.path)
         kind = device_kind(cfg)
     except (ConfigError, DataError) as exc:
         # Record it where a run already exists (a job launched earlier: the job script reads
