@@ -144,8 +144,10 @@ def main() -> None:
             sys.exit(EXIT_STOPPED)
 
         from pyrecover.checkpoint.manager import SaveFailed
+        from pyrecover.rundir import StorageError
 
-        if isinstance(exc, (PeerLost, SaveFailed)):  # a fault, not a bug here: no traceback
+        # A fault, not a bug here: no traceback.
+        if isinstance(exc, (PeerLost, SaveFailed, StorageError)):
             typer.echo(f"error: {exc}", err=True)
             sys.exit(1)
         raise

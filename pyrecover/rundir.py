@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -19,6 +20,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("pyrecover")
+
+
+class StorageError(RuntimeError):
+    """The storage cannot hold the run (read-only, full, gone): exit code 1, not a config
+    error; the message is one line naming the path and the reason."""
+
+
+def storage_error(what: str, path: Path, exc: OSError) -> StorageError:
+    return StorageError(f"storage: cannot {what} {path}: {exc.strerror or exc}")
 
 
 @dataclass(frozen=True)
@@ -60,7 +72,10 @@ class RunDir:
     def create(self) -> None:
         """create makes the folders; safe to call on every start and on every rank."""
         for path in (self.root, self.checkpoints, self.logs):
-            path.mkdir(parents=True, exist_ok=True)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise storage_error("create", path, exc) from None
 
     def is_run(self) -> bool:
         """is_run tells whether this folder looks like a pyrecover run directory."""
@@ -83,11 +98,21 @@ class RunDir:
             record.setdefault("job_id", job)
             record.setdefault("restart_count", int(os.environ.get("SLURM_RESTART_COUNT", "0")))
         record.setdefault("host", socket.gethostname())
-        append_jsonl(self.events, record)
+        self._append(self.events, record)
         return record
 
     def metric(self, **fields: Any) -> None:
-        append_jsonl(self.metrics, {"time": round(time.time(), 3), **fields})
+        self._append(self.metrics, {"time": round(time.time(), 3), **fields})
+
+    def _append(self, path: Path, record: dict[str, Any]) -> None:
+        """_append writes one record; a storage that refuses it (full, read-only, the run
+        directory deleted) is reported, never allowed to stop the training: the checkpoints
+        are what a run needs, and their commits report their own failures."""
+        try:
+            append_jsonl(path, record)
+        except OSError as exc:
+            log.warning("could not append to %s (%s); %s not recorded", path,
+                        exc.strerror or exc, record.get("event", "this step's metrics"))
 
     def read_events(self) -> list[dict[str, Any]]:
         return list(read_jsonl(self.events))
@@ -139,7 +164,10 @@ class RunLock:
     def acquire(self, wait_s: float = 0.0) -> RunLock:
         """acquire takes the lock, retrying for up to `wait_s` seconds (a requeued job whose
         previous instance is still shutting down); raises RunLocked naming the holder."""
-        fd = os.open(self.run.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.run.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise storage_error("create", self.run.lock_file, exc) from None
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -156,9 +184,12 @@ class RunLock:
                 time.sleep(0.5)
         holder = {"host": socket.gethostname(), "pid": os.getpid(),
                   "job_id": os.environ.get("SLURM_JOB_ID"), "since": round(time.time(), 3)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
         self._fd = fd
+        try:  # informative only: a full disk must not cost the lock
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        except OSError:
+            pass
         return self
 
     def release(self) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pyrecover import config as config_mod
-from pyrecover import dist, preempt, progress, tracking
+from pyrecover import dist, preempt, progress, rundir, tracking
 from pyrecover.checkpoint import CheckpointManager, rng
 from pyrecover.checkpoint.manager import Parts
 from pyrecover.checkpoint.store import CheckpointError
@@ -29,7 +29,7 @@ from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig
 from pyrecover.optim import build_optimizer, build_scheduler
 from pyrecover.preempt import StopRequested
-from pyrecover.rundir import RunDir, RunLock, RunLocked, lock_wait_seconds, read_jsonl
+from pyrecover.rundir import RunDir, RunLock, RunLocked, StorageError, read_jsonl
 
 log = logging.getLogger("pyrecover")
 
@@ -82,8 +82,8 @@ def main(cfg: Config, run_dir: Path) -> None:
     try:
         hold_run_dir(lock, env)
         _train(cfg, run, env, device, tokens, managers, flag)
-    except RunLocked:
-        raise  # the run directory is another run's: write nothing into it
+    except (RunLocked, StorageError):
+        raise  # the run directory is another run's, or cannot be written: record nothing
     except StopRequested as stop:
         if env.rank == 0:
             run.event("stop", step=stop.step, reason=stop.reason)
@@ -120,18 +120,18 @@ def hold_run_dir(lock: RunLock, env: dist.DistEnv) -> None:
     up anything (the other run's in-flight save) or writes a line."""
     import torch.distributed as tdist
 
-    refused: list[str | None] = [None]
+    refused: list[Exception | None] = [None]
     if env.rank == 0:
         try:
-            lock.acquire(lock_wait_seconds())
-        except RunLocked as exc:
-            refused = [str(exc)]
+            lock.acquire(rundir.lock_wait_seconds())
+        except (RunLocked, StorageError) as exc:
+            refused = [exc]
     if env.world_size > 1 and tdist.is_initialized():
         tdist.broadcast_object_list(refused, src=0)
     if refused[0] is not None:
         if env.rank == 0:
-            raise RunLocked(refused[0])
-        raise SystemExit(2)  # rank 0 says why, once
+            raise refused[0]
+        raise SystemExit(2 if isinstance(refused[0], RunLocked) else 1)  # rank 0 says why
 
 
 class PeerLost(RuntimeError):

@@ -122,7 +122,7 @@ class CheckpointManager:
                                 "before saving step %d", self.inflight.pending.step, step)
                 self._commit_now()
             self._start(step)
-            if final or not self.mode.asynchronous:
+            if self.inflight is not None and (final or not self.mode.asynchronous):
                 self._commit_now()
         blocked = time.perf_counter() - started
         self.stall_seconds += blocked
@@ -155,7 +155,8 @@ class CheckpointManager:
                 log.warning("writing the checkpoint of step %d again", step)
             tries -= 1
             self._start(step)
-            self._commit_now()
+            if self.inflight is not None:
+                self._commit_now()
         self.mode.close()
         self._wait_retired()
         if self.last_saved_step != step and step > 0:
@@ -187,16 +188,27 @@ class CheckpointManager:
     def _start(self, step: int) -> None:
         started = time.perf_counter()
         pending = self._begin(step)
+        if pending is None:  # the storage refused the folder: this save failed, on every rank
+            return
         train = self.parts.train_state()
         self.mode.start(pending, self.parts, train)
         self.inflight = _InFlight(pending, train, started, time.perf_counter() - started)
 
-    def _begin(self, step: int) -> Pending:
-        path: list[Any] = [None]
+    def _begin(self, step: int) -> Pending | None:
+        path: list[Any] = [None, ""]
         if self.rank == 0:
-            path = [str(store.begin(self.root, step).tmp)]
+            try:
+                path = [str(store.begin(self.root, step).tmp), ""]
+            except OSError as exc:  # read-only, full, the run directory gone
+                path = [None, f"{type(exc).__name__}: {exc}"]
         if tdist.is_initialized() and self.world_size > 1:
             tdist.broadcast_object_list(path, src=0)
+        if path[0] is None:
+            self.last_error, self.failed_step = path[1], step
+            if self.rank == 0:
+                log.warning("checkpoint of step %d failed: %s", step, path[1])
+                self.run.event("checkpoint_failed", step=step, reason=path[1])
+            return None
         return Pending(root=self.root, step=step, tmp=Path(path[0]))
 
     def _commit_now(self) -> None:
