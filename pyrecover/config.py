@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -229,6 +230,8 @@ def dump(cfg: Config) -> str:
 def diff_identity(old: Config, new: Config) -> list[str]:
     """diff_identity lists `key: old -> new` for identity keys that differ between two configs."""
     a, b = _flatten(to_dict(old)), _flatten(to_dict(new))
+    if os.path.realpath(a["data.path"]) == os.path.realpath(b["data.path"]):
+        b["data.path"] = a["data.path"]  # the same file, given relative once, absolute once
     return [
         f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
         for k in sorted(set(a) | set(b))

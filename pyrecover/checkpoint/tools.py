@@ -187,11 +187,15 @@ class _temporary:
         try:
             if exc_type is None:
                 os.replace(self.tmp, self.out)
+        except OSError as err:
+            exc = err
         finally:
             if self.tmp.is_dir() and not self.tmp.is_symlink():
                 shutil.rmtree(self.tmp, ignore_errors=True)
             elif self.tmp.exists() or self.tmp.is_symlink():
                 self.tmp.unlink()
+        if isinstance(exc, OSError):  # a full disk, an --out that is a folder: one line
+            raise CheckpointError(f"cannot write {self.out}: {exc.strerror or exc}") from None
 
 
 def human_bytes(n: float) -> str:

@@ -154,3 +154,23 @@ def test_a_checkpoint_of_another_model_shape_is_skipped(run, finished_run, tmp_p
                     run / "checkpoints" / "step-20")
     rewrite_manifest(run / "checkpoints" / "step-20", lambda m: m.__setitem__("step", 20))
     assert_fell_back(resume(run, corpus), run, "cannot be restored")
+
+
+def test_an_export_whose_rename_fails_is_one_line_and_leaves_no_temporary_file(run, tmp_path):
+    out = tmp_path / "out"
+    (out / "occupied").mkdir(parents=True)  # a non-empty folder: the rename cannot replace it
+    done = pyrecover("ckpt", "export", str(run), "--out", str(out))
+    assert done.returncode == 2 and done.stderr.startswith(f"error: cannot write {out}: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+
+
+def test_a_checkpoint_the_resume_went_back_past_is_kept_for_inspection(run, finished_run):
+    _, corpus = finished_run
+    newest = run / "checkpoints" / "step-20"
+    (newest / "extra.json").write_text("{}")  # wrong size: invalid
+    done = pyrecover("train", *tiny_args(run.parent, corpus, run.name, "checkpoint.mode=dcp",
+                                         "train.max_steps=20"))
+    assert done.returncode == 0, done.stderr
+    kept = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("invalid-step-20-")]
+    assert len(kept) == 1 and (kept[0] / "extra.json").read_text() == "{}"
+    assert pyrecover("ckpt", "verify", str(run)).returncode == 0  # the redone step 20 verifies

@@ -100,3 +100,13 @@ def test_identity_changes_are_listed_and_limits_are_not():
 def test_non_finite_numbers_are_refused(value):
     with pytest.raises(ConfigError, match="expected a finite number"):
         config.load(None, [f"train.lr={value}"])
+
+
+def test_the_same_data_file_given_relative_then_absolute_is_no_identity_change(tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    old = config.load(None, ["data.path=data/c.parquet"])
+    new = config.load(None, [f"data.path={tmp_path / 'data' / 'c.parquet'}"])
+    assert config.diff_identity(old, new) == []
+    other = config.load(None, [f"data.path={tmp_path / 'other.parquet'}"])
+    assert config.diff_identity(old, other)[0].startswith("data.path: ")
