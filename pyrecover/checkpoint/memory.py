@@ -224,6 +224,7 @@ class MemoryMode:
         """
         self.wait_staged()
         self.wait()
+        faults.maybe_kill(step, self.rank, point="snapshot")  # the previous one counted here
         tensors, fqns = self._state_tensors(parts)
         meta = {
             "train": train, "scheduler": parts.scheduler.state_dict(),
