@@ -174,3 +174,11 @@ def test_a_checkpoint_the_resume_went_back_past_is_kept_for_inspection(run, fini
     kept = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("invalid-step-20-")]
     assert len(kept) == 1 and (kept[0] / "extra.json").read_text() == "{}"
     assert pyrecover("ckpt", "verify", str(run)).returncode == 0  # the redone step 20 verifies
+
+
+def test_an_rng_file_the_weights_only_unpickler_refuses_is_skipped(run, finished_run, tmp_path):
+    _, corpus = finished_run
+    marker = tmp_path / "PWNED"
+    replace_file(run / "checkpoints" / "step-20", "rng-0.pt", pickle.dumps(RunsCode(marker)))
+    assert_fell_back(resume(run, corpus), run, "cannot be restored")
+    assert not marker.exists()
