@@ -69,6 +69,8 @@ def main(cfg: Config, run_dir: Path) -> None:
         # created for a mistake.
         if env.rank == 0 and run.is_run():
             run.event("error", rank=env.rank, error=f"{type(exc).__name__}: {exc}")
+        if env.rank != 0 and env.node_rank == 0:
+            raise SystemExit(2) from None  # rank 0 read the same files here and says it once
         raise
     if env.rank == 0:
         prepare_run_dir(cfg, run)

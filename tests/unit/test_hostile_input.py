@@ -94,3 +94,13 @@ def test_bad_input_to_train_is_one_line_exit_2_before_anything_is_written(tmp_pa
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert files_under(tmp_path) == before
+
+
+def test_a_corpus_error_with_two_local_ranks_is_said_once_and_writes_nothing(tmp_path):
+    write_corpus(tmp_path, [[1, 2, 3]])
+    done = pyrecover("train", "--nproc", "2", "--config", str(TINY), "--set",
+                     "data.path=tok.parquet", "--set", "data.column=ids", "--set",
+                     f"run.storage={tmp_path / 'store'}", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("error: ") == 1 and "fewer than one window" in done.stderr
+    assert not (tmp_path / "store").exists()
