@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -28,7 +29,7 @@ CHECKPOINT_MODES = ("vanilla", "dcp", "memory")
 WANDB_MODES = ("auto", "offline", "online", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
-_EXP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_EXP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # always fullmatch: `$` passes "x\n"
 
 
 @dataclass
@@ -172,12 +173,7 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{p}{where}: not valid YAML") from None
+        raw = read_yaml(p) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: expected a mapping of sections, got {type(raw).__name__}")
         source = str(p)
@@ -187,6 +183,48 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     return from_dict(raw, source)
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; a megabyte is no config
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML's safe loader without aliases: a few hundred bytes of nested `*alias` lists (a
+    "billion laughs") expand to gigabytes in memory and in any message that repeats them."""
+
+    def compose_node(self, parent, index):  # type: ignore[override]
+        if self.check_event(yaml.events.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise ConfigError(f"{self.name} line {mark.line + 1}: YAML aliases (*name) are not "
+                              "allowed in a config; write the value out")
+        return super().compose_node(parent, index)
+
+
+def read_yaml(p: Path) -> Any:
+    """read_yaml parses a config file: UTF-8, at most MAX_CONFIG_BYTES, no aliases."""
+    try:
+        size = p.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{p}: {size} bytes; a config file is at most "
+                              f"{MAX_CONFIG_BYTES} bytes")
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot be read ({exc.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {data[exc.start]:#04x} at offset "
+                          f"{exc.start})") from None
+    loader = _NoAliasLoader(text)
+    loader.name = str(p)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}{where}: not valid YAML") from None
+    finally:
+        loader.dispose()
+
+
 def parse_override(item: str) -> tuple[str, Any]:
     """parse_override splits `section.key=value`; the value is read as YAML (`3`, `1e-3`)."""
     key, sep, text = item.partition("=")
@@ -194,8 +232,8 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not sep or not re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)+", key):
         raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.max_steps=100")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+        value = yaml.load(text, Loader=_NoAliasLoader) if text.strip() else ""
+    except (yaml.YAMLError, ConfigError):
         value = text
     if not isinstance(value, (str, int, float, bool)):
         value = text  # lists and mappings are not config values; keep the literal text
@@ -212,6 +250,8 @@ def dump(cfg: Config, note: str | None = None) -> str:
 def diff_identity(old: Config, new: Config) -> list[str]:
     """diff_identity lists `key: old -> new` for identity keys that differ between two configs."""
     a, b = _flatten(to_dict(old)), _flatten(to_dict(new))
+    if os.path.realpath(a["data.path"]) == os.path.realpath(b["data.path"]):
+        b["data.path"] = a["data.path"]  # the same file, given relative once, absolute once
     return [
         f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
         for k in sorted(set(a) | set(b))
@@ -221,7 +261,8 @@ def diff_identity(old: Config, new: Config) -> list[str]:
 
 def validate(cfg: Config) -> None:
     """validate checks values and their relations; raises ConfigError naming the first bad key."""
-    if not _EXP_NAME.match(cfg.run.exp_name) or ".." in cfg.run.exp_name:
+    name = cfg.run.exp_name
+    if not isinstance(name, str) or not _EXP_NAME.fullmatch(name) or ".." in name:
         _bad("run.exp_name", cfg.run.exp_name, "letters, digits, '.', '_' and '-', no '/' or '..'")
     if cfg.run.stop_signal.upper().removeprefix("SIG") not in ("USR1", "USR2", "TERM", "INT",
                                                                  "HUP", "XCPU"):
@@ -232,6 +273,10 @@ def validate(cfg: Config) -> None:
     m = cfg.model
     for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
         _positive(f"model.{key}", getattr(m, key))
+    for key, most in _MOST.items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) > most:
+            _bad(key, getattr(getattr(cfg, section), name), f"at most {most}")
     if m.vocab_size < 257:
         _bad("model.vocab_size", m.vocab_size, "at least 257 (256 byte values and end-of-doc)")
     if m.n_embd % m.n_head:
@@ -250,6 +295,13 @@ def validate(cfg: Config) -> None:
              f"a multiple of train.micro_batch_size ({t.micro_batch_size})")
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         _bad("train.min_lr", t.min_lr, f"0 <= min_lr <= lr ({t.lr}) and lr > 0")
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(t, key) < 1.0:
+            _bad(f"train.{key}", getattr(t, key), "0 <= value < 1")
+    if t.weight_decay < 0:
+        _bad("train.weight_decay", t.weight_decay, ">= 0")
+    if not 0 <= t.seed < 2**63:
+        _bad("train.seed", t.seed, "0 <= seed < 2**63")
     if t.warmup_steps < 0:
         _bad("train.warmup_steps", t.warmup_steps, ">= 0")
     if t.grad_clip < 0:
@@ -326,8 +378,21 @@ def check_local_gpus(cfg: Config, local_processes: int, visible_gpus: int) -> No
         f"{visible_gpus} (--nproc {visible_gpus}) or train on the CPU (--set train.device=cpu)")
 
 
+# Sizes past these are typos, and would only fail later inside torch (or fill the memory).
+_MOST = {"model.vocab_size": 1 << 24, "model.block_size": 1 << 20, "model.n_layer": 1024,
+         "model.n_head": 1024, "model.n_embd": 1 << 16}
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """short is repr(value) cut to `limit` characters: an error never repeats a huge value."""
+    if isinstance(value, (dict, list, tuple, set)) and len(value) > 20:
+        return f"<a {type(value).__name__} of {len(value)} items>"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _bad(key: str, value: Any, allowed: str) -> typing.NoReturn:
-    raise ConfigError(f"{key}={value!r} is not allowed: expected {allowed}")
+    raise ConfigError(f"{key}={short(value)} is not allowed: expected {allowed}")
 
 
 def _positive(key: str, value: int) -> None:
@@ -341,9 +406,12 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
+    where = prefix.rstrip(".") or "top level"
     if not isinstance(raw, dict):
-        where = prefix.rstrip(".") or "top level"
-        raise ConfigError(f"{source}: {where} must be a mapping, got {raw!r}")
+        raise ConfigError(f"{source}: {where} must be a mapping, got {short(raw)}")
+    odd = next((k for k in raw if not isinstance(k, str)), None)
+    if odd is not None:
+        raise ConfigError(f"{source}: key {short(odd)} under {where} is not a name")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
@@ -372,21 +440,27 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{key}={short(value)} is not allowed: expected a finite "
+                              "number") from None
     if hint is float and isinstance(value, str):
         try:  # YAML 1.1 reads `2e-3` (no dot) as a string
             value = float(value)
         except ValueError:
             pass
     if hint is float and isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{key}={value!r} is not allowed: expected a finite number")
+        raise ConfigError(f"{key}={short(value)} is not allowed: expected a finite number")
+    if hint is int and type(value) is int and not -2**63 <= value < 2**63:
+        raise ConfigError(f"{key}={short(value)} is not allowed: expected a 64-bit integer")
     if hint is str and isinstance(value, bool):
         return "true" if value else "false"  # `compile: true` in YAML
     if hint is str and isinstance(value, (int, float)):
         return str(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise ConfigError(
-            f"{key}={value!r} is not allowed: expected a value of type {hint.__name__}")
+            f"{key}={short(value)} is not allowed: expected a value of type {hint.__name__}")
     return value
 
 

@@ -66,6 +66,21 @@ def load_tokens(path: str | Path, column: str) -> torch.Tensor:
     return tokens
 
 
+def check_tokens(tokens: torch.Tensor, vocab_size: int, block_size: int,
+                 path: str | Path) -> None:
+    """check_tokens refuses a corpus the model cannot train on: a token id outside
+    [0, vocab_size) (an IndexError on every rank on CPU, a device-side assert on a GPU), or
+    fewer tokens than one window. Run before anything is written."""
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise DataError(f"{path}: token id {bad} is outside [0, model.vocab_size={vocab_size}); "
+                        "raise model.vocab_size or fix the tokenization")
+    if (tokens.numel() - 1) // block_size < 1:
+        raise DataError(f"{path}: corpus has {tokens.numel()} tokens, fewer than one window of "
+                        f"model.block_size + 1 = {block_size + 1}")
+
+
 def _bytes_tokens(col: pa.Array) -> torch.Tensor:
     docs = [s.encode("utf-8") for s in col.to_pylist() if s]
     raw = bytearray()

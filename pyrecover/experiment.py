@@ -5,12 +5,13 @@ Imports no torch, so rendering a job script stays light.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from pyrecover import batch
 from pyrecover import config as config_mod
 from pyrecover.config import Config, ConfigError
-from pyrecover.rundir import RunDir
+from pyrecover.rundir import RunDir, storage_error
 
 
 def resolve_for_run(cfg: Config, world_size: int) -> tuple[Config, str | None]:
@@ -55,5 +56,10 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None) -> None:
 def write_config(cfg: Config, run: RunDir, note: str | None = None) -> None:
     """write_config replaces `run.yaml` atomically with the resolved config."""
     tmp = run.config.with_name(f".run.yaml.{os.getpid()}")
-    tmp.write_text(config_mod.dump(cfg, note))
-    os.replace(tmp, run.config)
+    try:
+        tmp.write_text(config_mod.dump(cfg, note))
+        os.replace(tmp, run.config)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise storage_error("write", run.config, exc) from None

@@ -9,7 +9,11 @@ Where, is `PYRECOVER_KILL_POINT`:
 - `step` (default): right after step N and its checkpoint bookkeeping;
 - `save`: inside the background write of step N's checkpoint, before it is committed;
 - `exchange`: in memory mode, inside the background replica exchange of step N's snapshot,
-  before anything is sent.
+  before anything is sent;
+- `snapshot`: in memory mode, at step N's snapshot, once this rank's exchange of the previous
+  snapshot has finished and before step N's is copied. Every rank took part in that exchange,
+  so the previous snapshot is complete on every survivor whatever the timing: a test that
+  needs to know the newest complete snapshot kills here, not at `step`.
 
 `PYRECOVER_KILL_ONCE=PATH` (optional) makes the kill happen once only: it goes ahead only
 if PATH does not exist yet, and creates PATH first. The environment is inherited by a

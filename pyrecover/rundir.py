@@ -10,7 +10,9 @@ which `read_jsonl` skips. This module imports nothing else from the project.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -18,6 +20,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("pyrecover")
+
+
+class StorageError(RuntimeError):
+    """The storage cannot hold the run (read-only, full, gone): exit code 1, not a config
+    error; the message is one line naming the path and the reason."""
+
+
+def storage_error(what: str, path: Path, exc: OSError) -> StorageError:
+    return StorageError(f"storage: cannot {what} {path}: {exc.strerror or exc}")
 
 
 @dataclass(frozen=True)
@@ -52,10 +65,17 @@ class RunDir:
     def wandb(self) -> Path:
         return self.root / "wandb"
 
+    @property
+    def lock_file(self) -> Path:
+        return self.root / "run.lock"
+
     def create(self) -> None:
         """create makes the folders; safe to call on every start and on every rank."""
         for path in (self.root, self.checkpoints, self.logs):
-            path.mkdir(parents=True, exist_ok=True)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise storage_error("create", path, exc) from None
 
     def is_run(self) -> bool:
         """is_run tells whether this folder looks like a pyrecover run directory."""
@@ -82,11 +102,21 @@ class RunDir:
             if array and task:  # a sweep's trial: SLURM names the task ARRAYID_TASKID
                 record.setdefault("array_task", f"{array}_{task}")
         record.setdefault("host", socket.gethostname())
-        append_jsonl(self.events, record)
+        self._append(self.events, record)
         return record
 
     def metric(self, **fields: Any) -> None:
-        append_jsonl(self.metrics, {"time": round(time.time(), 3), **fields})
+        self._append(self.metrics, {"time": round(time.time(), 3), **fields})
+
+    def _append(self, path: Path, record: dict[str, Any]) -> None:
+        """_append writes one record; a storage that refuses it (full, read-only, the run
+        directory deleted) is reported, never allowed to stop the training: the checkpoints
+        are what a run needs, and their commits report their own failures."""
+        try:
+            append_jsonl(path, record)
+        except OSError as exc:
+            log.warning("could not append to %s (%s); %s not recorded", path,
+                        exc.strerror or exc, record.get("event", "this step's metrics"))
 
     def read_events(self) -> list[dict[str, Any]]:
         return list(read_jsonl(self.events))
@@ -117,3 +147,87 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
                 continue
             if isinstance(record, dict):
                 yield record
+
+
+class RunLocked(RuntimeError):
+    """Another live process holds the run directory (exit code 2: a user error, not a fault)."""
+
+
+class RunLock:
+    """RunLock is rank 0's exclusive hold on a run directory for the life of the run.
+
+    An `flock` on `run.lock`: the kernel releases it when the holder dies, however it dies,
+    so a stale lock of a dead process never blocks. The file names the holder (host, pid,
+    SLURM job id) for the refusal message; its content is informative only.
+    """
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+        self._fd: int | None = None
+
+    def acquire(self, wait_s: float = 0.0) -> RunLock:
+        """acquire takes the lock, retrying for up to `wait_s` seconds (a requeued job whose
+        previous instance is still shutting down); raises RunLocked naming the holder."""
+        try:
+            fd = os.open(self.run.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise storage_error("create", self.run.lock_file, exc) from None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = _read_holder(fd)
+                    os.close(fd)
+                    raise RunLocked(
+                        f"{self.run.root} is in use by another run ({holder}); one run "
+                        "directory has one live run: wait for it to end, or use another "
+                        "run.exp_name") from None
+                time.sleep(0.5)
+        holder = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "job_id": os.environ.get("SLURM_JOB_ID"), "since": round(time.time(), 3)}
+        self._fd = fd
+        try:  # informative only: a full disk must not cost the lock
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        except OSError:
+            pass
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the only descriptor releases the flock
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        parts = [f"host {info.get('host', '?')}", f"pid {info.get('pid', '?')}"]
+        if info.get("job_id"):
+            parts.append(f"SLURM job {info['job_id']}")
+        return ", ".join(parts)
+    except (OSError, ValueError, AttributeError):
+        return "holder unknown"
+
+
+def lock_wait_seconds(environ: dict[str, str] | None = None) -> float:
+    """lock_wait_seconds is how long a start waits for a held run directory: under SLURM a
+    requeued job may start while its previous instance is still shutting down (default 120 s);
+    elsewhere a second start is refused at once. PYRECOVER_LOCK_WAIT overrides it."""
+    env = os.environ if environ is None else environ
+    raw = env.get("PYRECOVER_LOCK_WAIT")
+    if raw is not None:
+        try:
+            return max(0.0, float(raw))
+        except ValueError:
+            pass
+    return 120.0 if env.get("SLURM_JOB_ID") else 0.0

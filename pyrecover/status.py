@@ -32,6 +32,8 @@ class Status:
     starts: int
     restarts_by_cause: dict[str, int] = field(default_factory=dict)
     last_checkpoint: dict[str, Any] | None = None
+    invalid_checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    """Step folders newer than the last valid checkpoint that do not verify (sizes only)."""
     steps_lost: int = 0
     checkpoint_seconds: float = 0.0
     restore_seconds: float = 0.0
@@ -73,6 +75,7 @@ def read(path: str | Path, squeue=None, now: float | None = None) -> Status:
     restore_s = sum(float(e.get("restore_seconds", 0)) for e in events
                     if e.get("event") == "resume")
     wall = _wall_seconds(events)
+    last_ckpt, invalid = _last_checkpoint(run, now)
     lost = sum(int(e.get("steps_lost", 0)) for e in events if e.get("event") == "resume")
     kept_step_time = _kept_step_seconds(metrics)
     goodput = min(1.0, kept_step_time / wall) if wall > 0 and kept_step_time else None
@@ -81,7 +84,7 @@ def read(path: str | Path, squeue=None, now: float | None = None) -> Status:
         slurm_state=squeue(_slurm_name(events, job_id)) if (squeue and job_id) else None,
         job_id=job_id,
         step=step, max_steps=_max_steps(run), starts=len(starts),
-        restarts_by_cause=dict(causes), last_checkpoint=_last_checkpoint(run, now),
+        restarts_by_cause=dict(causes), last_checkpoint=last_ckpt, invalid_checkpoints=invalid,
         steps_lost=lost, checkpoint_seconds=round(checkpoint_s, 3),
         restore_seconds=round(restore_s, 3), wall_seconds=round(wall, 1),
         goodput=round(goodput, 4) if goodput is not None else None, last_error=last_error,
@@ -194,14 +197,19 @@ def _max_steps(run: RunDir) -> int | None:
         return None
 
 
-def _last_checkpoint(run: RunDir, now: float) -> dict[str, Any] | None:
+def _last_checkpoint(run: RunDir, now: float
+                     ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """_last_checkpoint is the newest valid checkpoint (sizes checked) and the invalid step
+    folders newer than it, each with its problem."""
     from pyrecover.checkpoint import store
 
-    for step, folder, ckpt, _ in store.scan(run.checkpoints, checksums=False):
+    invalid = []
+    for step, folder, ckpt, problem in store.scan(run.checkpoints, checksums=False):
         if ckpt is not None:
-            return {"step": step, "mode": ckpt.mode, "bytes": ckpt.size, "path": str(folder),
-                    "age_s": round(now - float(ckpt.manifest.get("time", now)), 1)}
-    return None
+            return ({"step": step, "mode": ckpt.mode, "bytes": ckpt.size, "path": str(folder),
+                     "age_s": round(now - float(ckpt.manifest.get("time", now)), 1)}, invalid)
+        invalid.append({"step": step, "path": str(folder), "problem": problem})
+    return None, invalid
 
 
 def render(s: Status) -> str:
@@ -224,6 +232,8 @@ def render(s: Status) -> str:
         "goodput     " + (f"{s.goodput:.1%} of {s.wall_seconds:.0f}s wall time in kept steps"
                           if s.goodput is not None else "n/a"),
     ]
+    for bad in s.invalid_checkpoints[:3]:
+        lines.append(f"invalid     checkpoint step {bad['step']}: {bad['problem']}")
     for d in s.requeue_decisions[-3:]:
         lines.append(f"requeue     job {d.get('job_id')} restart {d.get('restart_count')}: "
                      f"exit {d.get('exit_code')} -> {d.get('event')} ({d.get('reason')})")

@@ -14,6 +14,7 @@ into a log line. Imports neither torch nor wandb until a run is started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import netrc
@@ -70,9 +71,15 @@ def resolve_mode(setting: str, environ: Mapping[str, str], netrc_file: str | Non
                  reachable: Callable[[str], bool] = server_reachable) -> str:
     """resolve_mode turns `tracking.wandb` into online, offline or disabled.
 
-    An explicit setting wins. `auto` follows WANDB_MODE when it is set, else goes online only
+    An explicit setting wins (`online` falls back to offline when the server does not
+    answer). `auto` follows WANDB_MODE when it is set, else goes online only
     when an API key is configured and the server answers, so nothing waits on a network.
     """
+    if setting == "online" and not reachable(_base_url(environ)):
+        # wandb would wait 60 s for it at every start, then leave its run id taken.
+        log.warning("wandb: %s is not reachable from here; logging offline (upload later "
+                    "with wandb sync)", _base_url(environ))
+        return "offline"
     if setting != "auto":
         return setting
     env_mode = environ.get("WANDB_MODE", "").strip().lower()
@@ -367,6 +374,10 @@ def _init_wandb(cfg: Config, run: RunDir, mode: str, system: Mapping[str, Any]) 
             log.warning("wandb %s could not start (%s: %s)%s", attempt, type(exc).__name__,
                         exc, "; trying offline" if attempt != tries[-1] else
                         "; training goes on without tracking")
+            # A failed init keeps the run id registered in this process ("run ID ... is in
+            # use" for the offline try); tearing wandb down frees it.
+            with contextlib.suppress(Exception):
+                wandb.teardown()
     return None
 
 

@@ -19,19 +19,29 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pyrecover import batch, dist, flops, preempt, progress, straggler, tracking, watchdog
+from pyrecover import (
+    batch,
+    dist,
+    flops,
+    preempt,
+    progress,
+    rundir,
+    straggler,
+    tracking,
+    watchdog,
+)
 from pyrecover import config as config_mod
 from pyrecover.checkpoint import CheckpointManager, rng
 from pyrecover.checkpoint.manager import Parts
 from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
-from pyrecover.data import Batches, DataError, load_tokens
+from pyrecover.data import Batches, DataError, check_tokens, load_tokens
 from pyrecover.experiment import prepare_run_dir, recorded_global_batch
 from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig
 from pyrecover.optim import build_optimizer, build_scheduler
 from pyrecover.preempt import StopRequested
-from pyrecover.rundir import RunDir, read_jsonl
+from pyrecover.rundir import RunDir, RunLock, RunLocked, StorageError, read_jsonl
 
 log = logging.getLogger("pyrecover")
 
@@ -66,12 +76,15 @@ def main(cfg: Config, run_dir: Path) -> None:
         if kind == "cuda":
             config_mod.check_local_gpus(cfg, env.local_world_size, torch.cuda.device_count())
         tokens = load_tokens(cfg.data.path, cfg.data.column)
+        check_tokens(tokens, cfg.model.vocab_size, cfg.model.block_size, cfg.data.path)
     except (ConfigError, DataError) as exc:
         # Record it where a run already exists (a job launched earlier: the job script reads
         # this to tell "exit 2, never requeue" from a crash); a new run directory is not
         # created for a mistake.
         if env.rank == 0 and run.is_run():
             run.event("error", rank=env.rank, error=f"{type(exc).__name__}: {exc}")
+        if env.rank != 0 and env.node_rank == 0:
+            raise SystemExit(2) from None  # rank 0 read the same files here and says it once
         raise
     if env.rank == 0:
         if batch_note:
@@ -94,8 +107,12 @@ def main(cfg: Config, run_dir: Path) -> None:
                             watchdog.handle(hang, run.event, persist, device),
                             progress=lambda: watchdog.io_bytes() +
                             watchdog.saving_bytes(run.checkpoints)).start()
+    lock = RunLock(run)
     try:
+        hold_run_dir(lock, env)
         _train(cfg, run, env, device, tokens, managers, flag, dog)
+    except (RunLocked, StorageError):
+        raise  # the run directory is another run's, or cannot be written: record nothing
     except StopRequested as stop:
         if env.rank == 0:
             run.event("stop", step=stop.step, reason=stop.reason)
@@ -127,6 +144,27 @@ def main(cfg: Config, run_dir: Path) -> None:
             dist.teardown()
         except Exception as exc:  # a group with a dead member may not shut down cleanly
             log.debug("process group teardown failed: %s", exc)
+        lock.release()
+
+
+def hold_run_dir(lock: RunLock, env: dist.DistEnv) -> None:
+    """hold_run_dir takes the run directory's lock on rank 0 and tells every rank whether it
+    got it: a second start on a live run directory is refused on every rank, before it cleans
+    up anything (the other run's in-flight save) or writes a line."""
+    import torch.distributed as tdist
+
+    refused: list[Exception | None] = [None]
+    if env.rank == 0:
+        try:
+            lock.acquire(rundir.lock_wait_seconds())
+        except (RunLocked, StorageError) as exc:
+            refused = [exc]
+    if env.world_size > 1 and tdist.is_initialized():
+        tdist.broadcast_object_list(refused, src=0)
+    if refused[0] is not None:
+        if env.rank == 0:
+            raise refused[0]
+        raise SystemExit(2 if isinstance(refused[0], RunLocked) else 1)  # rank 0 says why
 
 
 class PeerLost(RuntimeError):
@@ -180,16 +218,16 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     for line in tracking.describe(system, cfg) if system else []:
         log.info("%s", line)  # versions, devices, layout, SLURM job, resolved config
     dog.phase("load")
-    ckpt = manager.find_resume()
-    if ckpt is None:
+    restore_started = time.perf_counter()
+    found = manager.resume(accept=lambda r: train_state_of(r.train))
+    if found is None:
         rng.seed_rank(t.seed, env.rank)
         if env.rank == 0:
             run.event("start", step=0, world_size=env.world_size, mode=cfg.checkpoint.mode)
     else:
-        restore_started = time.perf_counter()
-        restored = manager.restore(ckpt)
+        ckpt, restored = found
         restore_s = time.perf_counter() - restore_started
-        state = TrainState(**restored.train)
+        state = train_state_of(restored.train)
         batches.position = state.data_position
         if restored.rng is not None and ckpt.manifest["world_size"] == env.world_size:
             rng.restore(restored.rng)
@@ -259,6 +297,15 @@ def c_compiler() -> str | None:
         if name and shutil.which(name):
             return name
     return None
+
+
+def train_state_of(saved: dict) -> TrainState:
+    """train_state_of is a checkpoint's train state, refused unless every field is a count."""
+    state = TrainState(**saved)
+    bad = {k: v for k, v in vars(state).items() if type(v) is not int or v < 0}
+    if bad:
+        raise ValueError(f"train state {bad} is not made of counts")
+    return state
 
 
 def autocast_for(cfg: Config, device: torch.device):

@@ -24,7 +24,6 @@ import json
 import os
 import threading
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,12 +45,14 @@ def rng_file(rank: int) -> str:
     return f"rng-{rank}.pt"
 
 
-def own_files(folder: Path, rank: int) -> list[str]:
-    """own_files lists what `rank` wrote into a DCP step folder."""
-    names = [p.name for p in folder.glob(f"__{rank}_*.distcp")] + [rng_file(rank)]
+def own_files(written: list[str], rank: int) -> list[str]:
+    """own_files lists what `rank` was expected to write into a DCP step folder: the data
+    files its writer wrote, its RNG file, and on rank 0 `.metadata` and `extra.json`. Each
+    must be there when the save is committed: one that went missing fails the save."""
+    names = [*written, rng_file(rank)]
     if rank == 0:
         names += [".metadata", EXTRA_FILE]
-    return sorted(n for n in names if (folder / n).is_file())
+    return sorted(set(names))
 
 
 @contextlib.contextmanager
@@ -142,11 +143,13 @@ class DcpMode:
             if upload is not None:
                 upload()
             files = {}
-            for name in own_files(folder, self.rank):
+            for name in own_files(list(writer.entries), self.rank):
+                path = folder / name
+                if not path.is_file():
+                    raise FileNotFoundError(f"{path} is missing (removed by another process?)")
                 if name in writer.entries:  # checksummed and fsynced while written
                     files[name] = writer.entries[name]
                     continue
-                path = folder / name
                 with path.open("rb") as f:
                     os.fsync(f.fileno())
                 files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}

@@ -12,6 +12,10 @@ plain `dcp.load` reads them. What differs is the path the bytes take:
   (a dtype change, a partial chunk, a non-contiguous destination) goes through DCP's own
   reader.
 
+Nothing the Reader reads can run code: `.metadata` goes through a restricted unpickler
+(safe_pickle.py) and every non-tensor record through torch's weights-only one before DCP's
+planner unpickles it.
+
 `torch.distributed.checkpoint.filesystem._StorageInfo` is private to torch; it is what the
 metadata must hold for DCP's reader to find the bytes, and the interop test fails if it moves.
 """
@@ -34,7 +38,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.utils.serialization import config as serialization_config
 
+from pyrecover.checkpoint import safe_pickle
 from pyrecover.checkpoint.hashed_file import HashedFile, pread_into
+from pyrecover.checkpoint.store import CheckpointError, plain_name_problem
 
 SMALL_READ = 4096  # enough to hold the zip headers in front of a tensor's bytes
 
@@ -178,13 +184,62 @@ def record_layout(head: bytes) -> tuple[int, torch.Tensor] | None:
     return None
 
 
+class _WeightsOnlyBytes:
+    """_WeightsOnlyBytes is a load planner whose `load_bytes` first unpickles the record with
+    torch's weights-only unpickler: DCP's default planner calls `torch.load(weights_only=False)`
+    on every non-tensor value (the optimizer's param groups, say)."""
+
+    def __init__(self, planner) -> None:
+        self._planner = planner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, req, value: io.BytesIO) -> None:
+        raw = value.read()
+        try:
+            torch.load(io.BytesIO(raw), weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(
+                f"{req.storage_index.fqn}: refused ({type(exc).__name__}); a checkpoint file "
+                f"is never allowed to run code") from None
+        self._planner.load_bytes(req, io.BytesIO(raw))
+
+
 class Reader(FileSystemReader):
     """Reader is a DCP storage reader that reads tensors straight into their destination."""
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None) -> None:
         super().__init__(path)
+        # Read (safely) up front: a refused `.metadata` is then one CheckpointError here, not
+        # a CheckpointException from inside dcp.load with DCP's tracebacks logged per rank.
+        self.checked_metadata = self._load_metadata()
         self.threads = threads or default_threads()
         self.direct_items = 0  # how many tensors took the fast path (for tests and benchmarks)
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        """read_metadata is FileSystemReader's, with the pickle read by safe_pickle."""
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = self.checked_metadata if kwargs.get("rank") is None else \
+            self._load_metadata(kwargs["rank"])
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _load_metadata(self, rank: int | None = None):
+        path = self._get_metadata_path(rank)
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = safe_pickle.load_metadata(f, path)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
+        for info in (metadata.storage_data or {}).values():  # DCP opens these names
+            name = getattr(info, "relative_path", None)
+            if problem := plain_name_problem(name):
+                raise CheckpointError(f"{path}: {problem}")
+        return metadata
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -195,7 +250,8 @@ class Reader(FileSystemReader):
         for req in plan.items:
             (fast if self._placeable(req, planner) else slow).append(req)
         if slow:
-            super().read_data(dataclasses.replace(plan, items=slow), planner).wait()
+            super().read_data(dataclasses.replace(plan, items=slow), _WeightsOnlyBytes(planner)
+                              ).wait()
         by_file: dict[str, list[Any]] = {}
         for req in fast:
             by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)

@@ -109,7 +109,7 @@ class CheckpointManager:
                                 "before saving step %d", self.inflight.pending.step, step)
                 self._commit_now()
             self._start(step)
-            if final or not self.mode.asynchronous:
+            if self.inflight is not None and (final or not self.mode.asynchronous):
                 self._commit_now()
         blocked = time.perf_counter() - started
         self.stall_seconds += blocked
@@ -141,7 +141,8 @@ class CheckpointManager:
                 log.warning("writing the checkpoint of step %d again", step)
             tries -= 1
             self._start(step)
-            self._commit_now()
+            if self.inflight is not None:
+                self._commit_now()
         self.mode.close()
         self._wait_retired()
         if self.last_saved_step != step and step > 0:
@@ -172,16 +173,27 @@ class CheckpointManager:
     def _start(self, step: int) -> None:
         started = time.perf_counter()
         pending = self._begin(step)
+        if pending is None:  # the storage refused the folder: this save failed, on every rank
+            return
         train = self.parts.train_state()
         self.mode.start(pending, self.parts, train)
         self.inflight = _InFlight(pending, train, started, time.perf_counter() - started)
 
-    def _begin(self, step: int) -> Pending:
-        path: list[Any] = [None]
+    def _begin(self, step: int) -> Pending | None:
+        path: list[Any] = [None, ""]
         if self.rank == 0:
-            path = [str(store.begin(self.root, step).tmp)]
+            try:
+                path = [str(store.begin(self.root, step).tmp), ""]
+            except OSError as exc:  # read-only, full, the run directory gone
+                path = [None, f"{type(exc).__name__}: {exc}"]
         if tdist.is_initialized() and self.world_size > 1:
             tdist.broadcast_object_list(path, src=0)
+        if path[0] is None:
+            self.last_error, self.failed_step = path[1], step
+            if self.rank == 0:
+                log.warning("checkpoint of step %d failed: %s", step, path[1])
+                self.run.event("checkpoint_failed", step=step, reason=path[1])
+            return None
         return Pending(root=self.root, step=step, tmp=Path(path[0]))
 
     def _commit_now(self) -> None:
@@ -260,8 +272,9 @@ class CheckpointManager:
 
     # --- resuming ------------------------------------------------------------------------
 
-    def find_resume(self) -> Checkpoint | None:
-        """find_resume picks the newest checkpoint that verifies (rank 0) and agrees on it.
+    def find_resume(self, below: int | None = None) -> Checkpoint | None:
+        """find_resume picks the newest checkpoint that verifies (rank 0) and agrees on it;
+        with `below`, the newest older than that step.
 
         Uncommitted temporary folders are removed; corrupt checkpoints are reported and kept
         for inspection, never loaded.
@@ -269,21 +282,27 @@ class CheckpointManager:
         choice: list[Any] = [None]
         found: Checkpoint | None = None
         if self.rank == 0:
-            finalize_snapshots(self.root, self.run.event)
-            for tmp in store.clean_uncommitted(self.root):
-                log.warning("removed uncommitted checkpoint folder %s", tmp.name)
+            if below is None:
+                finalize_snapshots(self.root, self.run.event)
+                for tmp in store.clean_uncommitted(self.root):
+                    log.warning("removed uncommitted checkpoint folder %s", tmp.name)
             for step, folder, ckpt, problem in store.scan(self.root):
+                if below is not None and step >= below:
+                    continue
                 if ckpt is not None:
                     choice, found = [str(folder)], ckpt
                     break
-                log.warning("skipping checkpoint step %d: %s", step, problem)
-                self.run.event("checkpoint_invalid", step=step, path=str(folder), reason=problem)
+                self._report_invalid(step, folder, problem)
         if tdist.is_initialized() and self.world_size > 1:
             tdist.broadcast_object_list(choice, src=0)
         if choice[0] is None or found is not None:
             return found
         # Other ranks trust rank 0's checksum pass; the sizes are cheap to check again.
         return store.verify(Path(choice[0]), checksums=False)
+
+    def _report_invalid(self, step: int, folder: Path, problem: str) -> None:
+        log.warning("skipping checkpoint step %d: invalid: %s", step, problem)
+        self.run.event("checkpoint_invalid", step=step, path=str(folder), reason=problem)
 
     def restore(self, ckpt: Checkpoint) -> Restored:
         """restore loads `ckpt` (of any mode) into the live parts and returns the train state."""
@@ -292,3 +311,66 @@ class CheckpointManager:
             ModeSettings(torch.device("cpu"), async_save=False, replicas=1))
         return mode.restore(ckpt, self.parts)
 
+    def resume(self, accept: Callable[[Restored], Any] = lambda r: r
+               ) -> tuple[Checkpoint, Restored] | None:
+        """resume restores the newest checkpoint that loads on every rank, or returns None.
+
+        A checkpoint that verifies but cannot be restored (a manifest whose mode disagrees
+        with its files, another model's shapes, a file the weights-only unpickler refuses, a
+        train state `accept` rejects) is reported by name as invalid and the next older one
+        is tried. When none loads, the parts get back the state they had before the first try.
+        """
+        initial = None
+        below: int | None = None
+        while (ckpt := self.find_resume(below)) is not None:
+            initial = initial or _copy_state(self.parts)
+            error, restored = "", None
+            try:
+                restored = self.restore(ckpt)
+                accept(restored)
+            except (Exception, _DcpCheckpointException) as exc:  # DCP's is a BaseException
+                error = f"{type(exc).__name__}: {_first_line(exc)}"
+            errors = [error]
+            if tdist.is_initialized() and self.world_size > 1:
+                errors = [None] * self.world_size
+                tdist.all_gather_object(errors, error)
+            failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+            if not failed:
+                assert restored is not None
+                return ckpt, restored
+            if self.rank == 0:
+                self._report_invalid(ckpt.step, ckpt.path, f"cannot be restored ({failed})")
+            below = ckpt.step
+        if initial is not None:
+            _load_state(self.parts, initial)
+        return None
+
+
+try:  # torch's wrapper of every rank's failure inside dcp.load
+    from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpointException
+except ImportError:  # pragma: no cover
+    _DcpCheckpointException = CheckpointError  # type: ignore[misc,assignment]
+
+
+def _first_line(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)  # DCP's wrapper: the ranks' own errors matter
+    if isinstance(failures, dict) and failures:
+        return "; ".join(sorted({f"{type(e).__name__}: {_first_line(e)}"
+                                 for e, _ in failures.values()}))
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _copy_state(parts: Parts) -> dict[str, Any]:
+    """_copy_state is a CPU copy of the parts' state, taken before a restore is tried."""
+    import copy
+
+    return {"model": {k: v.detach().to("cpu", copy=True)
+                      for k, v in parts.model.state_dict().items()},
+            "optimizer": copy.deepcopy(parts.optimizer.state_dict()),
+            "scheduler": copy.deepcopy(parts.scheduler.state_dict())}
+
+
+def _load_state(parts: Parts, state: dict[str, Any]) -> None:
+    parts.model.load_state_dict(state["model"])
+    parts.optimizer.load_state_dict(state["optimizer"])
+    parts.scheduler.load_state_dict(state["scheduler"])

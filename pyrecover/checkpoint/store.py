@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import time
 import uuid
 import zlib
@@ -171,14 +172,22 @@ class Pending:
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(self.tmp)
-        final = self.root / f"step-{self.step}"
-        if final.exists():
-            # Only an older run of the same step can be here (a resume that redid this step):
-            # the new one replaces it. Rename it aside first so one of the two is always whole.
-            aside = self.root / f".old-step-{self.step}-{uuid.uuid4().hex[:8]}"
+        final = self.root / step_folder_name(self.step)
+        if final.exists() or final.is_symlink():
+            # An older save of the same step (a resume that redid it) is replaced: renamed
+            # aside first so one of the two is always whole. One that does not verify (which
+            # is why the resume went back past it) is kept for inspection as `invalid-step-*`.
+            try:
+                verify(final, checksums=False)
+                keep = False
+            except CheckpointError:
+                keep = True
+            aside = self.root / (f"invalid-step-{self.step}-{uuid.uuid4().hex[:8]}" if keep
+                                 else f".old-step-{self.step}-{uuid.uuid4().hex[:8]}")
             os.rename(final, aside)
             os.rename(self.tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
+            if not keep:
+                shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(self.tmp, final)
         fsync_dir(self.root)
@@ -241,44 +250,116 @@ class Checkpoint:
         return sum(int(f["size"]) for f in self.manifest["files"].values())
 
 
+def step_folder_name(step: int) -> str:
+    return f"step-{step}"
+
+
 def committed_steps(root: Path) -> list[tuple[int, Path]]:
-    """committed_steps lists `step-<N>` folders, newest first (unverified)."""
+    """committed_steps lists `step-<N>` folders, newest first (unverified; a symlink too, which
+    verify then refuses)."""
     out = []
     if root.is_dir():
         for p in root.iterdir():
-            if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit():
+            if p.name.startswith("step-") and p.name[5:].isdigit() and (
+                    p.is_dir() or p.is_symlink()):
                 out.append((int(p.name[5:]), p))
     return sorted(out, reverse=True)
 
 
+# What a manifest of each mode must list (the files a restore opens first): a manifest whose
+# mode disagrees with its files is invalid before anything is loaded.
+MODE_FILES = {"vanilla": ("state.pt",), "dcp": (".metadata", "extra.json"), "memory": ("meta-r",)}
+
+
+def _mode_problem(mode: str, names: list[str]) -> str:
+    if mode not in MODE_FILES:
+        return f"mode {mode!r} is not one this version knows ({', '.join(MODE_FILES)})"
+    for need in MODE_FILES[mode]:
+        if not any(n == need or (need.endswith("-r") and n.startswith(need)) for n in names):
+            return f"mode {mode!r}, but the manifest lists no {need}{'*' * need.endswith('-r')}"
+    return ""
+
+
+def plain_name_problem(name: object) -> str:
+    """plain_name_problem is "" for a plain file name (no folder part, not `.`/`..`), else why
+    not: a manifest only names files inside its own folder."""
+    if not isinstance(name, str) or not name:
+        return f"file name {name!r} is not a non-empty string"
+    if "/" in name or "\\" in name or "\0" in name or name in (".", "..") or name == MANIFEST:
+        return f"file name {name!r} is not a plain file name inside the checkpoint folder"
+    return ""
+
+
+def _structure_problem(manifest: object, folder: Path) -> str:
+    """_structure_problem is "" when a manifest has the shape this version writes, else what
+    is wrong with it."""
+    if not isinstance(manifest, dict):
+        return f"is a JSON {type(manifest).__name__}, not an object"
+    for key in ("mode", "step", "files", "world_size", "train_state"):
+        if key not in manifest:
+            return f"missing {key!r}"
+    step, world, files = manifest["step"], manifest["world_size"], manifest["files"]
+    if not isinstance(manifest["mode"], str):
+        return f"'mode' is {manifest['mode']!r}, not a name"
+    if type(step) is not int or folder.name != step_folder_name(step):
+        return f"'step' is {step!r}, but the folder is {folder.name} (copied in from elsewhere?)"
+    if type(world) is not int or world < 1:
+        return f"'world_size' is {world!r}, not a positive integer"
+    if not isinstance(manifest.get("time", 0.0), (int, float)):
+        return "'time' is not a number"
+    if not isinstance(manifest["train_state"], dict):
+        return "'train_state' is not an object"
+    if not isinstance(files, dict) or not files:
+        return "'files' is not an object naming at least one file"
+    for name, meta in files.items():
+        if problem := plain_name_problem(name):
+            return problem
+        if not isinstance(meta, dict):
+            return f"the entry of {name!r} is not an object"
+        if type(meta.get("size")) is not int or meta["size"] < 0:
+            return f"the entry of {name!r} has no size in bytes"
+        if not any(isinstance(meta.get(kind), str) for kind in CHECKSUM_KINDS):
+            return (f"the entry of {name!r} has no checksum this version knows (one of "
+                    f"{', '.join(CHECKSUM_KINDS)}; written by a newer pyrecover?)")
+    return _mode_problem(manifest["mode"], list(files))
+
+
 def read_manifest(folder: Path) -> dict[str, Any]:
+    """read_manifest returns a step folder's manifest once its structure is valid (the files
+    themselves are `verify`'s)."""
+    if folder.is_symlink():
+        raise CheckpointError(f"{folder}: is a symbolic link; a checkpoint folder must be a "
+                              f"real folder")
     mpath = folder / MANIFEST
-    if not mpath.is_file():
+    if mpath.is_symlink() or not mpath.is_file():
         raise CheckpointError(f"{folder}: no {MANIFEST} (the save never committed)")
     try:
         manifest = json.loads(mpath.read_text())
-    except ValueError:
+    except (ValueError, UnicodeDecodeError):
         raise CheckpointError(f"{mpath}: not valid JSON") from None
-    for key in ("mode", "step", "files", "world_size", "train_state"):
-        if key not in manifest:
-            raise CheckpointError(f"{mpath}: missing {key!r}")
+    if problem := _structure_problem(manifest, folder):
+        raise CheckpointError(f"{mpath}: {problem}")
     return manifest
 
 
 def verify(folder: Path, checksums: bool = True) -> Checkpoint:
     """verify returns the checkpoint if every listed file has its size (and checksum).
 
-    Raises CheckpointError naming the first file that does not.
+    Raises CheckpointError naming the first file that does not, or what is wrong with the
+    manifest. A listed file must be a regular file in the folder, not a symbolic link.
     """
     manifest = read_manifest(folder)
     for name, meta in sorted(manifest["files"].items()):
         path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing")
-        size = path.stat().st_size
-        if size != meta["size"]:
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: not a regular file (a symbolic link?); refused")
+        if st.st_size != meta["size"]:
             raise CheckpointError(
-                f"{path}: {size} bytes, manifest says {meta['size']} (truncated?)")
+                f"{path}: {st.st_size} bytes, manifest says {meta['size']} (truncated?)")
         if checksums and not checksum_ok(path, meta):
             raise CheckpointError(
                 f"{path}: {checksum_kind(meta)} does not match the manifest (corrupt)")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +18,8 @@ from pyrecover.checkpoint import dcp_io, store, vanilla
 from pyrecover.checkpoint import memory as memory_mode
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 from pyrecover.rundir import RunDir
+
+log = logging.getLogger("pyrecover")
 
 
 def open_run(path: str | Path) -> RunDir:
@@ -40,14 +45,42 @@ class Row:
         return not self.problem
 
 
+def load_problem(ckpt: Checkpoint) -> str:
+    """load_problem is "" when what a restore reads first of `ckpt` loads safely (DCP's
+    metadata through the restricted unpickler, a vanilla file or memory meta through the
+    weights-only one), else why not. Cheap: no tensor bytes are read."""
+    try:
+        if ckpt.mode == dcp_mode.NAME:
+            dcp_io.Reader(ckpt.path)
+            json.loads((ckpt.path / dcp_mode.EXTRA_FILE).read_text())["config"]["model"]
+        elif ckpt.mode == vanilla.NAME:
+            vanilla.load_file(ckpt)["model"]
+        elif ckpt.mode == memory_mode.NAME:
+            memory_mode.first_meta(ckpt.path, list(ckpt.manifest["files"]))["layout"]
+        else:
+            return f"mode {ckpt.mode!r} is not one this version knows"
+    except Exception as exc:
+        return f"cannot be read: {type(exc).__name__}: {_first_line(exc)}"
+    return ""
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
 def list_checkpoints(run: RunDir, checksums: bool = True, steps: set[int] | None = None,
                      now: float | None = None) -> list[Row]:
-    """list_checkpoints describes every step folder, newest first, verified or with its problem."""
+    """list_checkpoints describes every step folder, newest first, verified or with its problem.
+
+    With `checksums`, a checkpoint whose files verify must also load safely (load_problem).
+    """
     now = time.time() if now is None else now
     rows = []
     for step, folder, ckpt, problem in store.scan(run.checkpoints, checksums):
         if steps is not None and step not in steps:
             continue
+        if ckpt is not None and checksums:
+            problem = load_problem(ckpt)
         try:
             manifest = ckpt.manifest if ckpt else store.read_manifest(folder)
             mode, world = manifest["mode"], manifest["world_size"]
@@ -61,15 +94,29 @@ def list_checkpoints(run: RunDir, checksums: bool = True, steps: set[int] | None
 
 def pick(run: RunDir, step: int | None) -> Checkpoint:
     """pick returns the checkpoint of `step` (or the newest valid one), verified."""
+    return next(candidates(run, step))
+
+
+def candidates(run: RunDir, step: int | None) -> Iterator[Checkpoint]:
+    """candidates yields the checkpoint of `step`, or every valid one newest first, verified
+    and loading safely; raises CheckpointError when there is none (more)."""
     if step is not None:
-        folder = run.checkpoints / f"step-{step}"
-        if not folder.is_dir():
+        folder = run.checkpoints / store.step_folder_name(step)
+        if not (folder.is_dir() or folder.is_symlink()):
             have = ", ".join(str(s) for s, _ in store.committed_steps(run.checkpoints)) or "none"
             raise CheckpointError(f"{run.root} has no checkpoint step {step} (steps: {have})")
-        return store.verify(folder)
-    for _, _, ckpt, _ in store.scan(run.checkpoints):
+        ckpt = store.verify(folder)
+        if problem := load_problem(ckpt):
+            raise CheckpointError(f"checkpoint step {step} is invalid: {problem}")
+        yield ckpt
+        return
+    for found, _, ckpt, problem in store.scan(run.checkpoints):
         if ckpt is not None:
-            return ckpt
+            problem = load_problem(ckpt)
+            if not problem:
+                yield ckpt
+                continue
+        log.warning("warning: checkpoint step %d is invalid, skipped: %s", found, problem)
     raise CheckpointError(f"{run.root} has no valid checkpoint")
 
 
@@ -96,18 +143,59 @@ def model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{ckpt.path}: mode {ckpt.mode!r} cannot be read here")
 
 
-def export_model(ckpt: Checkpoint, out: Path) -> int:
-    """export_model writes the plain model state_dict of `ckpt` to `out`; returns its bytes.
+def export_model(run: RunDir, step: int | None, out: Path) -> tuple[Checkpoint, int]:
+    """export_model writes the plain model state_dict of the checkpoint of `step` (default:
+    the newest that reads) to `out`; returns the checkpoint and the file's bytes.
 
     The file holds tensors only, so `torch.load(out, weights_only=True)` reads it with no
     pyrecover code. Written to a temporary name and renamed, so `out` is never half-written.
     """
-    state = model_state(ckpt)
+    ckpt, state = first_that_works(run, step, model_state)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, out)
-    return out.stat().st_size
+    with _temporary(out) as tmp:
+        torch.save(state, tmp)
+    return ckpt, out.stat().st_size
+
+
+def first_that_works(run: RunDir, step: int | None, use) -> tuple[Checkpoint, object]:
+    """first_that_works calls `use(ckpt)` on the checkpoint of `step`, or on the newest valid
+    one, falling back to the next older while `use` fails to read one (named as invalid)."""
+    for ckpt in candidates(run, step):
+        try:
+            return ckpt, use(ckpt)
+        except Exception as exc:
+            problem = f"cannot be read: {type(exc).__name__}: {_first_line(exc)}"
+            if step is not None:
+                raise CheckpointError(f"checkpoint step {ckpt.step} is invalid: {problem}"
+                                      ) from None
+            log.warning("warning: checkpoint step %d is invalid, skipped: %s", ckpt.step,
+                        problem)
+    raise AssertionError("unreachable: candidates() raises when it runs out")
+
+
+class _temporary:
+    """_temporary yields a temporary path next to `out` and renames it to `out` on success;
+    on failure (the rename included) nothing is left behind."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.tmp = out, out.with_name(f".{out.name}.tmp-{os.getpid()}")
+
+    def __enter__(self) -> Path:
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                os.replace(self.tmp, self.out)
+        except OSError as err:
+            exc = err
+        finally:
+            if self.tmp.is_dir() and not self.tmp.is_symlink():
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            elif self.tmp.exists() or self.tmp.is_symlink():
+                self.tmp.unlink()
+        if isinstance(exc, OSError):  # a full disk, an --out that is a folder: one line
+            raise CheckpointError(f"cannot write {self.out}: {exc.strerror or exc}") from None
 
 
 def human_bytes(n: float) -> str:
@@ -154,45 +242,53 @@ def _parts_for(cfg: dict):
                  train_state=dict)
 
 
-def convert(ckpt: Checkpoint, to: str, out: Path) -> None:
-    """convert writes `ckpt` in the other mode's format.
-
-    `torch`: one file with what a vanilla `state.pt` holds (`torch.load(weights_only=True)`).
-    `dcp`: a folder that plain `torch.distributed.checkpoint.load` reads (`model.*`,
-    `optim.*`), plus `extra.json` and `rng-<rank>.pt` as a pyrecover dcp checkpoint has.
-    """
+def _read_full(ckpt: Checkpoint):
     from pyrecover.checkpoint.dcp import DcpMode
     from pyrecover.checkpoint.vanilla import VanillaMode
 
-    if to not in ("torch", "dcp"):
-        raise CheckpointError(f"--to {to!r}: expected torch or dcp")
-    if out.exists():
-        raise CheckpointError(f"{out} already exists; choose a new path")
     world = int(ckpt.manifest["world_size"])
     parts = _parts_for(config_of(ckpt))
     if ckpt.mode == vanilla.NAME:
         VanillaMode(0, 1).restore(ckpt, parts)
         rngs = list(vanilla.load_file(ckpt)["rng"])
-    else:
+    elif ckpt.mode == dcp_mode.NAME:
         DcpMode(0, 1, torch.device("cpu"), async_save=False).restore(ckpt, parts)
         rngs = [torch.load(ckpt.path / dcp_mode.rng_file(r), weights_only=True)
                 for r in range(world)]
-    train = dict(ckpt.manifest["train_state"])
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    if to == "torch":
-        torch.save(vanilla.full_state(parts, train, rngs), tmp)
     else:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        raise CheckpointError(f"{ckpt.path}: mode {ckpt.mode!r} cannot be converted here")
+    return parts, rngs
 
-        tmp.mkdir(parents=True)
-        model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
-        with dcp_mode.quiet_single_process():
-            dcp.save({"model": model_sd, "optim": optim_sd},
-                     storage_writer=dcp_io.Writer(tmp), no_dist=True)
-        extra = {"scheduler": parts.scheduler.state_dict(), "config": parts.config,
-                 "train": train}
-        (tmp / dcp_mode.EXTRA_FILE).write_text(json.dumps(extra))
-        for rank, state in enumerate(rngs):
-            torch.save(state, tmp / dcp_mode.rng_file(rank))
-    os.replace(tmp, out)
+
+def convert(run: RunDir, step: int | None, to: str, out: Path) -> Checkpoint:
+    """convert writes the checkpoint of `step` (default: the newest that reads) in the other
+    mode's format, and returns the checkpoint it converted.
+
+    `torch`: one file with what a vanilla `state.pt` holds (`torch.load(weights_only=True)`).
+    `dcp`: a folder that plain `torch.distributed.checkpoint.load` reads (`model.*`,
+    `optim.*`), plus `extra.json` and `rng-<rank>.pt` as a pyrecover dcp checkpoint has.
+    """
+    if to not in ("torch", "dcp"):
+        raise CheckpointError(f"--to {to!r}: expected torch or dcp")
+    if out.exists() or out.is_symlink():
+        raise CheckpointError(f"{out} already exists; choose a new path")
+    ckpt, (parts, rngs) = first_that_works(run, step, _read_full)
+    train = dict(ckpt.manifest["train_state"])
+    with _temporary(out) as tmp:
+        if to == "torch":
+            torch.save(vanilla.full_state(parts, train, rngs), tmp)
+        else:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            tmp.mkdir(parents=True)
+            model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+            with dcp_mode.quiet_single_process():
+                dcp.save({"model": model_sd, "optim": optim_sd},
+                         storage_writer=dcp_io.Writer(tmp), no_dist=True)
+            extra = {"scheduler": parts.scheduler.state_dict(), "config": parts.config,
+                     "train": train}
+            (tmp / dcp_mode.EXTRA_FILE).write_text(json.dumps(extra))
+            for rank, state in enumerate(rngs):
+                torch.save(state, tmp / dcp_mode.rng_file(rank))
+    return ckpt

@@ -46,12 +46,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pyrecover.data import DataError
     from pyrecover.dist import DistError
     from pyrecover.loop import TrainingError
+    from pyrecover.rundir import RunLocked
     from pyrecover.slurm import LaunchError
     from pyrecover.status import StatusError
     from pyrecover.sweep import SweepError
 
     return (ConfigError, DataError, DistError, CheckpointError, TrainingError, StatusError,
-            LaunchError, SweepError)
+            LaunchError, SweepError, RunLocked)
 
 
 def main() -> None:
@@ -69,8 +70,10 @@ def main() -> None:
             sys.exit(EXIT_STOPPED)
 
         from pyrecover.checkpoint.manager import SaveFailed
+        from pyrecover.rundir import StorageError
 
-        if isinstance(exc, (PeerLost, SaveFailed)):  # a fault, not a bug here: no traceback
+        # A fault, not a bug here: no traceback.
+        if isinstance(exc, (PeerLost, SaveFailed, StorageError)):
             typer.echo(f"error: {exc}", err=True)
             sys.exit(1)
         raise

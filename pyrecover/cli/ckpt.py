@@ -70,8 +70,7 @@ def export(
     """Write the model weights for inference: `torch.load(OUT, weights_only=True)` reads them."""
     from pyrecover.checkpoint import tools
 
-    ckpt = tools.pick(tools.open_run(run_dir), step)
-    size = tools.export_model(ckpt, out)
+    ckpt, size = tools.export_model(tools.open_run(run_dir), step, out)
     typer.echo(f"exported step {ckpt.step} ({ckpt.mode}) to {out} ({tools.human_bytes(size)})")
 
 
@@ -90,6 +89,5 @@ def convert(
     """
     from pyrecover.checkpoint import tools
 
-    ckpt = tools.pick(tools.open_run(run_dir), step)
-    tools.convert(ckpt, to, out)
+    ckpt = tools.convert(tools.open_run(run_dir), step, to, out)
     typer.echo(f"converted step {ckpt.step} ({ckpt.mode}) to {to}: {out}")

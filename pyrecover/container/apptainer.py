@@ -121,7 +121,7 @@ def env_arg(key: str, value: str) -> str:
     text is one pair (commas allowed, surrounding `"` stripped); with more, it is read as CSV,
     so a value holding both `=` and `,` would be split into several pairs.
     """
-    if not _ENV_KEY.match(key):
+    if not _ENV_KEY.fullmatch(key):
         raise ContainerError(f"environment variable name {key!r}: use letters, digits and '_', "
                              "not starting with a digit")
     value = str(value)

@@ -29,7 +29,7 @@ MAX_SIGNAL_SECONDS = 65535  # SLURM keeps --signal's time in 16 bits
 # SLURM's --time forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _TIME = re.compile(r"(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)")
 _NO_LIMIT = ("infinite", "unlimited", "-1")
-_NAME = re.compile(r"^[A-Za-z0-9._,-]+$")  # partition (comma-separated list) and account
+_NAME = re.compile(r"[A-Za-z0-9._,-]+")  # partition (comma-separated list) and account
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def validate(profile: ClusterProfile) -> None:
              f"({profile.signal_seconds} s), or the stop signal comes at the start")
     for key in ("partition", "account"):
         value = getattr(profile, key)
-        if value is not None and not _NAME.match(value):
+        if value is not None and not _NAME.fullmatch(value):
             _bad(key, value, "letters, digits, '.', '_', '-' (a list separated by ',')")
     if profile.image is not None and not profile.image.strip():
         _bad("image", profile.image, "the path of an apptainer image (.sif)")

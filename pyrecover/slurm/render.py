@@ -211,8 +211,13 @@ def train_argv(spec: JobSpec) -> list[Word]:
 
 def render(spec: JobSpec) -> str:
     """render returns the sbatch script for `spec`."""
+    options = sbatch_options(spec)
+    for key, value in options.items():
+        if value is not None:
+            _check_sbatch_path(f"#SBATCH --{key}", str(value))
+    _check_sbatch_path("the run directory", spec.run_dir)  # also in EVENTS= and the command
     sbatch = [f"#SBATCH --{k}" if v is None else f"#SBATCH --{k}={shlex.quote(str(v))}"
-              for k, v in sbatch_options(spec).items()]
+              for k, v in options.items()]
     step = f" \\\n{INDENT}".join(_join(line) for line in step_lines(spec))
     return "\n".join([
         "#!/bin/bash",

@@ -120,6 +120,8 @@ KEY = {"WANDB_API_KEY": "x" * 40}
     ("auto", {"WANDB_MODE": "disabled"}, "", True, "disabled"),
     ("offline", {**KEY, "WANDB_MODE": "online"}, "", True, "offline"),
     ("disabled", {"WANDB_MODE": "online"}, "", True, "disabled"),
+    ("online", KEY, "", True, "online"),
+    ("online", KEY, "", False, "offline"),  # no 60-second wait for a server that is not there
 ])
 def test_auto_goes_online_only_with_an_api_key_and_a_server_and_an_explicit_setting_wins(
         tmp_path, setting, environ, netrc_line, server_up, expected):

@@ -131,3 +131,13 @@ def test_compile_reads_yaml_booleans(text, expected):
 def test_compile_refuses_anything_else():
     with pytest.raises(config.ConfigError, match="train.compile"):
         config.load(None, ["train.compile=maybe"])
+
+
+def test_the_same_data_file_given_relative_then_absolute_is_no_identity_change(tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    old = config.load(None, ["data.path=data/c.parquet"])
+    new = config.load(None, [f"data.path={tmp_path / 'data' / 'c.parquet'}"])
+    assert config.diff_identity(old, new) == []
+    other = config.load(None, [f"data.path={tmp_path / 'other.parquet'}"])
+    assert config.diff_identity(old, other)[0].startswith("data.path: ")

@@ -137,3 +137,20 @@ def test_a_failed_copy_is_reported_by_whoever_reads_it_and_the_fence_never_raise
         assert torch.equal(target, source * 2)
     finally:
         copier.close()
+
+
+def test_a_file_removed_from_a_save_in_flight_fails_that_save_instead_of_committing_it(tmp_path):
+    # What a second run on the same directory used to do: its clean-up removed this run's
+    # in-flight folder, and the save committed with only the files still there.
+    parts = build_state(200_000).parts
+    run = RunDir(tmp_path / "run")
+    run.create()
+    manager = CheckpointManager(run, "dcp", 2, 2, 0, 1, parts, torch.device("cpu"), True)
+    with SlowCopy(manager.mode.stager):
+        manager.at_step(2)
+        (manager.inflight.pending.tmp / "rng-0.pt").unlink()  # before the write is durable
+        manager.before_update()
+    manager.finish(2)  # the failed save is discarded; finish writes step 2 once more
+    failed = [e for e in run.read_events() if e["event"] == "checkpoint_failed"]
+    assert len(failed) == 1 and "rng-0.pt is missing" in failed[0]["reason"]
+    assert "rng-0.pt" in store.verify(run.checkpoints / "step-2").manifest["files"]

@@ -98,3 +98,54 @@ def test_a_tensors_bytes_are_found_inside_its_torch_save_record(crc):
         ).tobytes(), key
         assert record[start + nbytes:start + nbytes + 4] in dcp_io._AFTER_DATA, key
     assert dcp_io.record_layout(b"not a zip at all" * 40) is None
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_real_dcp_metadata_passes_the_restricted_unpickler(tmp_path):
+    state = {**sample_state(), "plain": {"lr": 0.1, "betas": (0.9, 0.95), "name": "x"}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)  # stock
+    back = {**zeros_like(sample_state()), "plain": {"lr": 0.0, "betas": (0, 0), "name": ""}}
+    dcp.load(back, storage_reader=dcp_io.Reader(tmp_path), no_dist=True)
+    assert back["plain"] == state["plain"] and torch.equal(back["f32"], state["f32"])
+
+
+@pytest.mark.parametrize("where", [".metadata", "record"])
+def test_a_pickle_that_runs_code_is_refused_and_never_runs(tmp_path, where):
+    import pickle
+
+    from pyrecover.checkpoint.store import CheckpointError
+
+    marker = tmp_path / "PWNED"
+    dcp.save({"t": torch.ones(2), "v": {"x": 1}}, storage_writer=dcp_io.Writer(tmp_path / "c"),
+             no_dist=True)
+    evil = pickle.dumps(_RunsCode(marker))
+    if where == ".metadata":
+        (tmp_path / "c" / ".metadata").write_bytes(evil)
+    else:  # a non-tensor value's record, which DCP itself loads with weights_only=False
+        buf = io.BytesIO()
+        torch.save(_RunsCode(marker), buf)
+        # Offsets live in .metadata: point the value's entry at an appended record.
+        reader = dcp_io.Reader(tmp_path / "c")
+        meta = reader.checked_metadata
+        (index, info), = [(k, v) for k, v in meta.storage_data.items() if k.fqn == "v.x"]
+        path = tmp_path / "c" / info.relative_path
+        offset = path.stat().st_size
+        with path.open("ab") as f:
+            f.write(buf.getvalue())
+        meta.storage_data[index] = type(info)(info.relative_path, offset, len(buf.getvalue()))
+        (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(meta))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises((CheckpointError, CheckpointException), match="refused|never holds"):
+        dcp.load({"t": torch.zeros(2), "v": {"x": 0}},
+                 storage_reader=dcp_io.Reader(tmp_path / "c"), no_dist=True)
+    assert not marker.exists()

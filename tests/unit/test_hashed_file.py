@@ -74,6 +74,9 @@ def test_damage_to_a_committed_file_fails_verify_and_names_the_checksum(tmp_path
     out = hashed_file.HashedFile(str(pending.tmp / "part.bin"), kind=kind)
     out.write(random.Random(0).randbytes(5 * BLOCK // 2))
     pending.files["part.bin"] = out.close()
+    for name in (".metadata", "extra.json"):  # what a dcp manifest must list besides
+        with pending.open(name) as f:
+            f.write(b"{}")
     folder = pending.commit("dcp", 1, {"step": 1})
     store.verify(folder)
     raw = bytearray((folder / "part.bin").read_bytes())

@@ -489,3 +489,49 @@ def test_a_task_ended_by_slurm_after_the_trainer_decided_keeps_the_trainers_outc
     decided = json.loads(spec.run.events.read_text().splitlines()[-1])
     assert (decided["event"], decided["exit_code"]) == (decision, code), stderr
     assert exit_code == code
+
+
+# ----------------------------------------------------------- a trailing newline in a name
+
+
+@pytest.mark.parametrize("how", ["yaml", "option"])
+def test_a_name_with_a_trailing_newline_is_refused_by_launch_dry_run(tmp_path, how):
+    # `$` in re.match accepts "x\n": the newline ended the #SBATCH line, and the quoting of
+    # every later line shifted so that text in run.storage ran in the batch shell.
+    name = "abc\n"
+    if how == "yaml":
+        cfg = tmp_path / "exp.yaml"
+        cfg.write_text(TINY.read_text().replace("exp_name: tiny", f"exp_name: {json.dumps(name)}"))
+        done = pyrecover("launch", "--config", str(cfg), "--cluster", str(LOCAL), "--dry-run",
+                         "--set", f"run.storage={tmp_path / 'store'}", cwd=tmp_path)
+    else:
+        done = launch(tmp_path, "--cluster", str(LOCAL), "--dry-run", "--exp-name", name)
+    if how == "option":  # --set and --exp-name read the value as YAML, which drops the newline
+        assert done.returncode == 0 and "#SBATCH --job-name=abc\n" in done.stdout
+        return
+    assert done.returncode == 2, done.stdout
+    assert done.stderr.count("\n") == 1 and "run.exp_name='abc\\n'" in done.stderr
+    assert done.stdout == "" and files_under(tmp_path) == [Path("exp.yaml")]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("job_name", "abc\n"), ("job_name", "a\rb"), ("run_dir", "/scratch/x\n"),
+    ("partition", "gpu\n"), ("account", "a\x00b"), ("time", "10\n"),
+])
+def test_every_sbatch_value_is_checked_even_past_config_validation(field, value):
+    spec = dataclasses.replace(spec_for("srun"), **{field: value})
+    with pytest.raises(LaunchError, match="an #SBATCH line cannot carry"):
+        render.render(spec)
+
+
+def test_the_rendered_script_of_an_edge_name_runs_in_bash_and_runs_nothing_else(tmp_path):
+    storage = tmp_path / f"st {HOSTILE}"
+    spec = spec_for("srun", sets=[f"run.storage={storage}", "run.exp_name=a.b_c-9"])
+    script = render.render(spec)
+    for line, (key, value) in zip(sbatch_lines(script), render.sbatch_options(spec).items(),
+                                  strict=True):
+        assert bash_words(line) == [f"--{key}" if value is None else f"--{key}={value}"]
+    argv, stderr, code = run_step(script, tmp_path)
+    assert code == 0, stderr
+    assert argv == expected_argv(spec)
+    assert not list(tmp_path.rglob("pwned")) and not (tmp_path / "z").exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pyrecover.checkpoint import store
@@ -66,3 +68,31 @@ def test_recommitting_a_step_replaces_it_whole(tmp_path):
     folder = commit(tmp_path, 10, b"new" * 10)
     assert (folder / "state.pt").read_bytes() == b"new" * 10
     assert [p.name for p in tmp_path.iterdir()] == ["step-10"]
+
+
+def test_recommitting_over_an_invalid_step_keeps_the_invalid_one_for_inspection(tmp_path):
+    old = commit(tmp_path, 10, b"old" * 10)
+    (old / "state.pt").write_bytes(b"cut")
+    folder = commit(tmp_path, 10, b"new" * 10)
+    assert store.verify(folder).size == 30
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("invalid-step-10-")]
+    assert len(kept) == 1 and (kept[0] / "state.pt").read_bytes() == b"cut"
+    assert [s for s, _ in store.committed_steps(tmp_path)] == [10]
+
+
+@pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/b", "..", ".", "", "manifest.json"])
+def test_a_manifest_naming_a_file_outside_its_folder_is_refused(tmp_path, name):
+    folder = commit(tmp_path, 10)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][name] = {"size": 1, "sha256": "0"}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="not a"):
+        store.verify(folder)
+
+
+def test_a_symlinked_step_folder_is_refused(tmp_path):
+    real = commit(tmp_path / "elsewhere", 10)
+    (tmp_path / "ckpts").mkdir()
+    (tmp_path / "ckpts" / "step-10").symlink_to(real)
+    (row,) = list(store.scan(tmp_path / "ckpts"))
+    assert row[2] is None and "symbolic link" in row[3]

@@ -96,6 +96,7 @@ class Snapshots:
         exchange finished, and an exchange that failed (a peer died) raises here.
         """
         self.wait()
+        faults.maybe_kill(step, self.rank, point="snapshot")  # the previous one counted here
         tensors, fqns = self._state_tensors(parts)
         meta = {
             "train": train, "scheduler": parts.scheduler.state_dict(),

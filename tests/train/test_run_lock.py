@@ -1,0 +1,53 @@
+"""One run directory has one live run: a second start is refused, a dead holder never blocks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers import pyrecover, tiny_args
+
+from pyrecover.rundir import read_jsonl
+
+
+def start_and_wait_until_training(storage: Path, corpus: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    env["WANDB_MODE"] = "disabled"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyrecover", "train",
+         *tiny_args(storage, corpus, "run", "train.max_steps=100000", "checkpoint.interval=5")],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(m.get("step", 0) >= 1 for m in read_jsonl(storage / "run" / "metrics.jsonl")):
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the first run never logged a step")
+
+
+def test_a_second_start_on_a_live_run_is_refused_and_a_dead_holder_does_not_block(tmp_path,
+                                                                                   corpus):
+    first = start_and_wait_until_training(tmp_path, corpus)
+    try:
+        second = pyrecover("train", *tiny_args(tmp_path, corpus, "run", "train.max_steps=3"))
+        assert second.returncode == 2
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1, second.stderr
+        assert lines[0].startswith(f"error: {tmp_path / 'run'} is in use by another run (host "
+                                   f"{socket.gethostname()}, pid {first.pid})")
+        assert first.poll() is None  # the live run goes on, its in-flight saves untouched
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    events = [e["event"] for e in read_jsonl(tmp_path / "run" / "events.jsonl")]
+    assert events.count("start") == 1 and "error" not in events
+
+    # The holder died by SIGKILL: its flock went with it, so the next start goes ahead.
+    third = pyrecover("train", *tiny_args(tmp_path, corpus, "run", "train.max_steps=3"))
+    assert third.returncode == 0, third.stderr

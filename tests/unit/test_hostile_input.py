@@ -1,0 +1,106 @@
+"""Hostile or broken input: one line, exit 2, nothing written, and never a huge message."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import TINY, pyrecover
+
+from pyrecover import config as config_mod
+from pyrecover.config import ConfigError
+
+BOMB = """lol0: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+lol1: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+lol2: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+lol3: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+lol4: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+lol5: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+lol6: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
+lol7: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]
+run: {exp_name: *h}
+"""
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_with_a_short_message(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BOMB)
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match="line 2: YAML aliases") as info:
+        config_mod.load(path)
+    assert time.perf_counter() - started < 1 and len(str(info.value)) < 300
+
+
+def test_an_oversized_config_file_is_refused_unread(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("run:\n  exp_name: x\n" + "#" * (2 << 20))
+    with pytest.raises(ConfigError, match="a config file is at most"):
+        config_mod.load(path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("run: {exp_name: x}\n1: 2\n", "key 1 under top level is not a name"),
+    ("train: {seed: 1, 2: 3}\n", "key 2 under train is not a name"),
+    ("train: {lr: " + "9" * 400 + "}\n", "train.lr=" ),
+    ("train: {beta1: 1.0}\n", "train.beta1=1.0 is not allowed: expected 0 <= value < 1"),
+    ("train: {beta2: -0.1}\n", "train.beta2=-0.1 is not allowed"),
+    ("train: {seed: 9223372036854775808}\n", "train.seed=9223372036854775808 is not allowed"),
+    ("train: {seed: " + "9" * 30 + "}\n", "expected a 64-bit integer"),
+    ("train: {weight_decay: -1}\n", "train.weight_decay=-1.0 is not allowed: expected >= 0"),
+    ("model: {block_size: 100000000}\n", "model.block_size=100000000 is not allowed"),
+    ("model: {vocab_size: 4000000000}\n", "model.vocab_size=4000000000 is not allowed"),
+    ("run: {exp_name: [" + "1," * 5000 + "]}\n", "<a list of 5000 items>"),
+    ("run: {exp_name: " + "x" * 5000 + "}\n", "... (5002 characters)"),
+])
+def test_each_bad_value_is_one_short_line_naming_the_key(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        config_mod.load(path)
+    assert message in str(info.value) and len(str(info.value)) < 300, str(info.value)
+
+
+def files_under(path):
+    return sorted(p.relative_to(path) for p in path.rglob("*"))
+
+
+def write_corpus(folder, ids):
+    pq.write_table(pa.table({"ids": pa.array(ids, type=pa.list_(pa.int64()))}),
+                   folder / "tok.parquet")
+
+
+@pytest.mark.parametrize("setup, args, message", [
+    (lambda d: (d / "x.yaml").write_bytes(b"run:\n  exp_name: caf\xe9\n"),
+     ["--config", "x.yaml"], "not UTF-8 text (byte 0xe9 at offset 20)"),
+    (lambda d: (d / "x.yaml").write_text(BOMB), ["--config", "x.yaml"], "YAML aliases"),
+    (lambda d: write_corpus(d, [[1, 2, 3] * 100, [5, 400, 7] * 50]),
+     ["--config", str(TINY), "--set", "data.path=tok.parquet", "--set", "data.column=ids"],
+     "tok.parquet: token id 400 is outside [0, model.vocab_size=320)"),
+    (lambda d: write_corpus(d, [[1, -3, 3] * 100]),
+     ["--config", str(TINY), "--set", "data.path=tok.parquet", "--set", "data.column=ids"],
+     "token id -3 is outside"),
+    (lambda d: write_corpus(d, [[1, 2, 3]]),
+     ["--config", str(TINY), "--set", "data.path=tok.parquet", "--set", "data.column=ids"],
+     "fewer than one window"),
+])
+def test_bad_input_to_train_is_one_line_exit_2_before_anything_is_written(tmp_path, setup, args,
+                                                                          message):
+    setup(tmp_path)
+    before = files_under(tmp_path)
+    done = pyrecover("train", *args, "--set", f"run.storage={tmp_path / 'store'}", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert files_under(tmp_path) == before
+
+
+def test_a_corpus_error_with_two_local_ranks_is_said_once_and_writes_nothing(tmp_path):
+    write_corpus(tmp_path, [[1, 2, 3]])
+    done = pyrecover("train", "--nproc", "2", "--config", str(TINY), "--set",
+                     "data.path=tok.parquet", "--set", "data.column=ids", "--set",
+                     f"run.storage={tmp_path / 'store'}", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("error: ") == 1 and "fewer than one window" in done.stderr
+    assert not (tmp_path / "store").exists()
