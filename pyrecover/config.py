@@ -1,9 +1,10 @@
-"""Experiment configuration: nested dataclasses, YAML, `--set` overrides, validation.
+"""Experiment configuration: read YAML and `--set` overrides into the schema, then validate.
 
-Precedence is `--set section.key=value` > YAML file > the defaults below. The defaults are
-the embedded CPU demo, so `pyrecover train` with no file still does something useful.
+Precedence is `--set section.key=value` > YAML file > the schema's defaults, which are
+the embedded CPU demo.
 Every user mistake raises `ConfigError` with the key, the bad value and what is allowed.
-This module imports nothing else from the project.
+The schema is config_schema.py and the rules config_checks.py; both are re-exported here, so
+`from pyrecover.config import Config, ConfigError, load` is all a caller needs.
 """
 
 from __future__ import annotations
@@ -14,143 +15,38 @@ import os
 import re
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A user mistake in the configuration: one line naming the key and what is allowed."""
-
-
-CHECKPOINT_MODES = ("vanilla", "dcp", "memory")
-WANDB_MODES = ("auto", "offline", "online", "disabled")
-PRECISIONS = ("auto", "fp32", "bf16")
-DEVICES = ("auto", "cpu", "cuda")
-_EXP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # always fullmatch: `$` passes "x\n"
-
-
-@dataclass
-class RunConfig:
-    exp_name: str = "demo"
-    """Names the run directory `<storage>/<exp_name>`: letters, digits, `.`, `_`, `-`."""
-    storage: str = "runs"
-    """Root folder of all run directories (relative paths are taken from the working dir)."""
-    stop_signal: str = "USR2"
-    """Signal that asks for a clean stop (save, exit 75, requeue); SIGTERM always does too.
-    USR2 by default because NCCL may use USR1."""
-    hang_timeout: str = "auto"
-    """Seconds a phase of a step may run before the rank counts as hung (stacks, `hang`
-    event, exit 76); `auto`: 10 x the slowest step so far, within 60-600 s; `off`: no watchdog."""
-    hang_startup_timeout: float = 900.0
-    """The same for the first step of a start, a checkpoint load, and a save (loads and saves:
-    counted from their last read or write)."""
-    straggler_interval: int = 50
-    """Every this many steps the ranks compare their own compute time; 0 turns it off."""
-    straggler_factor: float = 1.5
-    """A rank this many times slower than the median counts as slow in a window."""
-    straggler_windows: int = 3
-    """Slow windows in a row before a `straggler` event."""
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int = 320
-    """Byte-level tokens use 0-255 and 256 as end of document; the rest pads to a multiple of 64."""
-    block_size: int = 128
-    """Context length in tokens."""
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = False
-
-
-@dataclass
-class DataConfig:
-    path: str = "data/stdlib.parquet"
-    """Parquet corpus; `pyrecover data prepare SRC_DIR OUT.parquet` builds one."""
-    column: str = "text"
-    """A string column (byte-level tokens) or a list-of-integers column (already tokenized)."""
-
-
-@dataclass
-class TrainConfig:
-    max_steps: int = 300
-    global_batch_size: int | str = "auto:16"
-    """Sequences per optimizer step, summed over all ranks and accumulation micro-steps.
-    `N`: exactly N, refused unless it splits over the ranks; `auto:N`: N where it splits,
-    otherwise the nearest multiple of world size x micro_batch_size; `auto`: one micro batch
-    per rank. The number an `auto` value resolves to is recorded in run.yaml and kept on
-    resume (`resolve_global_batch`)."""
-    micro_batch_size: int = 8
-    """Sequences per forward pass on one rank."""
-    seed: int = 1337
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this; 0 turns clipping off."""
-    max_bad_steps: int = 5
-    """Stop with an error after this many consecutive steps with a NaN/inf loss or gradient."""
-    log_interval: int = 10
-    precision: str = "auto"
-    """`auto` is bf16 autocast on CUDA and fp32 on CPU."""
-    device: str = "auto"
-    compile: str = "auto"
-    """`torch.compile` the model: `auto` is on for CUDA and off on CPU; `true` or `false`."""
-
-
-@dataclass
-class CheckpointConfig:
-    mode: str = "vanilla"
-    interval: int = 50
-    """Save every this many optimizer steps (and always at the last step)."""
-    keep: int = 3
-    """Committed checkpoints kept on disk; at least 2, so one bad save never leaves nothing."""
-    async_save: bool = True
-    """dcp: write in the background; the loop waits only for the copy into CPU memory."""
-    snapshot_interval: int = 5
-    """memory: steps between in-memory snapshots (a crash loses at most this many steps)."""
-    replicas: int = 2
-    """memory: copies of each rank's slice, on distinct ranks (on other nodes when possible)."""
-
-
-@dataclass
-class TrackingConfig:
-    wandb: str = "auto"
-    """`auto`: WANDB_MODE if set, else online when a wandb API key is configured, else offline."""
-    project: str = "pyrecover"
-    entity: str = ""
-    """wandb team or user; empty: the API key's default entity."""
-    group: str = ""
-    tags: str = ""
-    """Comma-separated, e.g. `baseline,125m`."""
-    name: str = ""
-    """Display name of the wandb run; empty: run.exp_name."""
-
-
-@dataclass
-class Config:
-    run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-
-    def run_dir(self) -> Path:
-        """run_dir is `<storage>/<exp_name>`; the name was validated not to leave storage."""
-        return Path(self.run.storage) / self.run.exp_name
-
-
-# Keys that change what a resumed run computes; a restart that changes one is refused.
-IDENTITY_KEYS = ("model", "data", "train.seed", "train.global_batch_size")
+from pyrecover.config_checks import (  # noqa: F401  (re-exported)
+    _MOST,
+    _bad,
+    _choice,
+    _positive,
+    check_local_gpus,
+    check_world_size,
+    parse_global_batch,
+    short,
+    validate,
+)
+from pyrecover.config_schema import (  # noqa: F401  (re-exported)
+    _EXP_NAME,
+    CHECKPOINT_MODES,
+    DEVICES,
+    IDENTITY_KEYS,
+    PRECISIONS,
+    WANDB_MODES,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    RunConfig,
+    TrackingConfig,
+    TrainConfig,
+)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -257,152 +153,6 @@ def diff_identity(old: Config, new: Config) -> list[str]:
         for k in sorted(set(a) | set(b))
         if a.get(k) != b.get(k) and any(k == p or k.startswith(p + ".") for p in IDENTITY_KEYS)
     ]
-
-
-def validate(cfg: Config) -> None:
-    """validate checks values and their relations; raises ConfigError naming the first bad key."""
-    name = cfg.run.exp_name
-    if not isinstance(name, str) or not _EXP_NAME.fullmatch(name) or ".." in name:
-        _bad("run.exp_name", cfg.run.exp_name, "letters, digits, '.', '_' and '-', no '/' or '..'")
-    if cfg.run.stop_signal.upper().removeprefix("SIG") not in ("USR1", "USR2", "TERM", "INT",
-                                                                 "HUP", "XCPU"):
-        _bad("run.stop_signal", cfg.run.stop_signal, "one of USR1, USR2, TERM, INT, HUP, XCPU")
-    if not cfg.run.storage:
-        _bad("run.storage", cfg.run.storage, "a folder path")
-    _check_watchdog(cfg.run)
-    m = cfg.model
-    for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-        _positive(f"model.{key}", getattr(m, key))
-    for key, most in _MOST.items():
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) > most:
-            _bad(key, getattr(getattr(cfg, section), name), f"at most {most}")
-    if m.vocab_size < 257:
-        _bad("model.vocab_size", m.vocab_size, "at least 257 (256 byte values and end-of-doc)")
-    if m.n_embd % m.n_head:
-        _bad("model.n_embd", m.n_embd, f"a multiple of model.n_head ({m.n_head})")
-    if not 0.0 <= m.dropout < 1.0:
-        _bad("model.dropout", m.dropout, "0 <= dropout < 1")
-    if not cfg.data.path:
-        _bad("data.path", cfg.data.path, "the path of a parquet file")
-    t = cfg.train
-    for key in ("max_steps", "micro_batch_size", "max_bad_steps"):
-        _positive(f"train.{key}", getattr(t, key))
-    _positive("train.log_interval", t.log_interval)
-    target = parse_global_batch(t.global_batch_size)
-    if isinstance(t.global_batch_size, int) and target % t.micro_batch_size:
-        _bad("train.global_batch_size", t.global_batch_size,
-             f"a multiple of train.micro_batch_size ({t.micro_batch_size})")
-    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        _bad("train.min_lr", t.min_lr, f"0 <= min_lr <= lr ({t.lr}) and lr > 0")
-    for key in ("beta1", "beta2"):
-        if not 0.0 <= getattr(t, key) < 1.0:
-            _bad(f"train.{key}", getattr(t, key), "0 <= value < 1")
-    if t.weight_decay < 0:
-        _bad("train.weight_decay", t.weight_decay, ">= 0")
-    if not 0 <= t.seed < 2**63:
-        _bad("train.seed", t.seed, "0 <= seed < 2**63")
-    if t.warmup_steps < 0:
-        _bad("train.warmup_steps", t.warmup_steps, ">= 0")
-    if t.grad_clip < 0:
-        _bad("train.grad_clip", t.grad_clip, ">= 0 (0 turns clipping off)")
-    _choice("train.precision", t.precision, PRECISIONS)
-    _choice("train.device", t.device, DEVICES)
-    _choice("train.compile", t.compile, ("auto", "true", "false"))
-    c = cfg.checkpoint
-    _choice("checkpoint.mode", c.mode, CHECKPOINT_MODES)
-    _positive("checkpoint.interval", c.interval)
-    _positive("checkpoint.snapshot_interval", c.snapshot_interval)
-    _positive("checkpoint.replicas", c.replicas)
-    if c.keep < 2:
-        _bad("checkpoint.keep", c.keep, "at least 2, so a failed save never leaves no checkpoint")
-    _choice("tracking.wandb", cfg.tracking.wandb, WANDB_MODES)
-
-
-def _check_watchdog(r: RunConfig) -> None:
-    text = r.hang_timeout.strip().lower()
-    if text not in ("auto", "off"):
-        try:
-            seconds = float(text)
-        except ValueError:
-            seconds = 0.0
-        if not (math.isfinite(seconds) and seconds > 0):
-            _bad("run.hang_timeout", r.hang_timeout, "auto, off, or a number of seconds > 0")
-    if not r.hang_startup_timeout > 0:
-        _bad("run.hang_startup_timeout", r.hang_startup_timeout, "a number of seconds > 0")
-    if r.straggler_interval < 0:
-        _bad("run.straggler_interval", r.straggler_interval, ">= 0 (0 turns it off)")
-    if not r.straggler_factor > 1:
-        _bad("run.straggler_factor", r.straggler_factor, "a number > 1")
-    _positive("run.straggler_windows", r.straggler_windows)
-
-
-def check_world_size(cfg: Config, world_size: int) -> None:
-    """check_world_size raises unless a fixed global batch splits over ranks and micro-batches
-    (an `auto` one always fits: pyrecover.batch resolves it)."""
-    size = cfg.train.global_batch_size
-    per_step = world_size * cfg.train.micro_batch_size
-    if isinstance(size, int) and size % per_step:
-        _bad("train.global_batch_size", size,
-             f"a multiple of world size x train.micro_batch_size ({world_size} x "
-             f"{cfg.train.micro_batch_size} = {per_step}), or auto:{size}")
-
-
-_AUTO = re.compile(r"auto(?::(\d+))?")
-
-
-def parse_global_batch(value: int | str) -> int | None:
-    """parse_global_batch reads `N`, `auto:N` (the target N) or `auto` (None: no target)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        target: int | None = value
-    else:
-        m = _AUTO.fullmatch(str(value).strip().lower())
-        if not m:
-            _bad("train.global_batch_size", value, "a number of sequences N, auto:N or auto")
-        target = int(m.group(1)) if m.group(1) else None
-    if target is not None and target < 1:
-        _bad("train.global_batch_size", value, "a number of sequences >= 1")
-    return target
-
-
-def check_local_gpus(cfg: Config, local_processes: int, visible_gpus: int) -> None:
-    """check_local_gpus raises unless each of `local_processes` processes on this machine gets
-    a GPU of its own when the run trains on CUDA (NCCL refuses two ranks on one device)."""
-    if cfg.train.device == "cpu" or local_processes <= visible_gpus:
-        return
-    if cfg.train.device == "auto" and visible_gpus == 0:
-        return  # auto trains on the CPU where there is no GPU
-    raise ConfigError(
-        f"{local_processes} processes on this machine need {local_processes} GPUs, but "
-        f"{visible_gpus} {'is' if visible_gpus == 1 else 'are'} visible; start at most "
-        f"{visible_gpus} (--nproc {visible_gpus}) or train on the CPU (--set train.device=cpu)")
-
-
-# Sizes past these are typos, and would only fail later inside torch (or fill the memory).
-_MOST = {"model.vocab_size": 1 << 24, "model.block_size": 1 << 20, "model.n_layer": 1024,
-         "model.n_head": 1024, "model.n_embd": 1 << 16}
-
-
-def short(value: Any, limit: int = 80) -> str:
-    """short is repr(value) cut to `limit` characters: an error never repeats a huge value."""
-    if isinstance(value, (dict, list, tuple, set)) and len(value) > 20:
-        return f"<a {type(value).__name__} of {len(value)} items>"
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def _bad(key: str, value: Any, allowed: str) -> typing.NoReturn:
-    raise ConfigError(f"{key}={short(value)} is not allowed: expected {allowed}")
-
-
-def _positive(key: str, value: int) -> None:
-    if value < 1:
-        _bad(key, value, "an integer >= 1")
-
-
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        _bad(key, value, "one of " + ", ".join(allowed))
 
 
 def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
