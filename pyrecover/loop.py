@@ -65,6 +65,7 @@ class Loop:
     progress: Progress | None = None  # a bar on rank 0's terminal; None in a batch log
     flops_per_token: float = 0.0  # for MFU (flops.py)
     peak_flops: float | None = None  # one device's bf16 peak; None: no MFU (CPU, unknown GPU)
+    on_step: Callable[[int], None] | None = None  # after each step's update (phase timings)
 
     def run_steps(self) -> TrainState:
         t = self.cfg.train
@@ -79,6 +80,8 @@ class Loop:
             self.state.data_position = self.batches.position
             window_steps += 1
             step = self.state.step
+            if self.on_step is not None:
+                self.on_step(step)
             if self.progress is not None:
                 self.progress.update(step, loss, tokens_per_step)
             if self.rank == 0 and (step % t.log_interval == 0 or step == t.max_steps):

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pyrecover import phases
 from pyrecover.rundir import RunDir, read_jsonl
 
 
@@ -39,6 +40,8 @@ class Status:
     goodput: float | None = None
     last_error: str | None = None
     requeue_decisions: list[dict[str, Any]] = field(default_factory=list)
+    interruption: list[dict[str, Any]] = field(default_factory=list)
+    """The newest interruption's phases in order (phases.py), each with its `gap` in seconds."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,6 +84,7 @@ def read(path: str | Path, squeue=None, now: float | None = None) -> Status:
         restore_seconds=round(restore_s, 3), wall_seconds=round(wall, 1),
         goodput=round(goodput, 4) if goodput is not None else None, last_error=last_error,
         requeue_decisions=[e for e in events if e.get("event") in ("requeue", "no_requeue")],
+        interruption=phases.last_interruption(events),
     )
 
 
@@ -207,4 +211,17 @@ def render(s: Status) -> str:
                      f"exit {d.get('exit_code')} -> {d.get('event')} ({d.get('reason')})")
     if s.last_error:
         lines.append(f"last error  {s.last_error}")
-    return "\n".join(lines)
+    return "\n".join(lines + _interruption_lines(s.interruption))
+
+
+def _interruption_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """_interruption_lines: one line per phase of the last interruption, with the seconds since
+    the phase before and since the first."""
+    if not rows:
+        return []
+    first = rows[0]["time"]
+    out = ["last interruption (seconds: since the phase before, since the first)"]
+    for row in rows:
+        clock = time.strftime("%H:%M:%S", time.localtime(row["time"]))
+        out.append(f"  {row['phase']:<18} {clock}  +{row['gap']:7.3f}  {row['time'] - first:8.3f}")
+    return out

@@ -28,6 +28,7 @@ from pyrecover.experiment import prepare_run_dir
 from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig
 from pyrecover.optim import build_optimizer, build_scheduler
+from pyrecover.phases import Phases, process_start_time
 from pyrecover.preempt import StopRequested
 from pyrecover.rundir import RunDir, read_jsonl
 
@@ -56,6 +57,9 @@ def device_kind(cfg: Config) -> str:
 def main(cfg: Config, run_dir: Path) -> None:
     """main trains one rank of the job until train.max_steps, resuming where a checkpoint is."""
     env = dist.detect(os.environ)
+    phases = Phases(env.rank)  # phases.py: this start's timings, written as events by rank 0
+    phases.mark("process_start", process_start_time())
+    phases.mark("imports_done")
     setup_logging(env.rank)
     run = RunDir(run_dir)
     try:  # config and data errors surface here, on every rank, before any collective
@@ -64,6 +68,7 @@ def main(cfg: Config, run_dir: Path) -> None:
         if kind == "cuda":
             config_mod.check_local_gpus(cfg, env.local_world_size, torch.cuda.device_count())
         tokens = load_tokens(cfg.data.path, cfg.data.column)
+        phases.mark("data_ready")
     except (ConfigError, DataError) as exc:
         # Record it where a run already exists (a job launched earlier: the job script reads
         # this to tell "exit 2, never requeue" from a crash); a new run directory is not
@@ -73,16 +78,22 @@ def main(cfg: Config, run_dir: Path) -> None:
         raise
     if env.rank == 0:
         prepare_run_dir(cfg, run)
+        phases.attach(run)
     else:
         run.create()
     # Installed before the slow parts, so a signal during start-up is not lost either.
     flag = preempt.StopFlag().install((cfg.run.stop_signal, "SIGTERM"))
     device = dist.setup(env, kind)
+    phases.mark("group_up")
     managers: list[CheckpointManager] = []
     try:
-        _train(cfg, run, env, device, tokens, managers, flag)
+        _train(cfg, run, env, device, tokens, managers, flag, phases)
     except StopRequested as stop:
         if env.rank == 0:
+            if flag.received_at is not None:
+                phases.mark("signal_seen", flag.received_at, signal=flag.reason)
+            phases.mark("stop_agreed", flag.agreed_at, reason=stop.reason)
+            phases.mark("save_done")
             run.event("stop", step=stop.step, reason=stop.reason)
             log.info("%s", stop)
         raise
@@ -108,6 +119,7 @@ def main(cfg: Config, run_dir: Path) -> None:
             dist.teardown()
         except Exception as exc:  # a group with a dead member may not shut down cleanly
             log.debug("process group teardown failed: %s", exc)
+        phases.mark("exit")
 
 
 class PeerLost(RuntimeError):
@@ -130,7 +142,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
            tokens: torch.Tensor, managers: list[CheckpointManager],
-           flag: preempt.StopFlag) -> None:
+           flag: preempt.StopFlag, phases: Phases) -> None:
     t = cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank
     model = GPT(GPTConfig(**config_mod.to_dict(cfg)["model"])).to(device)
@@ -161,6 +173,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     for line in tracking.describe(system, cfg) if system else []:
         log.info("%s", line)  # versions, devices, layout, SLURM job, resolved config
     ckpt = manager.find_resume()
+    phases.mark("checkpoint_chosen", step=ckpt.step if ckpt is not None else 0)
     if ckpt is None:
         rng.seed_rank(t.seed, env.rank)
         if env.rank == 0:
@@ -169,6 +182,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         restore_started = time.perf_counter()
         restored = manager.restore(ckpt)
         restore_s = time.perf_counter() - restore_started
+        phases.mark("restored")
         state = TrainState(**restored.train)
         batches.position = state.data_position
         if restored.rng is not None and ckpt.manifest["world_size"] == env.world_size:
@@ -196,7 +210,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                 progress=progress.for_terminal(env.rank, t.max_steps, state.step),
                 stopper=preempt.Stopper(flag, preempt.Deadline(
                     preempt.job_end_time(os.environ), preempt.env_margin()), env.rank,
-                    env.world_size))
+                    env.world_size),
+                on_step=lambda step: phases.once("first_step"))
     if state.step >= t.max_steps:
         log.info("nothing to do: step %d already reached train.max_steps=%d", state.step,
                  t.max_steps)
