@@ -92,8 +92,12 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     mode: str = "vanilla"
-    interval: int = 50
-    """Save every this many optimizer steps (and always at the last step)."""
+    interval: int | str = 50
+    """Save every this many optimizer steps (and always at the last step), or `auto`: the
+    Young/Daly interval sqrt(2 x stall x MTBF) from the measured save stall and step time and
+    the failures this run has seen (checkpoint/interval.py), re-chosen after every save."""
+    mtbf_hours: float = 24.0
+    """`interval: auto` only: the mean time between failures assumed before any was seen."""
     keep: int = 3
     """Committed checkpoints kept on disk; at least 2, so one bad save never leaves nothing."""
     async_save: bool = True
@@ -239,7 +243,12 @@ def validate(cfg: Config) -> None:
     _choice("train.compile", t.compile, ("auto", "true", "false"))
     c = cfg.checkpoint
     _choice("checkpoint.mode", c.mode, CHECKPOINT_MODES)
-    _positive("checkpoint.interval", c.interval)
+    if c.interval != "auto":
+        if isinstance(c.interval, str):
+            _bad("checkpoint.interval", c.interval, "an integer >= 1 or auto")
+        _positive("checkpoint.interval", c.interval)
+    if not c.mtbf_hours > 0:
+        _bad("checkpoint.mtbf_hours", c.mtbf_hours, "a number of hours > 0")
     _positive("checkpoint.snapshot_interval", c.snapshot_interval)
     _positive("checkpoint.replicas", c.replicas)
     if c.keep < 2:
@@ -309,7 +318,10 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if any(isinstance(value, a) and not isinstance(value, bool) for a in options):
+            return value  # `int | str`: 50 stays an int, `auto` a string
+        hint = options[0]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pyrecover import config as config_mod
 from pyrecover import dist, flops, preempt, progress, tracking
 from pyrecover.checkpoint import CheckpointManager, rng
+from pyrecover.checkpoint import interval as checkpoint_interval
 from pyrecover.checkpoint.manager import Parts
 from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
@@ -160,10 +161,14 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     state = TrainState()
     parts = Parts(model=model, optimizer=optimizer, scheduler=scheduler,
                   config=config_mod.to_dict(cfg), train_state=lambda: state.to_dict())
-    manager = CheckpointManager(run, cfg.checkpoint.mode, cfg.checkpoint.interval,
+    interval, auto = checkpoint_interval.for_config(
+        cfg.checkpoint.interval, cfg.checkpoint.mtbf_hours, t.max_steps,
+        run.read_events() if env.rank == 0 else [])
+    manager = CheckpointManager(run, cfg.checkpoint.mode, interval,
                                 cfg.checkpoint.keep, env.rank, env.world_size, parts, device,
                                 cfg.checkpoint.async_save, cfg.checkpoint.snapshot_interval,
                                 cfg.checkpoint.replicas, env.local_world_size)
+    manager.auto = auto
     managers.append(manager)  # main() persists through it if a peer dies
     if env.rank == 0:
         log.info("run %s: %s, world size %d (%s), %.2fM parameters, %d windows of %d tokens",

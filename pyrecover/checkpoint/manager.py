@@ -29,6 +29,7 @@ import torch.distributed as tdist
 
 from pyrecover.checkpoint import store
 from pyrecover.checkpoint.dcp import DcpMode
+from pyrecover.checkpoint.interval import AutoInterval
 from pyrecover.checkpoint.memory import MemoryMode, finalize_snapshots
 from pyrecover.checkpoint.mode import Mode, ModeSettings, Parts, Restored, Snapshotting
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
@@ -88,6 +89,8 @@ class CheckpointManager:
         self._retiring: threading.Thread | None = None  # deleting checkpoints beyond `keep`
         self.stall_seconds = 0.0  # time the loop was blocked by saves, summed
         self.last_save_seconds = 0.0  # start to commit of the newest checkpoint (rank 0)
+        self.auto: AutoInterval | None = None  # `checkpoint.interval: auto` (see _retune)
+        self._auto_clock: tuple[int, float] | None = None  # (last save or first step, time)
 
     # --- saving --------------------------------------------------------------------------
 
@@ -97,12 +100,14 @@ class CheckpointManager:
         Returns the seconds this call blocked the training loop.
         """
         started = time.perf_counter()
+        if self.auto is not None and self._auto_clock is None:
+            self._auto_clock = (step, started)
         if self.inflight is not None:
             self._try_commit(wait=False)
         if self.snapshot_interval and step % self.snapshot_interval == 0:
             assert isinstance(self.mode, Snapshotting)
             self.mode.snapshot(step, self.parts, self.parts.train_state())
-        if step % self.interval == 0 or final:
+        if self._due(step) or final:
             if self.inflight is not None:
                 if self.rank == 0:
                     log.warning("checkpoint of step %d is still being written; waiting for it "
@@ -211,7 +216,40 @@ class CheckpointManager:
             self._commit_or_abort(flight, results, self.last_error)
         if not errors:
             self.last_saved_step = flight.pending.step
+            if self.auto is not None:
+                self._retune(flight)
         return True
+
+    def _due(self, step: int) -> bool:
+        """_due: a fixed interval saves at its multiples (aligned across restarts); `auto` saves
+        `interval` steps after the previous save or the attempt's first step."""
+        if self._auto_clock is None:
+            return step % self.interval == 0
+        return step - self._auto_clock[0] >= self.interval
+
+    def _retune(self, flight: _InFlight) -> None:
+        """_retune re-chooses the interval (checkpoint/interval.py) after a commit from rank 0's
+        measured step time and stall; every rank takes rank 0's choice (one broadcast), so
+        saves stay collective."""
+        assert self.auto is not None and self._auto_clock is not None
+        now, (since, clock) = time.perf_counter(), self._auto_clock
+        steps_done = flight.pending.step - since
+        if steps_done > 0:
+            self.auto.observe_step(max(0.0, now - clock - flight.blocked) / steps_done)
+        self.auto.observe_stall(flight.blocked)
+        choice = torch.tensor([self.auto.propose()], dtype=torch.int64)
+        if tdist.is_initialized() and self.world_size > 1:
+            tdist.broadcast(choice, src=0)
+        steps, self._auto_clock = int(choice.item()), (flight.pending.step, now)
+        if steps != self.interval and self.rank == 0:
+            log.info("checkpoint interval %d -> %d steps (auto: save stall %.3fs, step %.3fs, "
+                     "MTBF %.1fh)", self.interval, steps, self.auto.stall_s, self.auto.step_s,
+                     self.auto.mtbf_s / 3600)
+            self.run.event("checkpoint_interval", step=flight.pending.step, interval=steps,
+                           stall_seconds=round(self.auto.stall_s, 4),
+                           step_seconds=round(self.auto.step_s, 5),
+                           mtbf_hours=round(self.auto.mtbf_s / 3600, 3))
+        self.interval = steps
 
     def _commit_or_abort(self, flight: _InFlight, results: list[Any], error: str) -> None:
         pending = flight.pending
