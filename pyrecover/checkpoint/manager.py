@@ -28,9 +28,7 @@ import torch
 import torch.distributed as tdist
 
 from pyrecover.checkpoint import store
-from pyrecover.checkpoint.dcp import DcpMode
 from pyrecover.checkpoint.interval import AutoInterval
-from pyrecover.checkpoint.memory import MemoryMode, finalize_snapshots
 from pyrecover.checkpoint.mode import Mode, ModeSettings, Parts, Restored, Snapshotting
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
 from pyrecover.checkpoint.vanilla import VanillaMode
@@ -39,13 +37,28 @@ from pyrecover.rundir import RunDir
 log = logging.getLogger("pyrecover")
 
 
+def _dcp(rank: int, world_size: int, s: ModeSettings) -> Mode:
+    # Imported where used: torch.distributed.checkpoint took 1.0-2.5 s to import here, on every
+    # rank of every start, in runs that never touch it.
+    from pyrecover.checkpoint.dcp import DcpMode
+
+    return DcpMode(rank, world_size, s.device, s.async_save)
+
+
+def _memory(rank: int, world_size: int, s: ModeSettings) -> Mode:
+    from pyrecover.checkpoint.memory import MemoryMode  # imports torch.distributed.checkpoint
+
+    return MemoryMode(rank, world_size, s.device, s.replicas, s.ranks_per_node)
+
+
 # The modes a run can use: its `checkpoint.mode` -> how to make one for a rank.
 MODES: dict[str, Callable[[int, int, ModeSettings], Mode]] = {
     VanillaMode.name: lambda rank, world_size, s: VanillaMode(rank, world_size),
-    DcpMode.name: lambda rank, world_size, s: DcpMode(rank, world_size, s.device, s.async_save),
-    MemoryMode.name: lambda rank, world_size, s: MemoryMode(rank, world_size, s.device,
-                                                            s.replicas, s.ranks_per_node),
+    "dcp": _dcp,
+    "memory": _memory,
 }
+# Where memory mode's surviving ranks leave snapshots (memory/layout.py's SNAP_PREFIX).
+SNAPSHOT_GLOB = ".snap-step-*"
 
 
 def make_mode(name: str, rank: int, world_size: int, settings: ModeSettings) -> Mode:
@@ -307,7 +320,10 @@ class CheckpointManager:
         choice: list[Any] = [None]
         found: Checkpoint | None = None
         if self.rank == 0:
-            finalize_snapshots(self.root, self.run.event)
+            if any(self.root.glob(SNAPSHOT_GLOB)):
+                from pyrecover.checkpoint.memory import finalize_snapshots
+
+                finalize_snapshots(self.root, self.run.event)
             for tmp in store.clean_uncommitted(self.root):
                 log.warning("removed uncommitted checkpoint folder %s", tmp.name)
             for step, folder, ckpt, problem in store.scan(self.root):
