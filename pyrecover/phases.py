@@ -81,12 +81,16 @@ class Phases:
 
 
 def attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """attempts splits events (in file order) into one list per process start; records before
-    the first `process_start` phase (runs older than phase timings) form an attempt of their
-    own."""
+    """attempts splits events (in file order) into one list per process start: at each
+    `process_start` phase, or (records older than phase timings) at a `start` or `resume`
+    in an attempt that already has one."""
     out: list[list[dict[str, Any]]] = [[]]
     for e in events:
-        if e.get("event") == "phase" and e.get("phase") == "process_start" and out[-1]:
+        kind = e.get("event")
+        begins = (kind == "phase" and e.get("phase") == "process_start") or (
+            kind in ("start", "resume") and any(x.get("event") in ("start", "resume")
+                                                 for x in out[-1]))
+        if begins and out[-1]:
             out.append([])
         out[-1].append(e)
     return [a for a in out if a]

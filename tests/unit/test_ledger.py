@@ -71,3 +71,16 @@ def test_sacct_lines_become_one_time_triple_per_attempt():
     base = time.mktime(time.strptime("2026-11-23T08:00:00", "%Y-%m-%dT%H:%M:%S"))
     assert [(s - base, t - base, e if e is None else e - base) for s, t, e in rows] == [
         (0.0, 5.0, 60.0), (72.0, 80.0, None)]
+
+
+def test_records_from_before_phase_timings_still_add_up_attempt_by_attempt():
+    old = [{"event": "start", "time": 0.0}, {"event": "stop", "time": 10.0},
+           {"event": "requeue", "time": 11.0}, {"event": "resume", "time": 30.0,
+                                                 "steps_lost": 0},
+           {"event": "finish", "time": 40.0}]
+    metrics = [{"time": float(t), "step": t, "step_time": 1.0} for t in (5, 10, 35, 40)]
+    book = ledger(old, metrics)
+    assert book.wall_seconds == 40.0
+    assert book.causes["productive"] == 10.0 + 10.0  # each attempt from its start record
+    assert book.causes["remainder"] == 20.0  # stopping, requeue and the restart in between
+    assert sum(book.causes.values()) == pytest.approx(40.0, abs=1e-6)
