@@ -75,7 +75,12 @@ def validate(cfg: Config) -> None:
     _choice("train.compile", t.compile, ("auto", "true", "false"))
     c = cfg.checkpoint
     _choice("checkpoint.mode", c.mode, CHECKPOINT_MODES)
-    _positive("checkpoint.interval", c.interval)
+    if c.interval != "auto":
+        if isinstance(c.interval, str):
+            _bad("checkpoint.interval", c.interval, "an integer >= 1 or auto")
+        _positive("checkpoint.interval", c.interval)
+    if not c.mtbf_hours > 0:
+        _bad("checkpoint.mtbf_hours", c.mtbf_hours, "a number of hours > 0")
     _positive("checkpoint.snapshot_interval", c.snapshot_interval)
     _positive("checkpoint.replicas", c.replicas)
     if c.keep < 2:

@@ -100,8 +100,12 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     mode: str = "vanilla"
-    interval: int = 50
-    """Save every this many optimizer steps (and always at the last step)."""
+    interval: int | str = 50
+    """Save every this many optimizer steps (and always at the last step), or `auto`: the
+    Young/Daly interval sqrt(2 x stall x MTBF) from the measured save stall and step time and
+    the failures this run has seen (checkpoint/interval.py), re-chosen after every save."""
+    mtbf_hours: float = 24.0
+    """`interval: auto` only: the mean time between failures assumed before any was seen."""
     keep: int = 3
     """Committed checkpoints kept on disk; at least 2, so one bad save never leaves nothing."""
     async_save: bool = True

@@ -71,6 +71,7 @@ class Loop:
     # Hang watchdog and straggler detection (issue 14): phases are reported through _phase.
     watchdog: Watchdog = field(default_factory=Watchdog)  # unstarted: keeps time only
     stragglers: StragglerWatch | None = None
+    on_step: Callable[[int], None] | None = None  # after each step's update (phase timings)
 
     def run_steps(self) -> TrainState:
         t = self.cfg.train
@@ -86,6 +87,8 @@ class Loop:
             self.state.data_position = self.batches.position
             window_steps += 1
             step = self.state.step
+            if self.on_step is not None:
+                self.on_step(step)
             if self.progress is not None:
                 self.progress.update(step, loss, tokens_per_step)
             if self.rank == 0 and (step % t.log_interval == 0 or step == t.max_steps):

@@ -53,6 +53,7 @@ class StopFlag:
 
     signum: int | None = None
     received_at: float | None = None
+    agreed_at: float | None = None  # when the ranks agreed to stop (set by Stopper.check)
     _old: dict[int, object] = field(default_factory=dict)
 
     def install(self, signals: tuple[str, ...] = DEFAULT_SIGNALS) -> StopFlag:
@@ -172,7 +173,10 @@ class Stopper:
         reason = self.flag.reason
         if reason is None and self.rank == 0 and self.deadline.must_stop():
             reason = "deadline"
-        return reason_name(agree(reason_code(reason), self.world_size))
+        agreed = reason_name(agree(reason_code(reason), self.world_size))
+        if agreed is not None and self.flag.agreed_at is None:
+            self.flag.agreed_at = time.time()
+        return agreed
 
 
 def env_margin(environ: Mapping[str, str] = os.environ) -> float:

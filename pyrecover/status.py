@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pyrecover import ledger as ledger_mod
+from pyrecover import phases
 from pyrecover.rundir import RunDir, read_jsonl
 
 
@@ -45,13 +47,18 @@ class Status:
     """`hang` events (the watchdog fired), without their stacks."""
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     """The newest `straggler` event of each rank."""
+    interruption: list[dict[str, Any]] = field(default_factory=list)
+    """The newest interruption's phases in order (phases.py), each with its `gap` in seconds."""
+    ledger: dict[str, Any] = field(default_factory=dict)
+    """Wall time by cause across all requeues (ledger.py)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def read(path: str | Path, squeue=None, now: float | None = None) -> Status:
-    """read builds the Status of a run directory; `squeue(job_id) -> state | None` is optional."""
+def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) -> Status:
+    """read builds the Status of a run directory; `squeue(job_id) -> state | None` and
+    `sacct(job_id) -> [(submit, start, end)]` (each attempt's SLURM times) are optional."""
     run = RunDir(Path(path))
     problem = run.problem()
     if problem:
@@ -93,6 +100,9 @@ def read(path: str | Path, squeue=None, now: float | None = None) -> Status:
                if e.get("event") == "hang"],
         stragglers=list({e.get("rank"): e for e in events
                          if e.get("event") == "straggler"}.values()),
+        interruption=phases.last_interruption(events),
+        ledger=ledger_mod.ledger(events, metrics, [ledger_mod.JobTimes(*t) for t in (
+            sacct(job_id) if (sacct and job_id) else [])]).to_dict(),
     )
 
 
@@ -246,4 +256,32 @@ def render(s: Status) -> str:
                      f"{g.get('windows')} windows in a row)")
     if s.last_error:
         lines.append(f"last error  {s.last_error}")
+    lines += _ledger_lines(s.ledger, s.job_id) + _interruption_lines(s.interruption)
     return "\n".join(lines)
+
+
+def _ledger_lines(book: dict[str, Any], job_id: str | None) -> list[str]:
+    """_ledger_lines: the wall time by cause, each with its share, adding up to the wall."""
+    wall = book.get("wall_seconds") or 0.0
+    if wall <= 0:
+        return []
+    share = book.get("effective_share") or 0.0
+    out = [f"wall time   {wall:.1f}s across all attempts, {share:.1%} effective training; "
+           "by cause" + (" (no queue times: sacct did not answer)"
+                         if job_id and not book["queue_from_slurm"] else "") + ":"]
+    for cause, seconds in book["causes"].items():
+        out.append(f"  {cause.replace('_', ' '):<18} {seconds:9.1f}s  {seconds / wall:6.1%}")
+    return out
+
+
+def _interruption_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """_interruption_lines: one line per phase of the last interruption, with the seconds since
+    the phase before and since the first."""
+    if not rows:
+        return []
+    first = rows[0]["time"]
+    out = ["last interruption (seconds: since the phase before, since the first)"]
+    for row in rows:
+        clock = time.strftime("%H:%M:%S", time.localtime(row["time"]))
+        out.append(f"  {row['phase']:<18} {clock}  +{row['gap']:7.3f}  {row['time'] - first:8.3f}")
+    return out

@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 from pyrecover import config as config_mod
 from pyrecover.config import Config
 from pyrecover.dist import DistEnv
+from pyrecover.ledger import ledger
 from pyrecover.rundir import RunDir, read_jsonl
 
 log = logging.getLogger("pyrecover")
@@ -337,6 +338,7 @@ def start(cfg: Config, run: RunDir, rank: int, system: Mapping[str, Any] | None 
     try:
         wb.summary["restarts"] = len(history)
         wb.summary["interruptions"] = history
+        wb.summary["ledger"] = ledger(events, list(read_jsonl(run.metrics))).to_dict()
     except Exception:  # a summary is a nicety; never a reason to stop
         pass
     where = f"{run.wandb} (offline; upload with: wandb sync {run.wandb})" if mode == "offline" \

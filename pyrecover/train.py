@@ -32,6 +32,7 @@ from pyrecover import (
 )
 from pyrecover import config as config_mod
 from pyrecover.checkpoint import CheckpointManager, rng
+from pyrecover.checkpoint import interval as checkpoint_interval
 from pyrecover.checkpoint.manager import Parts
 from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
@@ -40,6 +41,7 @@ from pyrecover.experiment import prepare_run_dir, recorded_global_batch
 from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig
 from pyrecover.optim import build_optimizer, build_scheduler
+from pyrecover.phases import Phases, process_start_time
 from pyrecover.preempt import StopRequested
 from pyrecover.rundir import RunDir, RunLock, RunLocked, StorageError, read_jsonl
 
@@ -68,6 +70,9 @@ def device_kind(cfg: Config) -> str:
 def main(cfg: Config, run_dir: Path) -> None:
     """main trains one rank of the job until train.max_steps, resuming where a checkpoint is."""
     env = dist.detect(os.environ)
+    phases = Phases(env.rank)  # phases.py: this start's timings, written as events by rank 0
+    phases.mark("process_start", process_start_time())
+    phases.mark("imports_done")
     setup_logging(env.rank)
     run = RunDir(run_dir)
     try:  # config and data errors surface here, on every rank, before any collective
@@ -77,6 +82,7 @@ def main(cfg: Config, run_dir: Path) -> None:
             config_mod.check_local_gpus(cfg, env.local_world_size, torch.cuda.device_count())
         tokens = load_tokens(cfg.data.path, cfg.data.column)
         check_tokens(tokens, cfg.model.vocab_size, cfg.model.block_size, cfg.data.path)
+        phases.mark("data_ready")
     except (ConfigError, DataError) as exc:
         # Record it where a run already exists (a job launched earlier: the job script reads
         # this to tell "exit 2, never requeue" from a crash); a new run directory is not
@@ -90,6 +96,7 @@ def main(cfg: Config, run_dir: Path) -> None:
         if batch_note:
             log.info("%s", batch_note)
         prepare_run_dir(cfg, run, batch_note)
+        phases.attach(run)
     else:
         run.create()
     # Installed before the slow parts, so a signal during start-up is not lost either.
@@ -97,6 +104,7 @@ def main(cfg: Config, run_dir: Path) -> None:
     # Issue 14: the hang watchdog; torch's own timeout is set above its limits (backstop).
     rule = watchdog.rule_from(cfg.run.hang_timeout, cfg.run.hang_startup_timeout)
     device = dist.setup(env, kind, timeout_s=watchdog.backstop_seconds(rule))
+    phases.mark("group_up")
     managers: list[CheckpointManager] = []
 
     def persist() -> None:
@@ -110,11 +118,15 @@ def main(cfg: Config, run_dir: Path) -> None:
     lock = RunLock(run)
     try:
         hold_run_dir(lock, env)
-        _train(cfg, run, env, device, tokens, managers, flag, dog)
+        _train(cfg, run, env, device, tokens, managers, flag, dog, phases)
     except (RunLocked, StorageError):
         raise  # the run directory is another run's, or cannot be written: record nothing
     except StopRequested as stop:
         if env.rank == 0:
+            if flag.received_at is not None:
+                phases.mark("signal_seen", flag.received_at, signal=flag.reason)
+            phases.mark("stop_agreed", flag.agreed_at, reason=stop.reason)
+            phases.mark("save_done")
             run.event("stop", step=stop.step, reason=stop.reason)
             log.info("%s", stop)
         raise
@@ -145,6 +157,7 @@ def main(cfg: Config, run_dir: Path) -> None:
         except Exception as exc:  # a group with a dead member may not shut down cleanly
             log.debug("process group teardown failed: %s", exc)
         lock.release()
+        phases.mark("exit")
 
 
 def hold_run_dir(lock: RunLock, env: dist.DistEnv) -> None:
@@ -187,7 +200,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
            tokens: torch.Tensor, managers: list[CheckpointManager],
-           flag: preempt.StopFlag, dog: watchdog.Watchdog) -> None:
+           flag: preempt.StopFlag, dog: watchdog.Watchdog, phases: Phases) -> None:
     t = cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank
     model = GPT(GPTConfig(**config_mod.to_dict(cfg)["model"])).to(device)
@@ -205,10 +218,14 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     state = TrainState()
     parts = Parts(model=model, optimizer=optimizer, scheduler=scheduler,
                   config=config_mod.to_dict(cfg), train_state=lambda: state.to_dict())
-    manager = CheckpointManager(run, cfg.checkpoint.mode, cfg.checkpoint.interval,
+    interval, auto = checkpoint_interval.for_config(
+        cfg.checkpoint.interval, cfg.checkpoint.mtbf_hours, t.max_steps,
+        run.read_events() if env.rank == 0 else [])
+    manager = CheckpointManager(run, cfg.checkpoint.mode, interval,
                                 cfg.checkpoint.keep, env.rank, env.world_size, parts, device,
                                 cfg.checkpoint.async_save, cfg.checkpoint.snapshot_interval,
                                 cfg.checkpoint.replicas, env.local_world_size)
+    manager.auto = auto
     managers.append(manager)  # main() persists through it if a peer dies
     if env.rank == 0:
         log.info("run %s: %s, world size %d (%s), %.2fM parameters, %d windows of %d tokens",
@@ -219,14 +236,17 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         log.info("%s", line)  # versions, devices, layout, SLURM job, resolved config
     dog.phase("load")
     restore_started = time.perf_counter()
-    found = manager.resume(accept=lambda r: train_state_of(r.train))
+    found = manager.resume(accept=lambda r: train_state_of(r.train),
+                           on_chosen=lambda c: phases.mark("checkpoint_chosen", step=c.step))
     if found is None:
+        phases.mark("checkpoint_chosen", step=0)
         rng.seed_rank(t.seed, env.rank)
         if env.rank == 0:
             run.event("start", step=0, world_size=env.world_size, mode=cfg.checkpoint.mode)
     else:
         ckpt, restored = found
         restore_s = time.perf_counter() - restore_started
+        phases.mark("restored")
         state = train_state_of(restored.train)
         batches.position = state.data_position
         if restored.rng is not None and ckpt.manifest["world_size"] == env.world_size:
@@ -259,7 +279,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                 watchdog=dog, stragglers=straggler.StragglerWatch(
                     cfg.run.straggler_interval, cfg.run.straggler_factor,
                     cfg.run.straggler_windows, env.world_size,
-                    dist.gather_objects(node_name(), env.world_size)))
+                    dist.gather_objects(node_name(), env.world_size)),
+                on_step=lambda step: phases.once("first_step"))
     if state.step >= t.max_steps:
         log.info("nothing to do: step %d already reached train.max_steps=%d", state.step,
                  t.max_steps)

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as tdist
 
 from pyrecover.checkpoint import store
-from pyrecover.checkpoint.dcp import DcpMode
-from pyrecover.checkpoint.memory import MemoryMode, finalize_snapshots
+from pyrecover.checkpoint.interval import AutoInterval
 from pyrecover.checkpoint.mode import Mode, ModeSettings, Parts, Restored, Snapshotting
+from pyrecover.checkpoint.resume import resume_newest
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
 from pyrecover.checkpoint.vanilla import VanillaMode
 from pyrecover.rundir import RunDir
@@ -38,13 +38,28 @@ from pyrecover.rundir import RunDir
 log = logging.getLogger("pyrecover")
 
 
+def _dcp(rank: int, world_size: int, s: ModeSettings) -> Mode:
+    # Imported where used: torch.distributed.checkpoint took 1.0-2.5 s to import here, on every
+    # rank of every start, in runs that never touch it.
+    from pyrecover.checkpoint.dcp import DcpMode
+
+    return DcpMode(rank, world_size, s.device, s.async_save)
+
+
+def _memory(rank: int, world_size: int, s: ModeSettings) -> Mode:
+    from pyrecover.checkpoint.memory import MemoryMode  # imports torch.distributed.checkpoint
+
+    return MemoryMode(rank, world_size, s.device, s.replicas, s.ranks_per_node)
+
+
 # The modes a run can use: its `checkpoint.mode` -> how to make one for a rank.
 MODES: dict[str, Callable[[int, int, ModeSettings], Mode]] = {
     VanillaMode.name: lambda rank, world_size, s: VanillaMode(rank, world_size),
-    DcpMode.name: lambda rank, world_size, s: DcpMode(rank, world_size, s.device, s.async_save),
-    MemoryMode.name: lambda rank, world_size, s: MemoryMode(rank, world_size, s.device,
-                                                            s.replicas, s.ranks_per_node),
+    "dcp": _dcp,
+    "memory": _memory,
 }
+# Where memory mode's surviving ranks leave snapshots (memory/layout.py's SNAP_PREFIX).
+SNAPSHOT_GLOB = ".snap-step-*"
 
 
 def make_mode(name: str, rank: int, world_size: int, settings: ModeSettings) -> Mode:
@@ -88,6 +103,8 @@ class CheckpointManager:
         self._retiring: threading.Thread | None = None  # deleting checkpoints beyond `keep`
         self.stall_seconds = 0.0  # time the loop was blocked by saves, summed
         self.last_save_seconds = 0.0  # start to commit of the newest checkpoint (rank 0)
+        self.auto: AutoInterval | None = None  # `checkpoint.interval: auto` (see _retune)
+        self._auto_clock: tuple[int, float] | None = None  # (last save or first step, time)
 
     # --- saving --------------------------------------------------------------------------
 
@@ -97,12 +114,14 @@ class CheckpointManager:
         Returns the seconds this call blocked the training loop.
         """
         started = time.perf_counter()
+        if self.auto is not None and self._auto_clock is None:
+            self._auto_clock = (step, started)
         if self.inflight is not None:
             self._try_commit(wait=False)
         if self.snapshot_interval and step % self.snapshot_interval == 0:
             assert isinstance(self.mode, Snapshotting)
             self.mode.snapshot(step, self.parts, self.parts.train_state())
-        if step % self.interval == 0 or final:
+        if self._due(step) or final:
             if self.inflight is not None:
                 if self.rank == 0:
                     log.warning("checkpoint of step %d is still being written; waiting for it "
@@ -223,7 +242,40 @@ class CheckpointManager:
             self._commit_or_abort(flight, results, self.last_error)
         if not errors:
             self.last_saved_step = flight.pending.step
+            if self.auto is not None:
+                self._retune(flight)
         return True
+
+    def _due(self, step: int) -> bool:
+        """_due: a fixed interval saves at its multiples (aligned across restarts); `auto` saves
+        `interval` steps after the previous save or the attempt's first step."""
+        if self._auto_clock is None:
+            return step % self.interval == 0
+        return step - self._auto_clock[0] >= self.interval
+
+    def _retune(self, flight: _InFlight) -> None:
+        """_retune re-chooses the interval (checkpoint/interval.py) after a commit from rank 0's
+        measured step time and stall; every rank takes rank 0's choice (one broadcast), so
+        saves stay collective."""
+        assert self.auto is not None and self._auto_clock is not None
+        now, (since, clock) = time.perf_counter(), self._auto_clock
+        steps_done = flight.pending.step - since
+        if steps_done > 0:
+            self.auto.observe_step(max(0.0, now - clock - flight.blocked) / steps_done)
+        self.auto.observe_stall(flight.blocked)
+        choice = torch.tensor([self.auto.propose()], dtype=torch.int64)
+        if tdist.is_initialized() and self.world_size > 1:
+            tdist.broadcast(choice, src=0)
+        steps, self._auto_clock = int(choice.item()), (flight.pending.step, now)
+        if steps != self.interval and self.rank == 0:
+            log.info("checkpoint interval %d -> %d steps (auto: save stall %.3fs, step %.3fs, "
+                     "MTBF %.1fh)", self.interval, steps, self.auto.stall_s, self.auto.step_s,
+                     self.auto.mtbf_s / 3600)
+            self.run.event("checkpoint_interval", step=flight.pending.step, interval=steps,
+                           stall_seconds=round(self.auto.stall_s, 4),
+                           step_seconds=round(self.auto.step_s, 5),
+                           mtbf_hours=round(self.auto.mtbf_s / 3600, 3))
+        self.interval = steps
 
     def _commit_or_abort(self, flight: _InFlight, results: list[Any], error: str) -> None:
         pending = flight.pending
@@ -283,7 +335,10 @@ class CheckpointManager:
         found: Checkpoint | None = None
         if self.rank == 0:
             if below is None:
-                finalize_snapshots(self.root, self.run.event)
+                if any(self.root.glob(SNAPSHOT_GLOB)):
+                    from pyrecover.checkpoint.memory import finalize_snapshots
+
+                    finalize_snapshots(self.root, self.run.event)
                 for tmp in store.clean_uncommitted(self.root):
                     log.warning("removed uncommitted checkpoint folder %s", tmp.name)
             for step, folder, ckpt, problem in store.scan(self.root):
@@ -311,7 +366,8 @@ class CheckpointManager:
             ModeSettings(torch.device("cpu"), async_save=False, replicas=1))
         return mode.restore(ckpt, self.parts)
 
-    def resume(self, accept: Callable[[Restored], Any] = lambda r: r
+    def resume(self, accept: Callable[[Restored], Any] = lambda r: r,
+               on_chosen: Callable[[Checkpoint], Any] = lambda c: None
                ) -> tuple[Checkpoint, Restored] | None:
         """resume restores the newest checkpoint that loads on every rank, or returns None.
 
@@ -319,58 +375,6 @@ class CheckpointManager:
         with its files, another model's shapes, a file the weights-only unpickler refuses, a
         train state `accept` rejects) is reported by name as invalid and the next older one
         is tried. When none loads, the parts get back the state they had before the first try.
+        `on_chosen` is told of each checkpoint before its restore starts (phase timings).
         """
-        initial = None
-        below: int | None = None
-        while (ckpt := self.find_resume(below)) is not None:
-            initial = initial or _copy_state(self.parts)
-            error, restored = "", None
-            try:
-                restored = self.restore(ckpt)
-                accept(restored)
-            except (Exception, _DcpCheckpointException) as exc:  # DCP's is a BaseException
-                error = f"{type(exc).__name__}: {_first_line(exc)}"
-            errors = [error]
-            if tdist.is_initialized() and self.world_size > 1:
-                errors = [None] * self.world_size
-                tdist.all_gather_object(errors, error)
-            failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
-            if not failed:
-                assert restored is not None
-                return ckpt, restored
-            if self.rank == 0:
-                self._report_invalid(ckpt.step, ckpt.path, f"cannot be restored ({failed})")
-            below = ckpt.step
-        if initial is not None:
-            _load_state(self.parts, initial)
-        return None
-
-
-try:  # torch's wrapper of every rank's failure inside dcp.load
-    from torch.distributed.checkpoint.api import CheckpointException as _DcpCheckpointException
-except ImportError:  # pragma: no cover
-    _DcpCheckpointException = CheckpointError  # type: ignore[misc,assignment]
-
-
-def _first_line(exc: BaseException) -> str:
-    failures = getattr(exc, "failures", None)  # DCP's wrapper: the ranks' own errors matter
-    if isinstance(failures, dict) and failures:
-        return "; ".join(sorted({f"{type(e).__name__}: {_first_line(e)}"
-                                 for e, _ in failures.values()}))
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-
-
-def _copy_state(parts: Parts) -> dict[str, Any]:
-    """_copy_state is a CPU copy of the parts' state, taken before a restore is tried."""
-    import copy
-
-    return {"model": {k: v.detach().to("cpu", copy=True)
-                      for k, v in parts.model.state_dict().items()},
-            "optimizer": copy.deepcopy(parts.optimizer.state_dict()),
-            "scheduler": copy.deepcopy(parts.scheduler.state_dict())}
-
-
-def _load_state(parts: Parts, state: dict[str, Any]) -> None:
-    parts.model.load_state_dict(state["model"])
-    parts.optimizer.load_state_dict(state["optimizer"])
-    parts.scheduler.load_state_dict(state["scheduler"])
+        return resume_newest(self, accept, on_chosen)

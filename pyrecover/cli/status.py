@@ -17,7 +17,7 @@ def status(
     import json
 
     from pyrecover import status as status_mod
-    from pyrecover.slurm.query import squeue_state
+    from pyrecover.slurm.query import job_times, squeue_state
 
-    report = status_mod.read(run_dir, squeue=squeue_state)
+    report = status_mod.read(run_dir, squeue=squeue_state, sacct=job_times)
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_mod.render(report))

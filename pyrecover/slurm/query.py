@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 
 
 def squeue_state(job_id: str) -> str | None:
@@ -34,3 +35,36 @@ def sinfo(fmt: str) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 and out.stdout.strip() else None
+
+
+def parse_sacct_times(text: str) -> list[tuple[float, float, float | None]]:
+    """parse_sacct_times reads `sacct -D -X -n -P -o Submit,Start,End` lines into (submit,
+    start, end) epoch seconds, one per attempt of a requeued job; attempts that never
+    started are left out, and an end of `Unknown` (still running) is None."""
+    out = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 3:
+            continue
+        try:
+            submit, start = (time.mktime(time.strptime(p, "%Y-%m-%dT%H:%M:%S"))
+                             for p in parts[:2])
+        except ValueError:
+            continue
+        try:
+            end: float | None = time.mktime(time.strptime(parts[2], "%Y-%m-%dT%H:%M:%S"))
+        except ValueError:
+            end = None
+        out.append((submit, start, end))
+    return out
+
+
+def job_times(job_id: str) -> list[tuple[float, float, float | None]]:
+    """job_times asks `sacct` for every attempt of a job (requeues included); an empty list
+    where accounting is off or SLURM does not answer."""
+    try:
+        out = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job_id, "-o",
+                              "Submit,Start,End"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return parse_sacct_times(out.stdout) if out.returncode == 0 else []

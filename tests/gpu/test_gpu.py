@@ -39,7 +39,8 @@ def gpu_args(storage, corpus, name: str, world: int, *extra: str) -> list[str]:
 
 
 def events(run_dir) -> list[dict]:
-    return list(read_jsonl(run_dir / "events.jsonl"))
+    """The run's events without its phase timings (which end with the process's exit)."""
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] != "phase"]
 
 
 def losses(run_dir) -> dict[int, float]:

@@ -1,0 +1,104 @@
+"""`checkpoint.interval: auto`: the Young/Daly interval from what this run has measured.
+
+Checkpointing every `sqrt(2 x stall x MTBF)` seconds minimizes the expected time lost to
+stalls plus recomputation (Young 1974; Daly 2006 for the first-order form). `stall` is the
+seconds a save blocks the loop, as measured; MTBF is the mean time between failures this
+run has seen, starting from a prior (`checkpoint.mtbf_hours`) that counts as one failure-free
+period: `(prior + observed) / (1 + failures)`, so a run that never fails drifts towards
+longer intervals and a run that keeps crashing towards shorter ones. The result is bounded
+to [MIN_SECONDS, MAX_SECONDS] of training and to [1, max_steps] steps.
+
+Only pure functions and one small stateful tracker; the manager asks it after each commit
+and all ranks use rank 0's answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+MIN_SECONDS = 10.0  # never save more often: each save also costs storage bandwidth and churn
+MAX_SECONDS = 6 * 3600.0  # never risk more than this much recomputation
+FIRST_STEPS = 20  # before any save was measured: save soon, to measure one
+
+
+def young_daly_seconds(stall_s: float, mtbf_s: float) -> float:
+    """young_daly_seconds is sqrt(2 x stall x MTBF), bounded to [MIN_SECONDS, MAX_SECONDS]."""
+    raw = math.sqrt(2.0 * max(stall_s, 0.0) * max(mtbf_s, 0.0))
+    return min(MAX_SECONDS, max(MIN_SECONDS, raw))
+
+
+def interval_steps(stall_s: float, step_s: float, mtbf_s: float, max_steps: int) -> int:
+    """interval_steps is the Young/Daly interval in optimizer steps of `step_s` seconds."""
+    if step_s <= 0:
+        return max(1, min(FIRST_STEPS, max_steps))
+    steps = round(young_daly_seconds(stall_s, mtbf_s) / step_s)
+    return max(1, min(max_steps, steps))
+
+
+def mtbf(prior_s: float, observed_s: float, failures: int) -> float:
+    """mtbf: the prior counts as one failure-free period of `prior_s` seconds."""
+    return (prior_s + max(observed_s, 0.0)) / (1 + max(failures, 0))
+
+
+def failures_seen(events: Iterable[dict[str, Any]]) -> tuple[float, int]:
+    """failures_seen: (seconds of training observed, failures) over a run's past attempts.
+
+    A failure is a crash, a preemption (SIGTERM) or an attempt that ended with no record at
+    all (killed); a stop for the time limit (the deadline or the warning signal) is planned
+    and is not one.
+    """
+    observed, failures, began, last, ended_well = 0.0, 0, None, None, True
+    for e in events:
+        kind, at = e.get("event"), float(e.get("time", 0.0))
+        if kind in ("start", "resume"):
+            if began is not None and last is not None:
+                observed += last - began
+                failures += not ended_well
+            began, ended_well = at, False
+        if kind in ("stop", "finish", "error"):
+            ended_well = kind != "stop" or e.get("reason") != "SIGTERM"
+        if kind == "crash":
+            ended_well = False
+        last = at
+    if began is not None and last is not None:
+        observed += last - began
+    return observed, failures
+
+
+@dataclass
+class AutoInterval:
+    """The running estimate: step time and stall as measured by rank 0, and the MTBF."""
+
+    mtbf_s: float
+    max_steps: int
+    step_s: float = 0.0
+    stall_s: float = 0.0
+    steps: int = FIRST_STEPS
+
+    def observe_step(self, seconds: float) -> None:
+        """observe_step folds one step's time in (the mean of recent steps, outliers damped)."""
+        if seconds > 0:
+            self.step_s = seconds if self.step_s == 0 else 0.9 * self.step_s + 0.1 * seconds
+
+    def observe_stall(self, seconds: float) -> None:
+        """observe_stall takes the newest save's blocked seconds (the slower of it and the
+        previous, decayed, so one fast save does not shorten the interval at once)."""
+        self.stall_s = max(seconds, 0.8 * self.stall_s)
+
+    def propose(self) -> int:
+        return interval_steps(self.stall_s, self.step_s, self.mtbf_s, self.max_steps)
+
+
+def for_config(interval: int | str, mtbf_hours: float, max_steps: int,
+               events: Iterable[dict[str, Any]]) -> tuple[int, AutoInterval | None]:
+    """for_config: the interval to start with and, for `auto`, its tracker (the MTBF from the
+    prior and this run's past `events`; pass them on rank 0, whose choices every rank takes)."""
+    if interval != "auto":
+        return int(interval), None
+    observed, failures = failures_seen(events)
+    auto = AutoInterval(mtbf(mtbf_hours * 3600.0, observed, failures), max_steps,
+                        steps=max(1, min(FIRST_STEPS, max_steps)))
+    return auto.steps, auto

@@ -1,0 +1,127 @@
+"""Phase timestamps of every start and stop, as `phase` events in events.jsonl.
+
+A start records `process_start` (the process's own start time, read from the kernel),
+`imports_done`, `data_ready`, `group_up`, `checkpoint_chosen`, `restored` (resumes only) and
+`first_step`; a stop records `signal_seen` (the time the signal handler set its flag),
+`stop_agreed`, `save_done` and `exit`. Times are wall-clock seconds (`time.time()`), so the
+phases of one attempt and of the next line up across requeues and hosts with synchronized
+clocks. Only rank 0 writes; marks made before the run directory exists are kept and written
+when it does. This module imports nothing else from the project but `rundir`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from pyrecover.rundir import RunDir
+
+START_PHASES = ("process_start", "imports_done", "data_ready", "group_up", "checkpoint_chosen",
+                "restored", "first_step")
+STOP_PHASES = ("signal_seen", "stop_agreed", "save_done", "exit")
+PHASES = START_PHASES + STOP_PHASES
+
+_IMPORTED_AT = time.time()  # fallback start time where /proc is not there
+
+
+def process_start_time(pid: str = "self") -> float:
+    """process_start_time is when this process started, in epoch seconds (10 ms resolution).
+
+    /proc/<pid>/stat field 22 is the start in clock ticks after boot; /proc/uptime says how
+    long ago the boot was. Without /proc: when this module was imported.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        now = time.time()
+        # The command name (field 2) may hold spaces and parentheses; fields follow the last ')'.
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])
+        started = now - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+    return min(started, _IMPORTED_AT)
+
+
+class Phases:
+    """Phases records phase events on rank 0 (every other rank's marks are dropped)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.run: RunDir | None = None
+        self._pending: list[tuple[str, float, dict[str, Any]]] = []
+        self.seen: dict[str, float] = {}
+
+    def mark(self, phase: str, at: float | None = None, **fields: Any) -> None:
+        """mark records that `phase` happened at `at` (now when None)."""
+        if self.rank != 0:
+            return
+        at = time.time() if at is None else at
+        self.seen[phase] = at
+        if self.run is None:
+            self._pending.append((phase, at, fields))
+        else:
+            self.run.event("phase", phase=phase, time=round(at, 3), **fields)
+
+    def attach(self, run: RunDir) -> None:
+        """attach starts writing to `run` (which exists now), first the marks held back."""
+        if self.rank != 0:
+            return
+        self.run = run
+        pending, self._pending = self._pending, []
+        for phase, at, fields in pending:
+            run.event("phase", phase=phase, time=round(at, 3), **fields)
+
+    def once(self, phase: str) -> None:
+        """once marks `phase` the first time it is called."""
+        if phase not in self.seen:
+            self.mark(phase)
+
+
+def attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """attempts splits events (in file order) into one list per process start: at each
+    `process_start` phase, or (records older than phase timings) at a `start` or `resume`
+    in an attempt that already has one."""
+    out: list[list[dict[str, Any]]] = [[]]
+    for e in events:
+        kind = e.get("event")
+        begins = (kind == "phase" and e.get("phase") == "process_start") or (
+            kind in ("start", "resume") and any(x.get("event") in ("start", "resume")
+                                                 for x in out[-1]))
+        if begins and out[-1]:
+            out.append([])
+        out[-1].append(e)
+    return [a for a in out if a]
+
+
+def _phase_rows(attempt: list[dict[str, Any]], names: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [{"phase": e["phase"], "time": float(e["time"])} for e in attempt
+            if e.get("event") == "phase" and e.get("phase") in names]
+
+
+def last_interruption(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """last_interruption lists the phases of the newest interruption in order: how the attempt
+    ended (its stop phases, or `last_record` after a crash or kill) and how the next one
+    started, each with `gap`, the seconds since the row before. An attempt that stopped and
+    has not started again yet shows its stop phases only. Empty when there was none."""
+    runs = attempts(events)
+    if not runs:
+        return []
+    if _phase_rows(runs[-1], ("stop_agreed",)):
+        ended, started = runs[-1], []
+    elif len(runs) > 1:
+        ended, started = runs[-2], runs[-1]
+    else:
+        return []
+    rows = _phase_rows(ended, STOP_PHASES)
+    if not rows:  # crashed or killed: the attempt's last sign of life
+        last = max((float(e["time"]) for e in ended if "time" in e), default=None)
+        rows = [{"phase": "last_record", "time": last}] if last is not None else []
+    rows += _phase_rows(started, START_PHASES)
+    previous = None
+    for row in rows:
+        row["gap"] = round(row["time"] - previous, 3) if previous is not None else 0.0
+        previous = row["time"]
+    return rows

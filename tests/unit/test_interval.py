@@ -1,0 +1,81 @@
+"""`checkpoint.interval: auto`: the Young/Daly rule over a table of stalls and failure figures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pyrecover import config
+from pyrecover.checkpoint import interval as iv
+
+HOUR = 3600.0
+
+
+@pytest.mark.parametrize("stall_s, step_s, mtbf_s, max_steps, expected", [
+    # sqrt(2 x 2 s x 24 h) = 587.9 s of 1 s steps
+    (2.0, 1.0, 24 * HOUR, 100_000, 588),
+    # four times the stall: twice the interval
+    (8.0, 1.0, 24 * HOUR, 100_000, 1176),
+    # a quarter of the MTBF: half the interval
+    (2.0, 1.0, 6 * HOUR, 100_000, 294),
+    # steps of 0.5 s: twice the steps for the same seconds
+    (2.0, 0.5, 24 * HOUR, 100_000, 1176),
+    # a tiny stall and frequent failures: bounded below by MIN_SECONDS (10 s)
+    (0.001, 0.1, 60.0, 100_000, 100),
+    # a huge stall and a reliable machine: bounded above by MAX_SECONDS (6 h)
+    (600.0, 1.0, 1000 * HOUR, 10**9, 21_600),
+    # never past the run's own length
+    (2.0, 1.0, 24 * HOUR, 300, 300),
+    # nothing measured yet: the first, short interval
+    (0.0, 0.0, 24 * HOUR, 100_000, iv.FIRST_STEPS),
+])
+def test_the_interval_is_young_daly_in_steps_within_its_bounds(stall_s, step_s, mtbf_s,
+                                                               max_steps, expected):
+    assert iv.interval_steps(stall_s, step_s, mtbf_s, max_steps) == expected
+
+
+def test_seconds_follow_the_square_root_rule():
+    assert iv.young_daly_seconds(2.0, 24 * HOUR) == pytest.approx(math.sqrt(2 * 2 * 86400))
+
+
+@pytest.mark.parametrize("prior_h, observed_h, failures, expected_h", [
+    (24, 0, 0, 24),    # nothing seen: the prior
+    (24, 24, 0, 48),   # a day without failure: the estimate grows
+    (24, 24, 3, 12),   # three failures in a day: (24 + 24) / 4
+    (1, 99, 9, 10),    # the run's own record outweighs a small prior
+])
+def test_the_mtbf_counts_the_prior_as_one_failure_free_period(prior_h, observed_h, failures,
+                                                                 expected_h):
+    assert iv.mtbf(prior_h * HOUR, observed_h * HOUR, failures) == pytest.approx(expected_h * HOUR)
+
+
+def test_crashes_preemptions_and_kills_are_failures_and_planned_stops_are_not():
+    events = [
+        {"event": "start", "time": 0}, {"event": "stop", "time": 100, "reason": "SIGUSR2"},
+        {"event": "resume", "time": 110}, {"event": "crash", "time": 200},
+        {"event": "resume", "time": 210}, {"event": "stop", "time": 300, "reason": "SIGTERM"},
+        {"event": "resume", "time": 310}, {"event": "checkpoint", "time": 400},  # killed
+        {"event": "resume", "time": 410}, {"event": "stop", "time": 500, "reason": "deadline"},
+        {"event": "resume", "time": 510}, {"event": "finish", "time": 600},
+    ]
+    observed, failures = iv.failures_seen(events)
+    assert failures == 3 and observed == 100 + 5 * 90
+
+
+def test_the_tracker_waits_for_slow_saves_to_age_before_shortening():
+    auto = iv.AutoInterval(mtbf_s=24 * HOUR, max_steps=10**6)
+    auto.observe_step(1.0)
+    auto.observe_stall(8.0)
+    long = auto.propose()
+    auto.observe_stall(0.5)  # one fast save
+    assert auto.propose() < long and auto.stall_s == pytest.approx(6.4)
+
+
+def test_auto_is_accepted_and_a_fixed_interval_stays_the_default():
+    assert config.load(None).checkpoint.interval == 50
+    cfg = config.load(None, ["checkpoint.interval=auto", "checkpoint.mtbf_hours=2"])
+    assert iv.for_config(cfg.checkpoint.interval, 2.0, 1000, [])[0] == iv.FIRST_STEPS
+    assert config.load(None, ["checkpoint.interval=7"]).checkpoint.interval == 7
+    with pytest.raises(config.ConfigError, match="an integer >= 1 or auto"):
+        config.load(None, ["checkpoint.interval=often"])

@@ -1,0 +1,86 @@
+"""The goodput ledger: a run's wall time by cause, adding up to the wall time."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pyrecover.ledger import CAUSES, JobTimes, ledger
+from pyrecover.slurm.query import parse_sacct_times
+
+
+def ph(name: str, at: float) -> dict:
+    return {"event": "phase", "phase": name, "time": at}
+
+
+# Attempt 1 (t=100..): starts in 10 s, trains steps 1-14 at 1 s each, checkpoints at step 10
+# (0.5 s blocked), is killed after step 14. Attempt 2 (t=150..) resumes from step 10 (4 steps
+# redone), is stopped by a signal and saves; attempt 3 would follow.
+EVENTS = [
+    ph("process_start", 100.0), ph("imports_done", 104.0), ph("group_up", 106.0),
+    ph("checkpoint_chosen", 110.0), {"event": "start", "time": 110.0, "step": 0},
+    ph("first_step", 112.0),
+    {"event": "checkpoint", "time": 121.5, "step": 10, "blocked": 0.5},
+    ph("process_start", 150.0), ph("checkpoint_chosen", 158.0), ph("restored", 160.0),
+    {"event": "resume", "time": 160.0, "step": 10, "steps_lost": 4}, ph("first_step", 161.0),
+    ph("signal_seen", 170.0), ph("stop_agreed", 171.0), ph("save_done", 172.5),
+    {"event": "stop", "time": 172.5, "step": 20}, ph("exit", 173.0),
+]
+METRICS = ([{"time": 112.0 + s, "step": s, "step_time": 1.0, "checkpoint_stall_total": 0.0}
+            for s in range(1, 10)] +
+           [{"time": 122.0 + s, "step": 10 + s, "step_time": 1.0,
+             "checkpoint_stall_total": 0.5} for s in range(0, 5)])
+
+
+def test_each_cause_is_counted_once_and_all_add_up_to_the_wall_time():
+    book = ledger(EVENTS, METRICS)
+    c = book.causes
+    assert book.wall_seconds == 73.0  # 100 .. 173
+    assert c["start_up"] == 10.0 + 2.0 + 8.0 + 1.0
+    assert c["restore"] == 2.0
+    assert c["checkpoint_stall"] == 0.5 + 1.5  # the loop blocked, and the stop checkpoint
+    assert c["lost_work"] == 4.0  # 4 steps redone at 1 s each
+    assert c["productive"] == (126.0 - 112.0) - 0.5 - 4.0 + (171.0 - 161.0)
+    assert c["queue_wait"] == 0.0
+    assert sum(c.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
+    assert c["remainder"] == (150.0 - 126.0) + (173.0 - 172.5)  # killed to restarted; exit
+    assert book.effective_share == round(c["productive"] / 73.0, 4)
+
+
+def test_slurm_queue_times_count_as_queue_wait_and_extend_the_wall_time():
+    jobs = [JobTimes(submit=90.0, start=99.0, end=127.0), JobTimes(140.0, 148.0, 174.0)]
+    book = ledger(EVENTS, METRICS, jobs)
+    assert book.wall_seconds == 84.0  # submitted at 90, the job ended at 174
+    assert book.causes["queue_wait"] == 9.0 + 8.0
+    assert sum(book.causes.values()) == pytest.approx(84.0, abs=1e-6)
+    assert book.queue_from_slurm
+
+
+def test_a_run_without_records_has_an_empty_ledger():
+    book = ledger([], [])
+    assert book.wall_seconds == 0.0 and set(book.causes) == set(CAUSES)
+    assert book.effective_share is None
+
+
+def test_sacct_lines_become_one_time_triple_per_attempt():
+    text = ("2026-11-23T08:00:00|2026-11-23T08:00:05|2026-11-23T08:01:00\n"
+            "2026-11-23T08:01:12|2026-11-23T08:01:20|Unknown\n"
+            "2026-11-23T08:02:00|Unknown|Unknown\n")
+    rows = parse_sacct_times(text)
+    base = time.mktime(time.strptime("2026-11-23T08:00:00", "%Y-%m-%dT%H:%M:%S"))
+    assert [(s - base, t - base, e if e is None else e - base) for s, t, e in rows] == [
+        (0.0, 5.0, 60.0), (72.0, 80.0, None)]
+
+
+def test_records_from_before_phase_timings_still_add_up_attempt_by_attempt():
+    old = [{"event": "start", "time": 0.0}, {"event": "stop", "time": 10.0},
+           {"event": "requeue", "time": 11.0}, {"event": "resume", "time": 30.0,
+                                                 "steps_lost": 0},
+           {"event": "finish", "time": 40.0}]
+    metrics = [{"time": float(t), "step": t, "step_time": 1.0} for t in (5, 10, 35, 40)]
+    book = ledger(old, metrics)
+    assert book.wall_seconds == 40.0
+    assert book.causes["productive"] == 10.0 + 10.0  # each attempt from its start record
+    assert book.causes["remainder"] == 20.0  # stopping, requeue and the restart in between
+    assert sum(book.causes.values()) == pytest.approx(40.0, abs=1e-6)

@@ -1,0 +1,79 @@
+"""Phase timings read back: the newest interruption, in order, with the gaps between phases."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from pyrecover import phases
+from pyrecover.rundir import RunDir
+
+
+def ph(name: str, at: float) -> dict:
+    return {"event": "phase", "phase": name, "time": at}
+
+
+STOPPED = [ph("process_start", 0.0), ph("imports_done", 1.0), ph("first_step", 3.0),
+           {"event": "checkpoint", "time": 5.0, "step": 10}, ph("signal_seen", 6.0),
+           ph("stop_agreed", 6.5), ph("save_done", 7.0), {"event": "stop", "time": 7.0},
+           ph("exit", 7.25)]
+RESUMED = [ph("process_start", 19.0), ph("imports_done", 20.0), ph("group_up", 20.5),
+           ph("checkpoint_chosen", 21.0), ph("restored", 21.5), ph("first_step", 22.0)]
+
+
+def test_the_last_interruption_lists_the_stop_then_the_next_start_with_gaps():
+    rows = phases.last_interruption(STOPPED + RESUMED)
+    assert [r["phase"] for r in rows] == [
+        "signal_seen", "stop_agreed", "save_done", "exit", "process_start", "imports_done",
+        "group_up", "checkpoint_chosen", "restored", "first_step"]
+    assert [r["gap"] for r in rows] == [0.0, 0.5, 0.5, 0.25, 11.75, 1.0, 0.5, 0.5, 0.5, 0.5]
+
+
+def test_a_stop_not_yet_resumed_shows_its_stop_phases_only():
+    rows = phases.last_interruption(STOPPED)
+    assert [r["phase"] for r in rows] == ["signal_seen", "stop_agreed", "save_done", "exit"]
+
+
+def test_a_killed_attempt_ends_at_its_last_record():
+    killed = STOPPED[:4]
+    rows = phases.last_interruption(killed + RESUMED)
+    assert rows[0] == {"phase": "last_record", "time": 5.0, "gap": 0.0}
+    assert rows[1]["phase"] == "process_start" and rows[1]["gap"] == 14.0
+
+
+def test_a_run_never_interrupted_has_no_interruption():
+    assert phases.last_interruption(STOPPED[:4]) == []
+
+
+def test_marks_before_the_run_directory_exists_are_written_when_it_does(tmp_path):
+    run = RunDir(tmp_path / "run")
+    recorder = phases.Phases(rank=0)
+    recorder.mark("process_start", phases.process_start_time())
+    run.create()
+    recorder.attach(run)
+    recorder.mark("group_up")
+    recorder.once("first_step")
+    recorder.once("first_step")
+    names = [e["phase"] for e in run.read_events()]
+    assert names == ["process_start", "group_up", "first_step"]
+    assert run.read_events()[0]["time"] <= time.time()
+
+
+def test_other_ranks_write_nothing(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.create()
+    recorder = phases.Phases(rank=1)
+    recorder.attach(run)
+    recorder.mark("group_up")
+    assert not run.events.exists()
+
+
+def test_the_process_start_time_is_when_the_process_was_started_not_imported():
+    before = time.time()
+    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.5); "
+                          "from pyrecover.phases import process_start_time as p; print(p())"],
+                         capture_output=True, text=True, check=True)
+    started = float(out.stdout)
+    # Within the kernel's 10 ms ticks of the spawn, before the half-second sleep.
+    assert before - 0.05 <= started < before + 0.4
