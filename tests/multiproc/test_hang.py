@@ -53,10 +53,10 @@ def test_a_hung_rank_fires_its_watchdog_persists_and_the_restart_resumes_bit_for
     assert (event["phase"], event["step"], event["limit"]) == ("forward", 7, 3)
     assert event["node"] and "maybe_hang" in event["stacks"]
     assert "HANG on rank 1" in hung.stderr and "thread MainThread" in hung.stderr
-    # Found within the timeout plus the watchdog's poll: the last step logged before it,
-    # then the event.
+    # Found after the timeout and long before torch's own (600 s), from the last step logged
+    # before it to the event; the slack is for a busy machine, not a speed claim.
     last_step = max(m["time"] for m in read_jsonl(run_dir / "metrics.jsonl"))
-    assert event["time"] - last_step < 3 + 2
+    assert 3 <= event["seconds"] and event["time"] - last_step < 60
     assert {e["rank"] for e in events(run_dir, "snapshot_persisted")} == {0, 1}
 
     resumed = train(tmp_path, corpus, "run", *MEMORY, *WATCH)

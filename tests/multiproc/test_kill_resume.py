@@ -105,7 +105,8 @@ def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_one_is_used(tm
 
     verify = pyrecover("ckpt", "verify", str(run_dir))
     assert verify.returncode == 1
-    assert f"step 20: INVALID: {payload}: sha256 does not match" in verify.stdout
+    assert (f"step 20: INVALID: {payload}: crc32_tree does not match the manifest (corrupt)"
+            in verify.stdout)
     assert "step 10: ok" in verify.stdout
 
     resumed = train(tmp_path, corpus, "run", 2, "train.max_steps=25")

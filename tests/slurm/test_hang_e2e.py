@@ -79,12 +79,18 @@ def test_a_stopped_task_is_reported_as_a_hang_requeued_and_the_job_completes_bit
 
     every = events(run_dir)
     hangs = [e for e in every if e["event"] == "hang"]
-    # The stopped rank cannot report; the three others do, each naming itself. (SLURM sends
+    crashes = [e for e in every if e["event"] == "crash"]
+    # The stopped rank (1) cannot report while stopped. Each other rank either finds the hang
+    # itself or, once a peer that found it has exited, sees its own collective fail first
+    # ("another rank died"): which comes first is timing, so either counts. (SLURM sends
     # SIGCONT before it ends the step's tasks: the stopped one may wake and report last.)
-    assert sorted(e["rank"] for e in hangs[:3]) == [0, 2, 3], explain(run_dir, job_id)
-    assert [e["rank"] for e in hangs[3:]] in ([], [1])
+    found = [e for e in hangs if e["rank"] != 1]
+    assert found, explain(run_dir, job_id)
+    assert {e["rank"] for e in found} | {e["rank"] for e in crashes} == {0, 2, 3}, \
+        explain(run_dir, job_id)
+    assert [e["rank"] for e in hangs if e["rank"] == 1] in ([], [1])
     assert {e["step"] for e in hangs} == {9} and all(e["seconds"] > HANG_TIMEOUT for e in hangs)
-    assert {e["node"] for e in hangs} == {"node1", "node2"}
+    assert {e["node"] for e in found} <= {"node1", "node2"}
     [requeue] = [e for e in every if e["event"] == "requeue"]
     assert (requeue["exit_code"], requeue["reason"]) == (76, "hang"), explain(run_dir, job_id)
     [resume] = [e for e in every if e["event"] == "resume"]
