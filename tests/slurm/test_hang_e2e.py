@@ -10,22 +10,16 @@ no exit reaches anyone; only time passes.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from localslurm import LocalSlurm
 from test_requeue_e2e import (
-    SETS,
-    TINY,
     assert_same_model,
     events,
     explain,
-    export_model,
     launch,
+    reference_run,
     status,
     wait_end,
 )
@@ -39,30 +33,11 @@ MEMORY = ("checkpoint.mode=memory", "checkpoint.snapshot_interval=1", "checkpoin
 MAX_STEPS = 20  # as in SETS
 
 
-@pytest.fixture
-def jobs(local_slurm: LocalSlurm):
-    """Job ids to cancel when the test ends, so a failed test leaves nothing running."""
-    ids: list[int] = []
-    yield ids
-    for job_id in ids:
-        local_slurm.run("scancel", str(job_id), check=False)
-
-
 @pytest.fixture(scope="module")
 def reference_model_4(corpus: Path, tmp_path_factory: pytest.TempPathFactory
                       ) -> dict[str, torch.Tensor]:
     """The final weights of one uninterrupted local run at world size 4."""
-    storage = tmp_path_factory.mktemp("reference4")
-    argv = [sys.executable, "-m", "pyrecover", "train", "--nproc", "4", "--config", str(TINY),
-            "--set", f"data.path={corpus}", "--set", f"run.storage={storage}",
-            "--set", "run.exp_name=reference"]
-    for item in SETS:
-        argv += ["--set", item]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
-    done = subprocess.run(argv, env=env, cwd=storage, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return export_model(storage / "reference", env)
+    return reference_run(corpus, tmp_path_factory.mktemp("reference4"), 4)
 
 
 def test_a_stopped_task_is_reported_as_a_hang_requeued_and_the_job_completes_bitwise(

@@ -55,7 +55,7 @@ def reference_run(corpus: Path, storage: Path, nproc: int) -> dict[str, torch.Te
         argv += ["--set", item]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
     done = subprocess.run(argv, env=env, cwd=storage, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return export_model(storage / "reference", env)
 
