@@ -9,7 +9,8 @@ import typer
 
 from pyrecover.cli.errors import user_error
 
-bench_app = typer.Typer(help="Measure checkpoint speed against the storage's own limits.",
+bench_app = typer.Typer(help="Measure checkpoints against the storage's limits, training "
+                        "throughput against a plain loop, and every GPU path (gpu-check).",
                         no_args_is_help=True)
 
 ModeOpt = Annotated[list[str] | None, typer.Option(
