@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from pyrecover import data
+from pyrecover.rundir import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "launch" / "experiments" / "tiny.yaml"
@@ -67,3 +68,8 @@ def is_running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    """events are the run's `events.jsonl` records of one kind, in order."""
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == kind]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import load_export, pyrecover, tiny_args
+from helpers import events, load_export, pyrecover, tiny_args
 
 from pyrecover.model import GPT, GPTConfig
 from pyrecover.rundir import read_jsonl
@@ -22,10 +22,6 @@ RESHARD = ("train.global_batch_size=24", "checkpoint.mode=dcp", "checkpoint.inte
 def train(storage: Path, corpus: Path, name: str, nproc: int, *extra: str, env=None):
     return pyrecover("train", "--nproc", str(nproc), *tiny_args(storage, corpus, name, *extra),
                      env=env)
-
-
-def events(run_dir: Path, kind: str) -> list[dict]:
-    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == kind]
 
 
 def losses(run_dir: Path) -> dict[int, float]:

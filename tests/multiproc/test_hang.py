@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_export, pyrecover, tiny_args
+from helpers import events, load_export, pyrecover, tiny_args
 
 from pyrecover.preempt import EXIT_HANG
 from pyrecover.rundir import read_jsonl
@@ -26,10 +26,6 @@ WATCH = ("run.hang_timeout=3", "run.hang_startup_timeout=60")
 def train(storage: Path, corpus: Path, name: str, *extra: str, env=None):
     return pyrecover("train", "--nproc", "2", *tiny_args(storage, corpus, name, *extra),
                      env=env)
-
-
-def events(run_dir: Path, kind: str) -> list[dict]:
-    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == kind]
 
 
 def export(run_dir: Path) -> dict[str, torch.Tensor]:

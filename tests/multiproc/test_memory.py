@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_export, pyrecover, tiny_args
+from helpers import events, load_export, pyrecover, tiny_args
 
 from pyrecover.rundir import read_jsonl
 
@@ -26,10 +26,6 @@ def train(storage: Path, corpus: Path, name: str, nproc: int, *extra: str, env=N
 def kill(ranks: str, step: int, point: str = "step") -> dict[str, str]:
     return {"PYRECOVER_KILL_AT_STEP": str(step), "PYRECOVER_KILL_RANK": ranks,
             "PYRECOVER_KILL_TARGET": "self", "PYRECOVER_KILL_POINT": point}
-
-
-def events(run_dir: Path, kind: str) -> list[dict]:
-    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == kind]
 
 
 def export(run_dir: Path) -> dict[str, torch.Tensor]:
