@@ -7,8 +7,10 @@ Nothing here writes.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,8 @@ class Status:
     """The newest interruption's phases in order (phases.py), each with its `gap` in seconds."""
     ledger: dict[str, Any] = field(default_factory=dict)
     """Wall time by cause across all requeues (ledger.py)."""
+    skipped_records: int = 0
+    """Records of events.jsonl and metrics.jsonl left out: not as pyrecover writes them."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,8 +68,8 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
     if problem:
         raise StatusError(problem)
     now = time.time() if now is None else now
-    events = list(read_jsonl(run.events))
-    metrics = list(read_jsonl(run.metrics))
+    events, skipped_events = _well_formed(read_jsonl(run.events), needs_time=True)
+    metrics, skipped_metrics = _well_formed(read_jsonl(run.metrics), needs_time=False)
     starts = [e for e in events if e.get("event") in ("start", "resume")]
     step = max([int(m.get("step", 0)) for m in metrics] +
                [int(e.get("step", 0)) for e in events if "step" in e], default=0)
@@ -103,7 +107,40 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
         interruption=phases.last_interruption(events),
         ledger=ledger_mod.ledger(events, metrics, [ledger_mod.JobTimes(*t) for t in (
             sacct(job_id) if (sacct and job_id) else [])]).to_dict(),
+        skipped_records=skipped_events + skipped_metrics,
     )
+
+
+# The fields read as numbers anywhere in status, the ledger or the phases.
+NUMERIC_FIELDS = ("time", "step", "rank", "blocked", "seconds", "restore_seconds",
+                  "steps_lost", "step_time", "checkpoint_stall_total")
+TEXT_FIELDS = ("event", "phase", "reason", "error", "job_id", "node")
+
+
+def _well_formed(records: Iterable[dict[str, Any]], needs_time: bool
+                 ) -> tuple[list[dict[str, Any]], int]:
+    """_well_formed keeps the records whose fields have the types pyrecover writes (a number
+    a float can hold, text), so a hand-edited or foreign line never stops `status`; it
+    returns them and how many it left out."""
+    kept, skipped = [], 0
+    for record in records:
+        numbers_ok = all(_is_number(record[k]) for k in NUMERIC_FIELDS if k in record)
+        texts_ok = all(isinstance(record[k], str) for k in TEXT_FIELDS if k in record
+                       and not (k == "job_id" and _is_number(record[k])))
+        if numbers_ok and texts_ok and (not needs_time or "time" in record):
+            kept.append(record)
+        else:
+            skipped += 1
+    return kept, skipped
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(float(value)) and abs(value) < 1e15
+    except OverflowError:
+        return False
 
 
 def _slurm_name(events: list[dict[str, Any]], job_id: str) -> str:
@@ -256,6 +293,9 @@ def render(s: Status) -> str:
                      f"{g.get('windows')} windows in a row)")
     if s.last_error:
         lines.append(f"last error  {s.last_error}")
+    if s.skipped_records:
+        lines.append(f"skipped     {s.skipped_records} records of events.jsonl/metrics.jsonl "
+                     "that are not as pyrecover writes them")
     lines += _ledger_lines(s.ledger, s.job_id) + _interruption_lines(s.interruption)
     return "\n".join(lines)
 
