@@ -92,7 +92,7 @@ bench-restart: venv system-deps
 	@cluster="$$(mktemp -d /tmp/pyrecover-slurm.XXXXXX)"; \
 	trap '$(PY) tests/localslurm.py stop "'"$$cluster"'"' EXIT; \
 	eval "$$($(PY) tests/localslurm.py start "$$cluster" --nodes 2)" || exit 1; \
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pyrecover bench restart --dir $(BENCH_DIR) \
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/pyrecover bench restart --dir $(BENCH_DIR) \
 	  --cluster launch/clusters/local.yaml --config launch/experiments/tiny.yaml \
 	  --set data.path=$(CURDIR)/$(BENCH_CORPUS) --nodes 2 --gpus-per-node 1 --launcher none \
 	  --repeat 3 $(RESTART_ARGS)

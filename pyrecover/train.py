@@ -259,7 +259,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                      state.step, lost, restore_s)
             run.event("resume", step=state.step, path=str(ckpt.path), steps_lost=lost,
                       world_size=env.world_size, saved_world_size=ckpt.manifest["world_size"],
-                      mode=ckpt.mode, restore_seconds=round(restore_s, 4))
+                      mode=ckpt.mode, restore_seconds=round(restore_s, 4), verified=ckpt.checked)
     dog.phase("setup")
     if env.world_size > 1:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
