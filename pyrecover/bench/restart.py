@@ -98,19 +98,25 @@ def bench_restart(storage: Path, cluster: Path | None, config: Path | None,
     job = found.group(1)
     note(f"job {job}, run directory {run.root}")
     cycles = []
+    waiter = Waiter(job, run, timeout)
     try:
-        waiter = Waiter(job, run, timeout)
-        waiter.until(lambda: _first_step(run, 0), "the job's first step")
+        current = waiter.until(lambda: _stepping(run, 0), "the job's first step")[0]
         for i, kind in enumerate(plan):
-            waiter.until(lambda i=i: _steps_after_first(run, i) >= 2,
-                         f"two steps of attempt {i + 1}")
+            waiter.until(lambda a=current: _steps_after_first(run, a) >= 2,
+                         f"two steps of attempt {current + 1}")
             note(f"{kind} {i // len(kinds) + 1}/{repeat}")
-            cycles.append(interrupt(waiter, kind, i))
+            cycles.append(interrupt(waiter, kind, current))
             c = cycles[-1]
+            current = c["attempt"]
+            if c["failed_starts"]:
+                note(f"{kind}: {c['failed_starts']} start(s) failed before the resume (see "
+                     f"{run.logs}); this run is left out of the summary")
+                continue
             note(f"{kind}: {c['total_s']:.1f}s to the first resumed step, requeue delay "
                  f"{num(c['requeue_delay_s'], 0)}s, rest {num(c['rest_s'], 1)}s")
     finally:
         query.cancel_job(job)
+        waiter.ended()
     world = next((e.get("world_size") for e in run.read_events() if e["event"] == "resume"),
                  None)
     return {"job": job, "run_dir": str(run.root), "world_size": world, "state_gb": state_gb,
@@ -123,6 +129,14 @@ class Waiter:
 
     def __init__(self, job: str, run: RunDir, timeout: float) -> None:
         self.job, self.run, self.timeout = job, run, timeout
+
+    def ended(self) -> None:
+        """ended waits (up to the timeout) for SLURM to report the job ended."""
+        deadline = time.monotonic() + self.timeout
+        while query.job_record(self.job).get("JobState", "COMPLETED") not in TERMINAL:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(POLL_S)
 
     def until(self, check: Callable[[], Any], what: str) -> Any:
         deadline = time.monotonic() + self.timeout
@@ -142,31 +156,44 @@ class Waiter:
 
 
 def interrupt(waiter: Waiter, kind: str, index: int) -> dict[str, Any]:
-    """interrupt ends attempt `index` the `kind` way and measures until the next one's first
-    step (one cycle of the report)."""
+    """interrupt ends attempt `index` the `kind` way and measures until the first step of the
+    next attempt that gets that far (one cycle of the report; `failed_starts` counts the
+    attempts between that failed to start, say a rendezvous port still taken)."""
     run = waiter.run
     sent = time.time()
     if kind == "signal":
         query.signal_job(waiter.job, "USR2")
     else:
         (run.root / KILL_FILE).write_text(f"{sent}\n")
-    step = waiter.until(lambda: _first_step(run, index + 1), "the first resumed step")
+    resumed, step = waiter.until(lambda: _stepping(run, index + 1), "the first resumed step")
     seen = time.time()
-    record = waiter.until(lambda: _restarted(waiter.job, index + 1), "SLURM's record of the "
+    runs = attempts(run.read_events())
+    restarts = max(int(e.get("restart_count", 0)) for e in runs[resumed])
+    record = waiter.until(lambda: _restarted(waiter.job, restarts), "SLURM's record of the "
                           "restart")
-    delay = _sacct_delay(waiter.job, index + 1)
+    delay = _sacct_delay(waiter.job, restarts)
     delay = query.requeue_delay(record) if delay is None else delay
     rows = [{"phase": f"{kind}_sent", "time": sent}]
-    ended, started = attempts(run.read_events())[index:index + 2]
-    rows += [r for r in last_interruption(ended + started) if r["phase"] != "last_record"]
+    rows += [r for r in last_interruption(runs[index] + runs[resumed])
+             if r["phase"] != "last_record"]
     previous = sent
     for row in rows:
         row["gap"] = round(row["time"] - previous, 3)
         previous = row["time"]
     total = step - sent
-    return {"kind": kind, "attempt": index + 1, "rows": rows, "total_s": round(total, 3),
+    return {"kind": kind, "attempt": resumed, "failed_starts": resumed - index - 1,
+            "rows": rows, "total_s": round(total, 3),
             "observed_s": round(seen - sent, 3), "requeue_delay_s": delay,
             "rest_s": None if delay is None else round(total - delay, 3)}
+
+
+def _stepping(run: RunDir, index: int) -> tuple[int, float] | None:
+    """_stepping is (attempt, time of its first step) for the first attempt from `index` on
+    that took a step, once one has."""
+    for i in range(index, len(attempts(run.read_events()))):
+        if (at := _first_step(run, i)) is not None:
+            return i, at
+    return None
 
 
 def _first_step(run: RunDir, index: int) -> float | None:
@@ -211,7 +238,7 @@ def summarize(cycles: list[dict[str, Any]], state_gb: float | None) -> dict[str,
     delay and the rest, with the issue's bound on the rest."""
     out: dict[str, Any] = {}
     for kind in dict.fromkeys(c["kind"] for c in cycles):
-        mine = [c for c in cycles if c["kind"] == kind]
+        mine = [c for c in cycles if c["kind"] == kind and not c["failed_starts"]]
         figures: dict[str, list[float]] = {}
         for c in mine:
             for row in c["rows"][1:]:

@@ -112,8 +112,11 @@ def signal_job(job_id: str, signal: str) -> None:
 
 
 def cancel_job(job_id: str) -> None:
-    """cancel_job ends the job (`scancel`); a job that already ended is no error."""
-    try:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        pass
+    """cancel_job ends the job for good: a pyrecover job script takes scancel's SIGTERM for a
+    preemption and requeues itself, so the job is made non-requeueable first (`scontrol
+    update Requeue=0`). A job that already ended is no error."""
+    for argv in (["scontrol", "update", f"JobId={job_id}", "Requeue=0"], ["scancel", job_id]):
+        try:
+            subprocess.run(argv, capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            pass

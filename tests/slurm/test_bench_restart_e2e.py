@@ -54,8 +54,12 @@ def test_a_signal_and_a_crash_are_timed_phase_by_phase_and_the_phases_add_up_to_
         assert 1 <= cycle["requeue_delay_s"] <= start_gap + 1, cycle
         assert cycle["rest_s"] == pytest.approx(cycle["total_s"] - cycle["requeue_delay_s"])
     for kind, summary in report["summary"].items():
-        (cycle,) = [c for c in report["cycles"] if c["kind"] == kind]
-        assert summary["figures"]["rest_s"]["median"] == cycle["rest_s"]
+        # A start that failed on its own (another local cluster's job on the same
+        # rendezvous port) is reported but left out of the summary.
+        clean = [c for c in report["cycles"] if c["kind"] == kind and not c["failed_starts"]]
+        assert summary["runs"] == len(clean)
+        if clean:
+            assert summary["figures"]["rest_s"]["median"] == clean[0]["rest_s"]
         assert summary["target_rest_s"] == restart.TARGETS[kind]
     text = restart.format_restart(report)
     assert "rest (total - delay)" in text and "kill -> survivors exit" in text
