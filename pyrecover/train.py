@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 import logging
 import os
 import shutil
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -46,6 +44,7 @@ from pyrecover.optim import build_optimizer, build_scheduler
 from pyrecover.phases import Phases, process_start_time
 from pyrecover.preempt import StopRequested
 from pyrecover.rundir import RunDir, RunLock, RunLocked, StorageError, read_jsonl
+from pyrecover.startup import end_startup, import_in_background
 
 log = logging.getLogger("pyrecover")
 
@@ -161,25 +160,7 @@ def main(cfg: Config, run_dir: Path) -> None:
             log.debug("process group teardown failed: %s", exc)
         lock.release()
         phases.mark("exit")
-
-
-def import_in_background(name: str) -> threading.Thread:
-    """import_in_background starts importing module `name` in a daemon thread.
-
-    torch.optim's Optimizer imports torch._dynamo on first use (add_param_group and step are
-    wrapped by torch._disable_dynamo, which imports it lazily), 1.7 s of every start on an
-    idle 2-core VM and up to 4 s on a busy one. Started here, it runs while this thread waits
-    without the GIL: reading the corpus, the process group's rendezvous with the other ranks,
-    building the model. The optimizer's own import then waits on the module lock for what is
-    left. A failure is left for that import to raise.
-    """
-    def load() -> None:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
-
-    thread = threading.Thread(target=load, name=f"pyrecover-import-{name}", daemon=True)
-    thread.start()
-    return thread
+        gc.enable()
 
 
 def hold_run_dir(lock: RunLock, env: dist.DistEnv) -> None:
@@ -302,7 +283,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                     cfg.run.straggler_interval, cfg.run.straggler_factor,
                     cfg.run.straggler_windows, env.world_size,
                     dist.gather_objects(node_name(), env.world_size)),
-                on_step=lambda step: phases.once("first_step"))
+                on_step=lambda step: end_startup(phases))
     if state.step >= t.max_steps:
         log.info("nothing to do: step %d already reached train.max_steps=%d", state.step,
                  t.max_steps)
