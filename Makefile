@@ -90,7 +90,7 @@ bench-restart: venv system-deps
 	@[ -f $(BENCH_CORPUS) ] || $(VENV)/bin/pyrecover data prepare --max-mb 5 \
 	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" $(BENCH_CORPUS)
 	@cluster="$$(mktemp -d /tmp/pyrecover-slurm.XXXXXX)"; \
-	trap '$(PY) tests/localslurm.py stop "'"$$cluster"'"' EXIT; \
+	trap '$(PY) tests/localslurm.py stop "'"$$cluster"'"; rm -rf "'"$$cluster"'"' EXIT; \
 	eval "$$($(PY) tests/localslurm.py start "$$cluster" --nodes 2)" || exit 1; \
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/pyrecover bench restart --dir $(BENCH_DIR) \
 	  --cluster launch/clusters/local.yaml --config launch/experiments/tiny.yaml \
