@@ -1,5 +1,5 @@
 """What shortens a trainer's start: torch._dynamo imported beside the start-up's waits, and
-the garbage collector off until the first step (see pyrecover/__main__.py)."""
+the garbage collector off while torch is imported (see pyrecover/__main__.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import contextlib
 import gc
 import importlib
 import threading
-
-from pyrecover.phases import Phases
 
 
 def import_in_background(name: str) -> threading.Thread:
@@ -31,11 +29,13 @@ def import_in_background(name: str) -> threading.Thread:
     return thread
 
 
-def end_startup(phases: Phases) -> None:
-    """end_startup marks the first step and turns the garbage collector back on where
-    `python -m pyrecover train` left it off for the start-up's imports; what start-up
-    allocated is frozen out of later collections (they would walk it all again)."""
-    phases.once("first_step")
+def end_startup_imports() -> None:
+    """end_startup_imports turns the garbage collector back on where `python -m pyrecover
+    train` left it off for the start-up's imports (pyrecover/__main__.py), once the last of
+    them (torch._dynamo, for the optimizer) is done and before anything that makes cyclic
+    garbage in bulk (torch.compile at the first step). What the imports allocated is frozen
+    out of later collections, which would walk it all again (the exit's gc.collect did, for
+    0.15-0.44 s)."""
     if not gc.isenabled():
         gc.freeze()
         gc.enable()

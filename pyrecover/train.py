@@ -44,7 +44,7 @@ from pyrecover.optim import build_optimizer, build_scheduler
 from pyrecover.phases import Phases, process_start_time
 from pyrecover.preempt import StopRequested
 from pyrecover.rundir import RunDir, RunLock, RunLocked, StorageError, read_jsonl
-from pyrecover.startup import end_startup, import_in_background
+from pyrecover.startup import end_startup_imports, import_in_background
 
 log = logging.getLogger("pyrecover")
 
@@ -216,6 +216,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         # `_orig_mod.` and a compiled run resumes an eager checkpoint and the reverse.
         model.compile()
     optimizer = build_optimizer(model, cfg, device)
+    end_startup_imports()  # torch._dynamo is in now: the garbage collector back on
     scheduler = build_scheduler(optimizer, cfg)
     batches = Batches(tokens, cfg.model.block_size, t.seed)
     state = TrainState()
@@ -283,7 +284,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                     cfg.run.straggler_interval, cfg.run.straggler_factor,
                     cfg.run.straggler_windows, env.world_size,
                     dist.gather_objects(node_name(), env.world_size)),
-                on_step=lambda step: end_startup(phases))
+                on_step=lambda step: phases.once("first_step"))
     if state.step >= t.max_steps:
         log.info("nothing to do: step %d already reached train.max_steps=%d", state.step,
                  t.max_steps)
