@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv system-deps demo test lint bench image gpu-test gpu-check clean
+.PHONY: venv system-deps demo test lint bench bench-restart image gpu-test gpu-check clean
 
 venv: $(STAMP)
 
@@ -79,3 +79,20 @@ bench: venv
 	  --set data.path=$(BENCH_CORPUS) --interval 10 --steps 30 --warmup 5 --repeat 3
 	$(VENV)/bin/pyrecover bench memory --dir $(BENCH_DIR) --size-gb 0.25 --repeat 3 \
 	  --config launch/experiments/tiny.yaml --set data.path=$(BENCH_CORPUS) --steps 30 --warmup 5
+
+# Signal and crash to the first resumed step of a real 2-task job, on a throwaway local SLURM
+# cluster (tests/localslurm.py; root, SLURM installed: `make system-deps`), stopped again
+# afterwards. Set RESTART_ARGS="--state-gb 1" for a 1 GB state. On a real cluster run
+# `pyrecover bench restart` itself with that cluster's profile (README "Restart").
+RESTART_ARGS ?=
+bench-restart: venv system-deps
+	@mkdir -p $(BENCH_DIR)
+	@[ -f $(BENCH_CORPUS) ] || $(VENV)/bin/pyrecover data prepare --max-mb 5 \
+	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" $(BENCH_CORPUS)
+	@cluster="$$(mktemp -d /tmp/pyrecover-slurm.XXXXXX)"; \
+	trap '$(PY) tests/localslurm.py stop "'"$$cluster"'"; rm -rf "'"$$cluster"'"' EXIT; \
+	eval "$$($(PY) tests/localslurm.py start "$$cluster" --nodes 2)" || exit 1; \
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/pyrecover bench restart --dir $(BENCH_DIR) \
+	  --cluster launch/clusters/local.yaml --config launch/experiments/tiny.yaml \
+	  --set data.path=$(CURDIR)/$(BENCH_CORPUS) --nodes 2 --gpus-per-node 1 --launcher none \
+	  --repeat 3 $(RESTART_ARGS)

@@ -20,6 +20,12 @@ if PATH does not exist yet, and creates PATH first. The environment is inherited
 requeued or restarted run, which redoes step N after resuming from an earlier checkpoint;
 the guard file keeps that run from being killed again.
 
+`PYRECOVER_KILL_ON_FILE=PATH` instead kills when PATH appears, at the first step boundary
+after (`bench restart` crashes a running job at a moment of its choosing this way, on any
+cluster whose storage the job and the bench share): the first rank named by
+`PYRECOVER_KILL_RANK` (where `last` names the job's last rank) to rename PATH to PATH.taken
+kills, once per file.
+
 Nothing is flushed or saved first; that is the point. Unset, this costs one dict lookup.
 
 A hang, for the watchdog (pyrecover/watchdog.py): `PYRECOVER_HANG_AT_STEP=N` makes the ranks
@@ -53,6 +59,25 @@ def maybe_kill(step: int, rank: int, point: str = "step") -> None:
         return
     if not _first_time(os.environ.get("PYRECOVER_KILL_ONCE")):
         return
+    _kill()
+
+
+def maybe_kill_on_file(rank: int, world_size: int) -> None:
+    """maybe_kill_on_file kills as `maybe_kill` does once `PYRECOVER_KILL_ON_FILE` exists."""
+    path = os.environ.get("PYRECOVER_KILL_ON_FILE")
+    if not path:
+        return
+    names = os.environ.get("PYRECOVER_KILL_RANK", "0").split(",")
+    if str(rank) not in names and not ("last" in names and rank == world_size - 1):
+        return
+    try:  # the rename is the claim: exactly one process kills per file
+        os.rename(path, path + ".taken")
+    except OSError:
+        return
+    _kill()
+
+
+def _kill() -> None:
     if os.environ.get("PYRECOVER_KILL_TARGET", "group") == "self":
         os.kill(os.getpid(), signal.SIGKILL)
     os.killpg(os.getpgrp(), signal.SIGKILL)

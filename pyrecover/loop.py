@@ -113,6 +113,7 @@ class Loop:
                     raise StopRequested(step, reason)
             self.tracker.after_step(step)
             faults.maybe_kill(step, self.rank)
+            faults.maybe_kill_on_file(self.rank, self.world_size)
         if self.progress is not None:
             self.progress.close()
         return self.state

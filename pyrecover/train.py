@@ -44,6 +44,7 @@ from pyrecover.optim import build_optimizer, build_scheduler
 from pyrecover.phases import Phases, process_start_time
 from pyrecover.preempt import StopRequested
 from pyrecover.rundir import RunDir, RunLock, RunLocked, StorageError, read_jsonl
+from pyrecover.startup import end_startup_imports, import_in_background
 
 log = logging.getLogger("pyrecover")
 
@@ -73,6 +74,7 @@ def main(cfg: Config, run_dir: Path) -> None:
     phases = Phases(env.rank)  # phases.py: this start's timings, written as events by rank 0
     phases.mark("process_start", process_start_time())
     phases.mark("imports_done")
+    import_in_background("torch._dynamo")
     setup_logging(env.rank)
     run = RunDir(run_dir)
     try:  # config and data errors surface here, on every rank, before any collective
@@ -158,6 +160,7 @@ def main(cfg: Config, run_dir: Path) -> None:
             log.debug("process group teardown failed: %s", exc)
         lock.release()
         phases.mark("exit")
+        gc.enable()
 
 
 def hold_run_dir(lock: RunLock, env: dist.DistEnv) -> None:
@@ -213,6 +216,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         # `_orig_mod.` and a compiled run resumes an eager checkpoint and the reverse.
         model.compile()
     optimizer = build_optimizer(model, cfg, device)
+    end_startup_imports()  # torch._dynamo is in now: the garbage collector back on
     scheduler = build_scheduler(optimizer, cfg)
     batches = Batches(tokens, cfg.model.block_size, t.seed)
     state = TrainState()
@@ -259,7 +263,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                      state.step, lost, restore_s)
             run.event("resume", step=state.step, path=str(ckpt.path), steps_lost=lost,
                       world_size=env.world_size, saved_world_size=ckpt.manifest["world_size"],
-                      mode=ckpt.mode, restore_seconds=round(restore_s, 4))
+                      mode=ckpt.mode, restore_seconds=round(restore_s, 4), verified=ckpt.checked)
     dog.phase("setup")
     if env.world_size > 1:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)

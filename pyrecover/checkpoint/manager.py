@@ -341,7 +341,7 @@ class CheckpointManager:
                     finalize_snapshots(self.root, self.run.event)
                 for tmp in store.clean_uncommitted(self.root):
                     log.warning("removed uncommitted checkpoint folder %s", tmp.name)
-            for step, folder, ckpt, problem in store.scan(self.root):
+            for step, folder, ckpt, problem in store.scan(self.root, environ=os.environ):
                 if below is not None and step >= below:
                     continue
                 if ckpt is not None:

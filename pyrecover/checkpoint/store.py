@@ -30,11 +30,13 @@ import time
 import uuid
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from pyrecover.checkpoint import trust
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -164,7 +166,7 @@ class Pending:
         manifest = {
             "format": FORMAT, "mode": mode, "step": self.step, "world_size": world_size,
             "time": time.time(), "train_state": train_state, "files": self.files,
-            **(extra or {}),
+            **trust.record(self.tmp, list(self.files)), **(extra or {}),
         }
         mpath = self.tmp / MANIFEST
         with mpath.open("w") as f:
@@ -236,6 +238,7 @@ def begin(root: Path, step: int) -> Pending:
 class Checkpoint:
     path: Path
     manifest: dict[str, Any]
+    checked: str = "checksums"  # or "sizes", or "same-job record" (trust.py)
 
     @property
     def step(self) -> int:
@@ -342,13 +345,17 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify(folder: Path, checksums: bool = True) -> Checkpoint:
+def verify(folder: Path, checksums: bool = True,
+           environ: Mapping[str, str] | None = None) -> Checkpoint:
     """verify returns the checkpoint if every listed file has its size (and checksum).
 
     Raises CheckpointError naming the first file that does not, or what is wrong with the
-    manifest. A listed file must be a regular file in the folder, not a symbolic link.
+    manifest. A listed file must be a regular file in the folder, not a symbolic link. With
+    `environ` (a resume's), files the same job recorded and nobody touched since keep their
+    checksum from the commit (trust.py).
     """
     manifest = read_manifest(folder)
+    same_job = trust.trusted(folder, manifest, environ) if checksums else set()
     for name, meta in sorted(manifest["files"].items()):
         path = folder / name
         try:
@@ -360,17 +367,21 @@ def verify(folder: Path, checksums: bool = True) -> Checkpoint:
         if st.st_size != meta["size"]:
             raise CheckpointError(
                 f"{path}: {st.st_size} bytes, manifest says {meta['size']} (truncated?)")
-        if checksums and not checksum_ok(path, meta):
+        if checksums and name not in same_job and not checksum_ok(path, meta):
             raise CheckpointError(
                 f"{path}: {checksum_kind(meta)} does not match the manifest (corrupt)")
-    return Checkpoint(folder, manifest)
+    checked = ("same-job record" if same_job >= set(manifest["files"]) else "checksums"
+               ) if checksums else "sizes"
+    return Checkpoint(folder, manifest, checked)
 
 
-def scan(root: Path, checksums: bool = True) -> Iterator[tuple[int, Path, Checkpoint | None, str]]:
-    """scan yields (step, folder, checkpoint or None, problem) per step folder, newest first."""
+def scan(root: Path, checksums: bool = True, environ: Mapping[str, str] | None = None
+         ) -> Iterator[tuple[int, Path, Checkpoint | None, str]]:
+    """scan yields (step, folder, checkpoint or None, problem) per step folder, newest first
+    (`environ`: see verify)."""
     for step, folder in committed_steps(root):
         try:
-            yield step, folder, verify(folder, checksums), ""
+            yield step, folder, verify(folder, checksums, environ), ""
         except CheckpointError as exc:
             yield step, folder, None, str(exc)
 

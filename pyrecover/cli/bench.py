@@ -1,4 +1,5 @@
-"""`pyrecover bench ckpt|train|memory`: checkpoint speed on this storage, its cost to training."""
+"""`pyrecover bench ckpt|train|memory|restart|gpu-check`: checkpoint speed on this storage, its
+cost to training, the time an interruption costs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import typer
 from pyrecover.cli.errors import user_error
 
 bench_app = typer.Typer(help="Measure checkpoints against the storage's limits, training "
-                        "throughput against a plain loop, and every GPU path (gpu-check).",
+                        "throughput against a plain loop, an interruption to the first resumed "
+                        "step (restart), and every GPU path (gpu-check).",
                         no_args_is_help=True)
 
 ModeOpt = Annotated[list[str] | None, typer.Option(
@@ -123,6 +125,62 @@ def memory(
     except (common.BenchError, ConfigError, DataError) as exc:
         raise user_error(exc) from None
     typer.echo(common.to_json(report) if as_json else memory.format_memory(report))
+
+
+@bench_app.command("restart")
+def restart(
+    directory: Annotated[Path, typer.Option(
+        "--dir", help="run.storage of the benchmark's job (shared with the compute nodes); "
+        "its run directory bench-restart-<id> is left there for inspection.")],
+    cluster: Annotated[Path | None, typer.Option(
+        help="Cluster profile YAML, as for launch (default: launch's). The cluster itself is "
+        "the one SLURM's commands reach (SLURM_CONF).")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="Experiment YAML to train (e.g. launch/experiments/tiny.yaml)."
+        )] = None,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", help="Override one experiment key, e.g. --set data.path=c.parquet.")]
+    = None,
+    nodes: Annotated[int | None, typer.Option(help="Nodes (launch --nodes).")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(
+        help="Tasks per node (launch --gpus-per-node).")] = None,
+    launcher: Annotated[str | None, typer.Option(help="launch --launcher.")] = None,
+    time_limit: Annotated[str | None, typer.Option(
+        "--time", help="The job's time limit (launch --time); long enough for every cycle.")]
+    = None,
+    interrupt: Annotated[list[str] | None, typer.Option(
+        "--interrupt", help="signal (scancel --signal=USR2) or crash (the last rank "
+        "SIGKILLs itself); repeatable. Default: both.")] = None,
+    repeat: Annotated[int, typer.Option(help="Interruptions of each kind (one job, "
+                                        "requeued each time); medians shown.")] = 3,
+    state_gb: Annotated[float | None, typer.Option(
+        help="Train a 4-layer GPT whose weights + AdamW state are about this many GB "
+        "instead of the config's model.")] = None,
+    timeout: Annotated[float, typer.Option(
+        help="Seconds to wait for any one event (a start, a resumed step).")] = 600.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Signal or crash to the first resumed step of a real job, phase by phase, minus the
+    cluster's requeue delay (read from SLURM's job times).
+
+    Submits one job with `pyrecover launch`, interrupts it --repeat times per kind, waits on
+    its events for each resume, then cancels it. `make bench-restart` runs it on a throwaway
+    local SLURM cluster.
+    """
+    from pyrecover.bench import common
+    from pyrecover.bench import restart as bench_restart
+
+    launch_args: list[str] = []
+    for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
+                        ("--launcher", launcher), ("--time", time_limit)):
+        launch_args += [flag, str(value)] if value is not None else []
+    try:
+        report = bench_restart.bench_restart(
+            directory, cluster, config, overrides or [], launch_args,
+            tuple(interrupt or bench_restart.KINDS), repeat, state_gb, timeout, note=_note)
+    except common.BenchError as exc:
+        raise user_error(exc) from None
+    typer.echo(common.to_json(report) if as_json else bench_restart.format_restart(report))
 
 
 @bench_app.command("gpu-check")

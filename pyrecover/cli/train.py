@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 from typing import Annotated
@@ -46,6 +47,7 @@ def train(
             argv += ["--config", str(config)]
         for item in overrides or []:
             argv += ["--set", item]
+        gc.enable()  # off for a trainer's start-up (pyrecover/__main__.py); this one waits
         code = dist.spawn_local(argv, nproc, os.environ,
                                 parent=None if env.launcher == "single" else env)
         raise typer.Exit(code)

@@ -68,3 +68,55 @@ def job_times(job_id: str) -> list[tuple[float, float, float | None]]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return parse_sacct_times(out.stdout) if out.returncode == 0 else []
+
+
+def job_record(job_id: str) -> dict[str, str]:
+    """job_record is `scontrol show job -o JOB` as a mapping (JobState, Restarts, SubmitTime,
+    StartTime, ...); empty when SLURM does not know the job or does not answer."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if out.returncode != 0:
+        return {}
+    return dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
+
+
+def slurm_time(text: str) -> float | None:
+    """slurm_time reads one of SLURM's local times (2026-11-24T04:51:46) as epoch seconds;
+    None for `Unknown`, `None` or anything else."""
+    try:
+        return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
+    except (TypeError, ValueError):
+        return None
+
+
+def requeue_delay(record: dict[str, str]) -> float | None:
+    """requeue_delay is how long SLURM held a requeued job before its latest attempt started,
+    from `job_record`: a requeue sets the job's SubmitTime to the moment of the requeue (the
+    previous attempt's end) and the attempt's StartTime is when it began. None before the
+    first requeue or while the attempt has not started."""
+    if record.get("Restarts", "0") in ("", "0") or record.get("JobState") == "PENDING":
+        return None
+    queued, started = slurm_time(record.get("SubmitTime", "")), slurm_time(
+        record.get("StartTime", ""))
+    return None if queued is None or started is None else started - queued
+
+
+def signal_job(job_id: str, signal: str) -> None:
+    """signal_job sends `signal` (USR2, TERM, ...) to every task of the job's steps, not to
+    the batch shell (`scancel --signal`): what SLURM itself sends before a time limit."""
+    subprocess.run(["scancel", f"--signal={signal}", job_id], check=True, capture_output=True,
+                   timeout=30)
+
+
+def cancel_job(job_id: str) -> None:
+    """cancel_job ends the job for good: a pyrecover job script takes scancel's SIGTERM for a
+    preemption and requeues itself, so the job is made non-requeueable first (`scontrol
+    update Requeue=0`). A job that already ended is no error."""
+    for argv in (["scontrol", "update", f"JobId={job_id}", "Requeue=0"], ["scancel", job_id]):
+        try:
+            subprocess.run(argv, capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            pass

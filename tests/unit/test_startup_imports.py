@@ -22,6 +22,15 @@ def test_the_trainer_does_not_import_distributed_checkpoint_or_wandb_until_a_run
     assert "wandb" not in modules
 
 
+def test_pyrecover_train_imports_no_other_command_groups_work_before_it_trains():
+    # Each restart pays for every import again; the other groups' modules wait for their
+    # own commands (the typer modules of cli/ themselves are 0.2 s in all, typer included).
+    modules = imported_by("import pyrecover.cli.app, pyrecover.train")
+    others = {"pyrecover.bench", "pyrecover.sweep", "pyrecover.plot", "pyrecover.status",
+              "pyrecover.slurm.render", "pyrecover.container", "spython", "matplotlib"}
+    assert not others & modules, others & modules
+
+
 def test_a_dcp_mode_is_still_made_on_demand():
     modules = imported_by("import torch\nfrom pyrecover.checkpoint.manager import make_mode, "
                           "ModeSettings\nmake_mode('dcp', 0, 1, ModeSettings(torch.device('cpu'), "

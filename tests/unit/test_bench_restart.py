@@ -1,0 +1,49 @@
+"""bench restart's pure parts: SLURM's requeue delay read from a job record, the model that
+makes a state of a given size, and bad input as one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import pyrecover
+
+from pyrecover.bench.restart import model_for_state
+from pyrecover.model import GPT, GPTConfig
+from pyrecover.slurm.query import requeue_delay
+
+# What `scontrol show job -o` said on the local cluster (SLURM 22.05) around a requeue.
+BEFORE = {"JobState": "RUNNING", "Restarts": "0", "SubmitTime": "2026-11-24T04:51:43",
+          "StartTime": "2026-11-24T04:51:44"}
+HELD = {"JobState": "PENDING", "Restarts": "1", "SubmitTime": "2026-11-24T04:51:46",
+        "StartTime": "2026-11-24T04:51:57"}
+AFTER = {**HELD, "JobState": "RUNNING"}
+
+
+def test_the_requeue_delay_is_from_the_requeue_to_the_next_attempts_start():
+    assert requeue_delay(AFTER) == 11.0
+    assert requeue_delay(BEFORE) is None  # never requeued: SubmitTime is the submission
+    assert requeue_delay(HELD) is None  # StartTime is only SLURM's plan while pending
+    assert requeue_delay({**AFTER, "StartTime": "Unknown"}) is None
+
+
+@pytest.mark.parametrize("gb", [0.1, 1.0, 4.0])
+def test_state_gb_gives_a_model_whose_weights_and_adamw_state_come_to_about_that(gb):
+    sets = dict(s.split("=") for s in model_for_state(gb))
+    cfg = GPTConfig(**{k.split(".")[1]: int(v) for k, v in sets.items()})
+    with torch.device("meta"):
+        params = GPT(cfg).num_params()
+    assert 0.8 * gb * 1e9 <= 12 * params <= 1.1 * gb * 1e9, params
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--interrupt", "nope"], "--interrupt must be one of signal, crash"),
+    (["--repeat", "0"], "--repeat >= 1"),
+    (["--state-gb", "-1"], "--state-gb must be in (0, 64]"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_anything_is_submitted(tmp_path, args,
+                                                                       message):
+    done = pyrecover("bench", "restart", "--dir", str(tmp_path / "store"), *args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not (tmp_path / "store").exists()
