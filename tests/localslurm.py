@@ -567,6 +567,10 @@ def render_slurm_conf(cluster: LocalSlurm, ctld_port: int, node_ports: list[int]
     return f"""\
 # Written by tests/localslurm.py for a throwaway local cluster; regenerated on every start.
 ClusterName=localslurm
+# Job ids start at a random number: the rendezvous port follows from the job id
+# (pyrecover.dist.port_for_job), and two clusters on one machine both counting from 1 gave
+# two jobs the same port (EADDRINUSE).
+FirstJobId={random.SystemRandom().randrange(1000, 5_000_000)}
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmUser=root
