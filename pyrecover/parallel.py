@@ -109,6 +109,6 @@ def check_gather(model: torch.nn.Module, mode: str, limit_gb: float) -> None:
         from pyrecover.config import ConfigError
 
         raise ConfigError(
-            f"checkpoint.mode=vanilla would gather {need / 1e9:.1f} GB of model and optimizer "
+            f"checkpoint.mode=vanilla would gather {need / 1e9:.3g} GB of model and optimizer "
             f"state onto rank 0 (checkpoint.vanilla_max_gb={limit_gb:g}); use "
             f"checkpoint.mode=dcp, where each rank writes its own shards")

@@ -233,10 +233,11 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                                 cfg.checkpoint.replicas, env.local_world_size)
     manager.auto = auto
     managers.append(manager)  # main() persists through it if a peer dies
+    layout = "fsdp" if sharded else "ddp"  # how the ranks share the model (parallel.py)
     if env.rank == 0:
         log.info("run %s: %s, world size %d (%s, %s), %.2fM parameters, %d windows of %d "
                  "tokens", run.root, kind_name(device), env.world_size, env.launcher,
-                 "fsdp" if sharded else "ddp", n_params / 1e6, batches.num_windows,
+                 layout, n_params / 1e6, batches.num_windows,
                  cfg.model.block_size)
     system = tracking.diagnostics(env, device) if env.rank == 0 else {}
     for line in tracking.describe(system, cfg) if system else []:
@@ -249,7 +250,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         phases.mark("checkpoint_chosen", step=0)
         rng.seed_rank(t.seed, env.rank)
         if env.rank == 0:
-            run.event("start", step=0, world_size=env.world_size, mode=cfg.checkpoint.mode)
+            run.event("start", step=0, world_size=env.world_size, mode=cfg.checkpoint.mode,
+                      parallel=layout)
     else:
         ckpt, restored = found
         restore_s = time.perf_counter() - restore_started
@@ -266,7 +268,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                      state.step, lost, restore_s)
             run.event("resume", step=state.step, path=str(ckpt.path), steps_lost=lost,
                       world_size=env.world_size, saved_world_size=ckpt.manifest["world_size"],
-                      mode=ckpt.mode, restore_seconds=round(restore_s, 4))
+                      mode=ckpt.mode, restore_seconds=round(restore_s, 4), parallel=layout)
     dog.phase("setup")
     if env.world_size > 1 and not sharded:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
