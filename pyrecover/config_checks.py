@@ -87,16 +87,9 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.replicas", c.replicas)
     if not c.vanilla_max_gb > 0:
         _bad("checkpoint.vanilla_max_gb", c.vanilla_max_gb, "a number of GB > 0")
-    if t.parallel == "fsdp" and c.mode in FSDP_UNSUPPORTED:
-        raise ConfigError(f"checkpoint.mode={c.mode} does not work with train.parallel=fsdp "
-                          f"yet; use checkpoint.mode=dcp (each rank saves its own shards)")
     if c.keep < 2:
         _bad("checkpoint.keep", c.keep, "at least 2, so a failed save never leaves no checkpoint")
     _choice("tracking.wandb", cfg.tracking.wandb, WANDB_MODES)
-
-
-# Checkpoint modes not built for sharded training yet: refused up front, never silently wrong.
-FSDP_UNSUPPORTED: tuple[str, ...] = ("memory",)
 
 
 def _check_watchdog(r: RunConfig) -> None:

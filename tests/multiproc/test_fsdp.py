@@ -175,3 +175,43 @@ def test_vanilla_refuses_to_gather_a_state_above_the_limit(tmp_path, corpus):
                      r"state onto rank 0 \(checkpoint.vanilla_max_gb=0.0001\)", done.stderr)
     assert "use checkpoint.mode=dcp" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+MEMORY = (FSDP, "checkpoint.mode=memory", "checkpoint.snapshot_interval=1",
+          "checkpoint.replicas=2", "checkpoint.interval=100", "train.max_steps=16")
+
+
+def test_memory_mode_snapshots_each_ranks_shards_and_a_killed_rank_resumes_bit_for_bit(
+        tmp_path, corpus):
+    """With fsdp, rank r's slice is all of its own shards; its replica is on the next rank.
+    One rank SIGKILLed: the survivors persist what they hold (rank 2's shards from rank 3's
+    replica), the restart restores them bit for bit, and the same checkpoint also continues
+    under ddp at world size 2 (the shards put together into whole tensors)."""
+    ref = train(tmp_path, corpus, "ref", 4, *MEMORY)
+    assert ref.returncode == 0, ref.stderr
+    kill_rank = {"PYRECOVER_KILL_AT_STEP": "12", "PYRECOVER_KILL_RANK": "2",
+                 "PYRECOVER_KILL_TARGET": "self"}
+    crashed = train(tmp_path, corpus, "run", 4, *MEMORY, env=kill_rank)
+    run_dir = tmp_path / "run"
+    assert crashed.returncode != 0 and "Traceback" not in crashed.stderr
+    assert sorted(e["rank"] for e in events(run_dir, "snapshot_persisted")) == [0, 1, 3]
+    shutil.copytree(run_dir, tmp_path / "ddp2")
+
+    resumed = train(tmp_path, corpus, "run", 4, *MEMORY)
+    assert resumed.returncode == 0, resumed.stderr
+    (resume,) = events(run_dir, "resume")
+    assert resume["step"] in (11, 12)
+    assert events(run_dir, "snapshot_recovered")[0]["step"] == resume["step"]
+    ref_model = export(tmp_path / "ref")
+    assert_same_model(export(run_dir), ref_model)
+    folder = run_dir / "checkpoints" / f"step-{resume['step']}"
+    sizes = {p.name: p.stat().st_size for p in folder.glob("part-s*.bin")}
+    assert len({n.split("-")[1] for n in sizes}) == 4  # one slice per rank: its own shards
+    assert max(sizes.values()) < 0.5 * sum(sizes.values())  # none holds most of the state
+
+    ddp = train(tmp_path, corpus, "ddp2", 2, *MEMORY, "train.parallel=ddp")
+    assert ddp.returncode == 0, ddp.stderr
+    (moved,) = events(tmp_path / "ddp2", "resume")
+    assert (moved["saved_world_size"], moved["world_size"], moved["parallel"]) == (4, 2, "ddp")
+    assert_same_batches(losses(tmp_path / "ddp2"), losses(tmp_path / "ref"), after=moved["step"])
+    assert_close_model(export(tmp_path / "ddp2"), ref_model)
