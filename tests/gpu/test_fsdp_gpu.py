@@ -57,7 +57,7 @@ def test_fsdp_computes_in_bf16_from_fp32_master_weights_and_reduces_in_fp32(one_
 
 
 @needs_gpus(2)
-@pytest.mark.parametrize("mode", ["dcp", "vanilla"])
+@pytest.mark.parametrize("mode", ["dcp", "vanilla", "memory"])
 def test_fsdp_on_nccl_trains_and_a_killed_run_resumes_where_it_was(tmp_path, corpus, mode):
     world = GPUS
     extra = ("train.parallel=fsdp", f"checkpoint.mode={mode}", "train.max_steps=12")
