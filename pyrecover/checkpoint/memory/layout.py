@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 NAME = "memory"
 SNAP_PREFIX = ".snap-step-"
@@ -60,8 +61,7 @@ def flat_tensors(state: dict[str, Any], prefix: str = "") -> list[tuple[str, tor
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """local is a tensor's bytes on this rank: an FSDP shard's (DTensor) own rows, else itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
