@@ -15,6 +15,7 @@ from pyrecover.config_schema import (
     _EXP_NAME,
     CHECKPOINT_MODES,
     DEVICES,
+    PARALLELS,
     PRECISIONS,
     WANDB_MODES,
     Config,
@@ -73,6 +74,7 @@ def validate(cfg: Config) -> None:
     _choice("train.precision", t.precision, PRECISIONS)
     _choice("train.device", t.device, DEVICES)
     _choice("train.compile", t.compile, ("auto", "true", "false"))
+    _choice("train.parallel", t.parallel, PARALLELS)
     c = cfg.checkpoint
     _choice("checkpoint.mode", c.mode, CHECKPOINT_MODES)
     if c.interval != "auto":
@@ -83,6 +85,8 @@ def validate(cfg: Config) -> None:
         _bad("checkpoint.mtbf_hours", c.mtbf_hours, "a number of hours > 0")
     _positive("checkpoint.snapshot_interval", c.snapshot_interval)
     _positive("checkpoint.replicas", c.replicas)
+    if not c.vanilla_max_gb > 0:
+        _bad("checkpoint.vanilla_max_gb", c.vanilla_max_gb, "a number of GB > 0")
     if c.keep < 2:
         _bad("checkpoint.keep", c.keep, "at least 2, so a failed save never leaves no checkpoint")
     _choice("tracking.wandb", cfg.tracking.wandb, WANDB_MODES)

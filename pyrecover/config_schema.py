@@ -20,6 +20,7 @@ CHECKPOINT_MODES = ("vanilla", "dcp", "memory")
 WANDB_MODES = ("auto", "offline", "online", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+PARALLELS = ("ddp", "fsdp")
 _EXP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # always fullmatch: `$` passes "x\n"
 
 
@@ -95,6 +96,10 @@ class TrainConfig:
     device: str = "auto"
     compile: str = "auto"
     """`torch.compile` the model: `auto` is on for CUDA and off on CPU; `true` or `false`."""
+    parallel: str = "ddp"
+    """`ddp`: every rank holds the whole model and optimizer; `fsdp`: FSDP2 shards both over
+    the ranks (one unit per transformer block; on CUDA bf16 compute, fp32 master weights), for
+    models that do not fit one GPU."""
 
 
 @dataclass
@@ -114,6 +119,9 @@ class CheckpointConfig:
     """memory: steps between in-memory snapshots (a crash loses at most this many steps)."""
     replicas: int = 2
     """memory: copies of each rank's slice, on distinct ranks (on other nodes when possible)."""
+    vanilla_max_gb: float = 8.0
+    """vanilla with train.parallel=fsdp: the most GB of model and optimizer state gathered onto
+    rank 0 for the single file (the slow path); a larger state is refused: use dcp."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as tdist
 
-from pyrecover import faults, flops
+from pyrecover import faults, flops, parallel
 from pyrecover.checkpoint import CheckpointManager
 from pyrecover.config import Config
 from pyrecover.data import Batches
@@ -52,7 +52,7 @@ class TrainState:
 @dataclass
 class Loop:
     cfg: Config
-    model: torch.nn.Module  # DDP-wrapped when world size > 1
+    model: torch.nn.Module  # DDP-wrapped when world size > 1, or sharded by FSDP2 (parallel.py)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     batches: Batches
@@ -131,8 +131,7 @@ class Loop:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             last = i == len(micro) - 1
             # Gradients are averaged across ranks only on the last micro-step.
-            skip_sync = not last and self.world_size > 1
-            with self.model.no_sync() if skip_sync else contextlib.nullcontext():
+            with parallel.grad_sync(self.model, last or self.world_size == 1):
                 with self.autocast():
                     _, loss = self.model(x, y)
                 self._phase("backward")
@@ -145,7 +144,7 @@ class Loop:
             total /= self.world_size
         self._phase("optimizer")
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = parallel.clip_grad_norm(self.model, max_norm)
         # One device-to-host transfer (a sync on CUDA) for both numbers, not two.
         loss_value, norm_value = torch.stack([total, grad_norm.float()]).tolist()
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):

@@ -23,6 +23,7 @@ from pyrecover import (
     batch,
     dist,
     flops,
+    parallel,
     preempt,
     progress,
     rundir,
@@ -211,7 +212,12 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     if device.type == "cuda":  # TF32 for what is not under bf16 autocast
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    if compile_enabled(cfg, device, log):
+    compiled = compile_enabled(cfg, device, log)
+    sharded = t.parallel == "fsdp" and env.world_size > 1
+    if sharded:  # before the optimizer, which must hold the shards (parallel.py)
+        parallel.shard(model, device, t.precision, compile_blocks=compiled)
+        parallel.check_gather(model, cfg.checkpoint.mode, cfg.checkpoint.vanilla_max_gb)
+    elif compiled:
         # In place: the module keeps its parameter names, so checkpoints and exports never see
         # `_orig_mod.` and a compiled run resumes an eager checkpoint and the reverse.
         model.compile()
@@ -231,10 +237,12 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                                 cfg.checkpoint.replicas, env.local_world_size)
     manager.auto = auto
     managers.append(manager)  # main() persists through it if a peer dies
+    layout = "fsdp" if sharded else "ddp"  # how the ranks share the model (parallel.py)
     if env.rank == 0:
-        log.info("run %s: %s, world size %d (%s), %.2fM parameters, %d windows of %d tokens",
-                 run.root, kind_name(device), env.world_size, env.launcher,
-                 n_params / 1e6, batches.num_windows, cfg.model.block_size)
+        log.info("run %s: %s, world size %d (%s, %s), %.2fM parameters, %d windows of %d "
+                 "tokens", run.root, kind_name(device), env.world_size, env.launcher,
+                 layout, n_params / 1e6, batches.num_windows,
+                 cfg.model.block_size)
     system = tracking.diagnostics(env, device) if env.rank == 0 else {}
     for line in tracking.describe(system, cfg) if system else []:
         log.info("%s", line)  # versions, devices, layout, SLURM job, resolved config
@@ -246,7 +254,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         phases.mark("checkpoint_chosen", step=0)
         rng.seed_rank(t.seed, env.rank)
         if env.rank == 0:
-            run.event("start", step=0, world_size=env.world_size, mode=cfg.checkpoint.mode)
+            run.event("start", step=0, world_size=env.world_size, mode=cfg.checkpoint.mode,
+                      parallel=layout)
     else:
         ckpt, restored = found
         restore_s = time.perf_counter() - restore_started
@@ -263,15 +272,18 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                      state.step, lost, restore_s)
             run.event("resume", step=state.step, path=str(ckpt.path), steps_lost=lost,
                       world_size=env.world_size, saved_world_size=ckpt.manifest["world_size"],
-                      mode=ckpt.mode, restore_seconds=round(restore_s, 4), verified=ckpt.checked)
+                      mode=ckpt.mode, restore_seconds=round(restore_s, 4), verified=ckpt.checked,
+                      parallel=layout)
     dog.phase("setup")
-    if env.world_size > 1:
+    if env.world_size > 1 and not sharded:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         settle_ddp_buckets(model, batches, t.micro_batch_size, device, autocast_for(cfg, device))
+    autocast = contextlib.nullcontext if sharded and parallel.mixed_precision(
+        device, t.precision) else autocast_for(cfg, device)  # FSDP casts the blocks itself
 
     loop = Loop(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
                 manager=manager, run=run, rank=env.rank, world_size=env.world_size,
-                device=device, state=state, autocast=autocast_for(cfg, device),
+                device=device, state=state, autocast=autocast,
                 flops_per_token=flops.flops_per_token(cfg.model, n_params),
                 peak_flops=flops.peak_flops(torch.cuda.get_device_name(device))
                 if device.type == "cuda" else None,

@@ -28,7 +28,8 @@ __all__ = ["Checkpoint", "Mode", "ModeSettings", "Parts", "Pending", "Restored",
 
 @dataclass
 class Parts:
-    """The live objects a checkpoint captures and restores (the model unwrapped from DDP)."""
+    """The live objects a checkpoint captures and restores (the model unwrapped from DDP, or
+    sharded in place by FSDP: then its parameters and optimizer state are DTensor shards)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer

@@ -13,7 +13,8 @@ One path for every device, so what CPU CI runs is what a GPU runs:
   waits only for what is not copied yet. On CPU it waits for the thread.
 - `StateStager` stages a state dict for DCP mode on top of it: buffers kept per key (shape,
   dtype) from one save to the next, tied tensors copied once, the staged state dict made of
-  plain tensors (no parameters, no subclasses), anything that is not a tensor deep-copied.
+  plain tensors (no parameters, no subclasses; an FSDP shard, a DTensor, is staged as its
+  local tensor wrapped in the same placement), anything that is not a tensor deep-copied.
 
 torch's own `DefaultStager` did this job on CUDA until torch 2.11, where every save after the
 first failed inside its deep copy (`KeyError: <class 'type'>`); nothing here depends on
@@ -28,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def host_buffer(like: torch.Tensor | torch.Size | tuple, dtype: torch.dtype,
@@ -141,6 +143,12 @@ class StateStager:
         seen: dict[tuple, torch.Tensor] = {}  # a tensor met twice (tied weights): one copy
 
         def put(value: Any, key: tuple) -> Any:
+            if isinstance(value, DTensor):
+                # FSDP: stage this rank's own shard and describe it as the same DTensor, so DCP
+                # writes the shard at its place in the whole tensor (nothing is gathered).
+                # (The constructor, not from_local, which would move a host buffer back to
+                # the mesh's device.)
+                return DTensor(put(value.to_local(), key), value._spec, requires_grad=False)
             if isinstance(value, torch.Tensor):
                 same = (value.device, value.data_ptr(), value.dtype, tuple(value.shape),
                         value.stride())

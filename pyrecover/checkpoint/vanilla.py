@@ -5,6 +5,10 @@ can read. It is written through `HashedFile`, like DCP's and memory mode's files
 from memory while written (in parallel blocks), so it costs no second pass over the bytes.
 Every rank reads the same file, memory-mapped, so a load costs page-cache hits rather than
 one private copy of the file per rank.
+
+With `train.parallel: fsdp` the shards are gathered onto rank 0 to write the same single file
+(the slow path: the whole state passes through one rank's memory, and sizes above
+`checkpoint.vanilla_max_gb` are refused at start; dcp writes each rank's own shards instead).
 """
 
 from __future__ import annotations
@@ -22,16 +26,72 @@ NAME = "vanilla"
 STATE_FILE = "state.pt"
 
 
-def full_state(parts, train: dict[str, Any], rngs: list[dict[str, Any]]) -> dict[str, Any]:
-    """full_state is everything a vanilla file holds, as plain tensors and data."""
+def full_state(parts, train: dict[str, Any], rngs: list[dict[str, Any]],
+               gathered: tuple[dict, dict] | None = None) -> dict[str, Any]:
+    """full_state is everything a vanilla file holds, as plain tensors and data; `gathered`
+    is a sharded model's (model, optimizer) state from `gather_sharded`."""
+    model, optimizer = gathered or (parts.model.state_dict(), parts.optimizer.state_dict())
     return {
-        "model": parts.model.state_dict(),
-        "optimizer": parts.optimizer.state_dict(),
+        "model": model,
+        "optimizer": optimizer,
         "scheduler": parts.scheduler.state_dict(),
         "train": train,
         "rng": rngs,
         "config": parts.config,
     }
+
+
+def _param_names(parts) -> list[str]:
+    """_param_names are the optimizer's parameters' names in its own order: the order
+    `optimizer.state_dict()` numbers them in."""
+    names = {id(p): n for n, p in parts.model.named_parameters()}
+    return [names[id(p)] for group in parts.optimizer.param_groups for p in group["params"]]
+
+
+def gather_sharded(parts) -> tuple[dict, dict] | None:
+    """gather_sharded is a sharded (FSDP) model's whole state on rank 0, as DDP's
+    `state_dict()`s would hold it (the optimizer's state numbered, not named), so the file is
+    the same whichever way the run was parallel; None where the model is not sharded.
+    Collective: every rank calls it; the others get empty dicts. The slow path: all of it
+    passes through rank 0's memory (`checkpoint.vanilla_max_gb` bounds it)."""
+    from pyrecover import parallel
+
+    if not parallel.is_sharded(parts.model):
+        return None
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = get_model_state_dict(parts.model, options=opts)
+    named = get_optimizer_state_dict(parts.model, parts.optimizer, options=opts)
+    if not named:
+        return {}, {}
+    index = {name: i for i, name in enumerate(_param_names(parts))}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in named["param_groups"]]
+    return model, {"state": {index[n]: v for n, v in named["state"].items()},
+                   "param_groups": groups}
+
+
+def load_sharded(parts, state: dict[str, Any]) -> None:
+    """load_sharded loads a vanilla file's whole state into a sharded model: every rank has
+    the file mapped and keeps its own shards of it."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(parts.model, state["model"], options=opts)
+    names = _param_names(parts)
+    saved = state["optimizer"]
+    named = {"state": {names[i]: v for i, v in saved["state"].items()},
+             "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                              for g in saved["param_groups"]]}
+    set_optimizer_state_dict(parts.model, parts.optimizer, named, options=opts)
 
 
 def write_state(path, state: dict[str, Any]) -> dict[str, Any]:
@@ -62,11 +122,12 @@ class VanillaMode:
 
     def start(self, pending: Pending, parts: Parts, train: dict[str, Any]) -> None:
         rngs = dist.gather_objects(rng.capture(), self.world_size)  # every rank takes part
+        gathered = gather_sharded(parts)  # FSDP: every rank takes part, rank 0 gets it all
         files, error = {}, ""
         if self.rank == 0:
             try:
-                pending.files[STATE_FILE] = write_state(pending.tmp / STATE_FILE,
-                                                        full_state(parts, train, rngs))
+                pending.files[STATE_FILE] = write_state(
+                    pending.tmp / STATE_FILE, full_state(parts, train, rngs, gathered))
                 files = dict(pending.files)
             except OSError as exc:
                 error = f"{type(exc).__name__}: {exc}"
@@ -79,9 +140,14 @@ class VanillaMode:
         return self._result  # written synchronously in start()
 
     def restore(self, ckpt: Checkpoint, parts: Parts) -> Restored:
+        from pyrecover import parallel
+
         state = load_file(ckpt)
-        parts.model.load_state_dict(state["model"])
-        parts.optimizer.load_state_dict(state["optimizer"])
+        if parallel.is_sharded(parts.model):
+            load_sharded(parts, state)
+        else:
+            parts.model.load_state_dict(state["model"])
+            parts.optimizer.load_state_dict(state["optimizer"])
         parts.scheduler.load_state_dict(state["scheduler"])
         rngs = state["rng"]
         return Restored(train=dict(state["train"]),

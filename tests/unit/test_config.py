@@ -18,8 +18,24 @@ def test_every_shipped_experiment_config_is_valid(path):
 
 
 def test_the_shipped_experiments_include_the_ones_users_are_promised():
-    assert {"tiny.yaml", "demo.yaml", "gpt-125m.yaml", "gpt-1b.yaml"} <= {p.name for p in
-                                                                          EXPERIMENTS}
+    assert {"tiny.yaml", "demo.yaml", "gpt-125m.yaml", "gpt-1b.yaml", "gpt-7b.yaml"} <= {
+        p.name for p in EXPERIMENTS}
+
+
+@pytest.mark.parametrize("name", ["gpt-1b.yaml", "gpt-7b.yaml"])
+def test_the_large_experiments_shard_with_fsdp_and_write_their_own_shards(name):
+    cfg = config.load(next(p for p in EXPERIMENTS if p.name == name))
+    assert (cfg.train.parallel, cfg.checkpoint.mode) == ("fsdp", "dcp")
+
+
+def test_fsdp_settings_are_checked_in_one_line():
+    for mode in ("vanilla", "dcp", "memory"):  # every checkpoint mode works with fsdp
+        assert config.load(None, ["train.parallel=fsdp", f"checkpoint.mode={mode}"])
+    with pytest.raises(ConfigError, match="train.parallel='zero3' is not allowed: expected one "
+                                          "of ddp, fsdp"):
+        config.load(None, ["train.parallel=zero3"])
+    with pytest.raises(ConfigError, match="checkpoint.vanilla_max_gb"):
+        config.load(None, ["checkpoint.vanilla_max_gb=0"])
 
 
 def test_demo_yaml_spells_out_the_embedded_defaults():

@@ -21,7 +21,9 @@ from pyrecover.checkpoint.memory.layout import (
     flat_tensors,
     holders,
     identity,
+    local,
     param_groups,
+    sharded_layout,
     slice_bounds,
 )
 from pyrecover.checkpoint.staging import Copier
@@ -69,6 +71,8 @@ class Snapshots:
                        for k in range(1, self.replicas)]
         self.layout: list[dict[str, Any]] | None = None
         self.bounds: list[tuple[int, int]] = []
+        self._own: list[dict[str, Any]] = []  # the layout's entries of this rank's tensors
+        self._planned = 0  # how many live tensors the layout was planned for
         # Three buffer sets, allocated once and recycled: the newest complete snapshot, the one
         # before it, and the one being filled (or free). A kill during an exchange leaves every
         # survivor holding a step that every slice reached.
@@ -187,26 +191,42 @@ class Snapshots:
             model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
             tensors = flat_tensors({"model": model_sd, "optim": optim_sd})
             fqns = [list(g["params"]) for g in optim_sd["param_groups"]]
-            if self.layout is None or len(self.layout) != len(tensors):
+            if self.layout is None or self._planned != len(tensors):
                 self._plan(tensors)
             self._copies = self._plan_copies(tensors)
             for snap in (self.current, self.previous, self.spare):
                 snap.copy_to = []
-            contiguous = all(t.is_contiguous() for _, t in tensors)
+            contiguous = all(local(t).is_contiguous() for _, t in tensors)
             # A non-contiguous tensor's byte view is a copy, stale at the next step: no cache.
             self._live = (key if contiguous else (), tensors, fqns)
         return self._live[1], self._live[2]
 
     def _plan(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """_plan lays the state out flat. Replicated (DDP) state: slice r is the r-th of N
+        equal byte ranges. Sharded (FSDP) state: every rank's own shards, joined in rank order
+        (one collective, at the same step on every rank), so slice r is all of rank r's."""
         assert self._inflight is None, "replanning under an exchange in flight"
         layout, offset = [], 0
+        sharded = False
         for key, t in tensors:
-            nbytes = t.numel() * t.element_size()
-            layout.append({"key": key, "dtype": str(t.dtype).removeprefix("torch."),
-                           "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
+            mine = local(t)
+            nbytes = mine.numel() * mine.element_size()
+            entry = {"key": key, "dtype": str(t.dtype).removeprefix("torch."),
+                     "shape": list(mine.shape), "offset": offset, "nbytes": nbytes}
+            if mine is not t:
+                sharded = True
+                entry["global_shape"] = list(t.shape)
+            layout.append(entry)
             offset += nbytes
-        self.layout = layout
-        self.bounds = slice_bounds(offset, self.world_size)
+        self._planned = len(tensors)
+        if sharded and self.world_size > 1:
+            per_rank: list[Any] = [None] * self.world_size
+            tdist.all_gather_object(per_rank, layout)
+            self.layout, self.bounds = sharded_layout(per_rank)
+            self._own = [e for e in self.layout if e["rank"] == self.rank]
+        else:
+            self.layout, self._own = layout, layout
+            self.bounds = slice_bounds(offset, self.world_size)
         self.current, self.previous, self.spare = Snapshot(), Snapshot(), Snapshot()
 
     def _plan_copies(self, tensors: list[tuple[str, torch.Tensor]]
@@ -215,7 +235,7 @@ class Snapshots:
         assert self.layout is not None
         a, b = self.bounds[self.rank]
         out = []
-        for entry, (_, t) in zip(self.layout, tensors, strict=True):
+        for entry, (_, t) in zip(self._own, tensors, strict=True):
             lo, hi = entry["offset"], entry["offset"] + entry["nbytes"]
             if hi <= a or lo >= b:
                 continue

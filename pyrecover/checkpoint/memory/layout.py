@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 NAME = "memory"
 SNAP_PREFIX = ".snap-step-"
@@ -58,8 +59,37 @@ def flat_tensors(state: dict[str, Any], prefix: str = "") -> list[tuple[str, tor
     return out
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """local is a tensor's bytes on this rank: an FSDP shard's (DTensor) own rows, else itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return local(t).detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def sharded_layout(per_rank: list[list[dict[str, Any]]]) -> tuple[list[dict[str, Any]],
+                                                                   list[tuple[int, int]]]:
+    """sharded_layout joins every rank's local layout (FSDP: each rank's own shards, rows of
+    the whole tensor along dim 0 in rank order) into one flat layout in which slice r is
+    exactly rank r's local state: rank r snapshots all it holds and nothing else. Each shard
+    entry gets the row of the whole tensor it starts at (`row`), so a restore can rebuild the
+    whole tensors at any world size or under DDP."""
+    layout: list[dict[str, Any]] = []
+    bounds: list[tuple[int, int]] = []
+    rows: dict[str, int] = {}
+    offset = 0
+    for rank, entries in enumerate(per_rank):
+        start = offset
+        for e in entries:
+            e = {**e, "offset": offset, "rank": rank}
+            if "global_shape" in e:
+                e["row"] = rows.get(e["key"], 0)
+                rows[e["key"]] = e["row"] + (e["shape"][0] if e["shape"] else 0)
+            layout.append(e)
+            offset += e["nbytes"]
+        bounds.append((start, offset))
+    return layout, bounds
 
 
 def param_groups(optimizer: torch.optim.Optimizer, fqns: list[list[str]]) -> list[dict]:
@@ -82,10 +112,10 @@ def identity(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """
     # The optimizer's flat list of parameters stands for the model's (walking the modules cost
     # 0.1 ms per snapshot of a tiny model); a parameter it does not hold is not trained.
-    ptrs = [p.data_ptr() for group in optimizer.param_groups for p in group["params"]]
-    ptrs += [t.data_ptr() for t in model.buffers()] if buffers else []
+    ptrs = [local(p).data_ptr() for group in optimizer.param_groups for p in group["params"]]
+    ptrs += [local(t).data_ptr() for t in model.buffers()] if buffers else []
     for per_param in optimizer.state.values():
-        ptrs += [v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor)]
+        ptrs += [local(v).data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor)]
     return tuple(ptrs)
 
 
@@ -109,10 +139,12 @@ class Snapshot:
 
 def unflatten(segments: list[torch.Tensor], layout: list[dict[str, Any]]):
     """unflatten cuts the state into its tensors: views of the segment that holds them where
-    the offset suits the dtype (no copy), else copies."""
+    the offset suits the dtype (no copy), else copies; an FSDP run's shards are put together
+    into whole tensors."""
     split = segments[0].numel()
     model: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
+    whole: dict[str, torch.Tensor] = {}  # FSDP shards' rows copied into their whole tensor
     for e in layout:
         g = 0 if e["offset"] < split else 1
         at = e["offset"] - (0 if g == 0 else split)
@@ -120,6 +152,12 @@ def unflatten(segments: list[torch.Tensor], layout: list[dict[str, Any]]):
         if at % getattr(torch, e["dtype"]).itemsize:
             raw = raw.clone()  # a view of another dtype must start at a multiple of its size
         t = raw.view(getattr(torch, e["dtype"])).reshape(e["shape"])
+        if "global_shape" in e:
+            full = whole.get(e["key"])
+            if full is None:
+                full = whole[e["key"]] = torch.empty(e["global_shape"], dtype=t.dtype)
+            full[e["row"]:e["row"] + t.shape[0]] = t
+            t = full
         top, _, rest = e["key"].partition("/")
         if top == "model":
             model[rest] = t

@@ -18,6 +18,11 @@ exchange finished. Each rank keeps three buffer sets (the newest complete snapsh
 before, the one in flight), so a kill in the middle of an exchange still leaves the survivors
 one step that every slice reached.
 
+With FSDP each rank's state is its own shards: the layout is every rank's local tensors
+joined in rank order, so slice r is exactly rank r's shards (slices differ in size by what
+the shards do), and a restore puts the shards together into whole tensors, which loads
+under fsdp or ddp at any world size (`layout.sharded_layout`, `unflatten`).
+
 On disk, a step folder holds `part-s<slice>-r<rank>.bin` files (raw bytes, written and
 checksummed as in DCP mode: hashed_file.py; read straight into place on restore) and one
 `meta-r<rank>.pt` per writer (layout, slice bounds, train state, scheduler, optimizer
@@ -38,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+from pyrecover import parallel
 from pyrecover.checkpoint import store
 from pyrecover.checkpoint.memory.exchange import BACKGROUND_COPY_BYTES, Snapshots
 from pyrecover.checkpoint.memory.layout import NAME, SNAP_PREFIX, Snapshot, unflatten
@@ -118,8 +124,13 @@ class MemoryMode(Snapshots):
         model_sd, optim_state = unflatten(segments, meta["layout"])
         del segments  # the model's segment goes once its bytes are in the parameters
         osd = {"state": optim_state, "param_groups": meta["param_groups"]}
+        # Whole tensors (a DDP run's, or an FSDP run's shards put together) into a sharded
+        # model: each rank keeps its own rows of them.
+        whole = parallel.is_sharded(parts.model) or any("global_shape" in e
+                                                        for e in meta["layout"])
         set_state_dict(parts.model, parts.optimizer, model_state_dict=model_sd,
-                       optim_state_dict=osd)
+                       optim_state_dict=osd,
+                       options=StateDictOptions(full_state_dict=True) if whole else None)
         parts.scheduler.load_state_dict(meta["scheduler"])
         rngs = meta["rngs"]
         return Restored(train=dict(meta["train"]),

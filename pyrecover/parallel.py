@@ -1,0 +1,114 @@
+"""How the ranks share the model: DDP (every rank holds all of it) or FSDP2 (each holds a shard).
+
+`train.parallel: fsdp` shards the parameters, gradients and optimizer state over the ranks
+with `torch.distributed.fsdp.fully_shard`: one unit per transformer block (its parameters are
+gathered just before the block runs and freed after), then the root (embeddings, final norm).
+On CUDA with bf16 precision the blocks compute in bf16 from fp32 master weights and reduce
+gradients in fp32 (`MixedPrecisionPolicy`), so no autocast is needed around the forward.
+
+The loop talks to either kind through `grad_sync` (no gradient reduction on accumulation
+micro-steps) and `clip_grad_norm` (the global norm over sharded gradients), so it never
+branches on the kind itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """is_sharded tells whether `model` is an FSDP2 module (its parameters are DTensor shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def mixed_precision(device: torch.device, precision: str) -> bool:
+    """mixed_precision tells whether FSDP runs bf16 compute over fp32 master weights: on CUDA,
+    where `train.precision` resolves to bf16 (on a CPU bf16 stays autocast, as with DDP: gloo
+    all-gathers in fp32)."""
+    return device.type == "cuda" and precision in ("auto", "bf16")
+
+
+def shard(model: torch.nn.Module, device: torch.device, precision: str,
+          compile_blocks: bool = False) -> torch.nn.Module:
+    """shard applies FSDP2 to `model` in place (one unit per block, then the root) and returns
+    it. Call it before building the optimizer: the optimizer must hold the sharded parameters.
+    With `compile_blocks` each block is compiled before it is sharded (what torchtitan does:
+    the graph never sees FSDP's hooks)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if mixed_precision(device, precision):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    blocks = model.blocks  # type: ignore[attr-defined]
+    for i, block in enumerate(blocks):
+        if compile_blocks:
+            block.compile()
+        # The last block's parameters are needed again at once by the backward: keep them.
+        fully_shard(block, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+@contextlib.contextmanager
+def grad_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
+    """grad_sync runs one micro-step's backward with (sync) or without the cross-rank gradient
+    reduction: DDP's `no_sync`; FSDP keeps unsharded gradients until the last micro-step, then
+    reduce-scatters their sum once."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        yield
+    elif not sync and hasattr(model, "no_sync"):
+        with model.no_sync():  # type: ignore[operator]
+            yield
+    else:
+        yield
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm scales the gradients so their global 2-norm is at most `max_norm` and
+    returns that norm (before clipping) as a plain tensor, the same on every rank.
+
+    With FSDP each rank holds a shard of every gradient: the norm of the shards is a partial
+    result that `full_tensor()` sums over the ranks before any gradient is scaled."""
+    if not is_sharded(model):
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
+def state_bytes(model: torch.nn.Module, optimizer_copies: int = 2) -> int:
+    """state_bytes is the size of the whole (unsharded) model and AdamW state in bytes: what
+    gathering it onto one rank costs."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size() * (1 + optimizer_copies)
+    return total
+
+
+def check_gather(model: torch.nn.Module, mode: str, limit_gb: float) -> None:
+    """check_gather refuses vanilla checkpoints of a sharded model whose state is larger than
+    `checkpoint.vanilla_max_gb`: vanilla gathers everything onto rank 0 (the slow path)."""
+    if mode != "vanilla" or not is_sharded(model):
+        return
+    need = state_bytes(model)
+    if need > limit_gb * 1e9:
+        from pyrecover.config import ConfigError
+
+        raise ConfigError(
+            f"checkpoint.mode=vanilla would gather {need / 1e9:.3g} GB of model and optimizer "
+            f"state onto rank 0 (checkpoint.vanilla_max_gb={limit_gb:g}); use "
+            f"checkpoint.mode=dcp, where each rank writes its own shards")
