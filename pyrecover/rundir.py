@@ -97,6 +97,9 @@ class RunDir:
         if job:
             record.setdefault("job_id", job)
             record.setdefault("restart_count", int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+            in_job = os.environ.get("PYRECOVER_IN_JOB_RESTART")
+            if in_job:  # the job script's step inside the allocation (restarts without requeue)
+                record.setdefault("in_job_restart", int(in_job))
             array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get(
                 "SLURM_ARRAY_TASK_ID")
             if array and task:  # a sweep's trial: SLURM names the task ARRAYID_TASKID
