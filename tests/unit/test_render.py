@@ -169,10 +169,12 @@ STEP = ("--nodelist=node1,node2", "--nodes=2")  # the step's nodes, chosen by th
 
 
 @pytest.mark.parametrize("launcher, command", [
-    ("srun", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=8", "apptainer", "exec", "--nv", "--bind",
+    ("srun", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=8", "apptainer", "exec", "--nv",
+              "--bind",
               "/scratch/pyrecover:/scratch/pyrecover", "/images/pyrecover.sif", "pyrecover",
               "train", "--config", "/scratch/pyrecover/tiny-gpt/run.yaml"]),
-    ("none", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=8", PYTHON, "-m", "pyrecover", "train", "--config",
+    ("none", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=8", PYTHON, "-m", "pyrecover",
+              "train", "--config",
               "/scratch/pyrecover/tiny-gpt/run.yaml"]),
     ("torchrun", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=2",
                   "--ntasks-per-node=1", "--cpus-per-task=32", "apptainer", "exec", "--nv",
