@@ -96,7 +96,7 @@ after_training() {
 # -------------------------------------------------------------------------------------"""
 
 
-NODES_BLOCK = r"""# ---- nodes: the run's bad nodes are left out, a failed step restarts here ----------
+NODES_BLOCK = r"""# ---- nodes: bad ones are left out, a failed step restarts here --------------
 # BAD_NODES holds one line per node: name, UTC time, reason (tab-separated). A node goes in
 # after a failed health check, a hang it reported outside any collective, or a task on it
 # killed by a signal (srun's own report in this job's log); `pyrecover status` lists them
