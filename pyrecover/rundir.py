@@ -62,6 +62,11 @@ class RunDir:
         return self.root / "job.sbatch"
 
     @property
+    def bad_nodes(self) -> Path:
+        """Nodes the job script excludes (name, UTC time, reason; tab-separated lines)."""
+        return self.root / "bad-nodes"
+
+    @property
     def wandb(self) -> Path:
         return self.root / "wandb"
 

@@ -51,6 +51,8 @@ class Status:
     """The newest interruption's phases in order (phases.py), each with its `gap` in seconds."""
     ledger: dict[str, Any] = field(default_factory=dict)
     """Wall time by cause across all requeues (ledger.py)."""
+    excluded_nodes: list[dict[str, str]] = field(default_factory=list)
+    """The run's bad nodes (`node`, `time`, `reason`), which its jobs leave out."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,7 +97,8 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
         steps_lost=lost, checkpoint_seconds=round(checkpoint_s, 3),
         restore_seconds=round(restore_s, 3), wall_seconds=round(wall, 1),
         goodput=round(goodput, 4) if goodput is not None else None, last_error=last_error,
-        requeue_decisions=[e for e in events if e.get("event") in ("requeue", "no_requeue")],
+        requeue_decisions=[e for e in events
+                           if e.get("event") in ("requeue", "no_requeue", "restart_in_job")],
         hangs=[{k: v for k, v in e.items() if k != "stacks"} for e in events
                if e.get("event") == "hang"],
         stragglers=list({e.get("rank"): e for e in events
@@ -103,7 +106,32 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
         interruption=phases.last_interruption(events),
         ledger=ledger_mod.ledger(events, metrics, [ledger_mod.JobTimes(*t) for t in (
             sacct(job_id) if (sacct and job_id) else [])]).to_dict(),
+        excluded_nodes=read_bad_nodes(run),
     )
+
+
+def read_bad_nodes(run: RunDir) -> list[dict[str, str]]:
+    """read_bad_nodes lists the run's excluded nodes, first exclusion of each, in file order."""
+    try:
+        text = run.bad_nodes.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    nodes: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        node, _, rest = line.partition("\t")
+        when, _, reason = rest.partition("\t")
+        if node.strip():
+            nodes.setdefault(node.strip(), {"node": node.strip(), "time": when,
+                                            "reason": reason})
+    return list(nodes.values())
+
+
+def clear_bad_nodes(run: RunDir) -> list[str]:
+    """clear_bad_nodes empties the run's bad-node list; returns the nodes it held. A job
+    already requeued keeps the exclusion SLURM holds for it; the next requeue sets it anew."""
+    cleared = [n["node"] for n in read_bad_nodes(run)]
+    run.bad_nodes.unlink(missing_ok=True)
+    return cleared
 
 
 def _slurm_name(events: list[dict[str, Any]], job_id: str) -> str:
@@ -254,6 +282,8 @@ def render(s: Status) -> str:
         lines.append(f"straggler   rank {g.get('rank')} on {g.get('node')}: {g.get('seconds')}s "
                      f"own compute per step, median {g.get('median')}s (step {g.get('step')}, "
                      f"{g.get('windows')} windows in a row)")
+    for n in s.excluded_nodes:
+        lines.append(f"excluded    {n['node']} since {n['time']}: {n['reason']}")
     if s.last_error:
         lines.append(f"last error  {s.last_error}")
     lines += _ledger_lines(s.ledger, s.job_id) + _interruption_lines(s.interruption)

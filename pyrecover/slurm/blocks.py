@@ -77,7 +77,7 @@ reason_for() {
 }
 # after_training ends the job for a resolved exit code: done, or requeued, or given up.
 after_training() {
-    local code=$1 restart=${SLURM_RESTART_COUNT:-0} reason
+    local code=$1 restart=${SLURM_RESTART_COUNT:-0} reason exclude
     reason=$(reason_for "$code")
     case $code in
         0) exit 0 ;;
@@ -88,9 +88,10 @@ after_training() {
         exit "$code"
     fi
     record requeue "$code" "$reason"
+    exclude=$(exclusion_for_requeue)  # before the requeue, whose SIGTERM may cut it short
     echo "pyrecover: requeueing job $SLURM_JOB_ID ($reason)" >&2
     scontrol requeue "$SLURM_JOB_ID"
-    exclude_on_requeue
+    exclude_on_requeue "$exclude"
     exit "$code"
 }
 # -------------------------------------------------------------------------------------"""
@@ -127,10 +128,12 @@ suspects() {
     # name the culprit.
     grep -E "^\{\"event\": \"hang\".*$(this_step)" "$EVENTS" 2>/dev/null |
         sed -nE "s/.*$node, \"phase\": \"(data|forward|optimizer)\".*/\1\thang in phase \2/p"
-    # srun names the first task a signal killed: "srun: error: node2: task 1: Killed".
+    # srun names the first task a signal killed ("srun: error: node2: task 1: Killed"), before
+    # it ends the step's other tasks itself (SIGKILL too, reported after "Terminating").
     local signal='(Killed|Segmentation fault|Bus error|Aborted|Illegal instruction)'
     tail -c +"$((LOG_OFFSET + 1))" "$JOB_LOG" 2>/dev/null |
-        sed -nE "s/^srun: error: ([A-Za-z0-9._-]+): tasks? [0-9,-]+: $signal.*/\1\ttask \2/p" |
+        sed -nE -e '/^srun: .*(Terminating|Force Terminated) StepId/q' \
+            -e "s/^srun: error: ([A-Za-z0-9._-]+): tasks? [0-9,-]+: $signal.*/\1\ttask \2/p" |
         head -n 1
 }
 exclude_node() {
@@ -140,21 +143,28 @@ exclude_node() {
     printf '%s\t%s\t%s\n' "$1" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$2" >> "$BAD_NODES"
     echo "pyrecover: node $1 is excluded from this run: $2" >&2
 }
-# exclude_on_requeue sets the requeued job's excluded nodes to the run's bad nodes, unless
-# too few nodes of the partition would be left for it to start again. SLURM refuses it for
-# a running job but takes it once `scontrol requeue` has ended this one (SIGTERM, handled
-# above), so it runs right after the requeue, a few tries while SLURM updates the job.
-exclude_on_requeue() {
+# exclusion_for_requeue prints the run's bad nodes, comma-separated, for the requeued job
+# to exclude: none where too few nodes of the partition would be left for it to start.
+exclusion_for_requeue() {
     local list left
     list=$(bad_nodes | paste -sd, -)
     [ -n "$list" ] || return 0
     left=$(sinfo -h -N -o %N -p "${SLURM_JOB_PARTITION:-}" 2>/dev/null | sort -u |
         grep -cvxF -f <(bad_nodes))
-    if [ "$left" -lt $((NODES + SPARES)) ]; then
-        echo "pyrecover: not excluding $list from the requeued job: only $left other" \
+    if [ "${left:-0}" -lt $((NODES + SPARES)) ]; then
+        echo "pyrecover: not excluding $list from the requeued job: only ${left:-0} other" \
             "nodes in its partition, it needs $((NODES + SPARES))" >&2
         return 0
     fi
+    echo "$list"
+}
+# exclude_on_requeue sets the requeued job's excluded nodes. SLURM refuses that for a
+# running job but takes it once `scontrol requeue` has ended this one (whose SIGTERM the
+# handler above survives), so it runs right after the requeue, a few tries while SLURM
+# updates the job and the SIGTERM may end a try.
+exclude_on_requeue() {
+    local list=$1
+    [ -n "$list" ] || return 0
     for _ in 1 2 3 4 5 6; do
         if scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$list" 2>/dev/null; then
             echo "pyrecover: the requeued job excludes $list" >&2
