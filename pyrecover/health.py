@@ -32,9 +32,10 @@ if TYPE_CHECKING:
 
 CHECKS = ("gpu", "memory", "storage_space", "storage_write", "collective")
 """Every check's name, as written in `health` events and the job script's bad-nodes reasons."""
-NODE_CHECKS = CHECKS[:-1]
+NODE_CHECKS = ("gpu", "memory", "storage_write")
 """The checks whose failure is the node's own: the job script excludes the node for these
-(a collective that does not complete names no culprit)."""
+(slurm/blocks.py). A full storage is shared by every node, and a collective that does not
+complete names no culprit."""
 
 WRITE_BOUND_S = 10.0  # a 4 KiB write + fsync: milliseconds on a healthy filesystem
 COLLECTIVE_BOUND_S = 60.0  # every rank has joined the group by then; one tiny all-reduce

@@ -120,7 +120,9 @@ start_step() {
 }
 # suspects prints "node<TAB>reason" for each node this step's failure points at.
 suspects() {
-    local node='"node": "([A-Za-z0-9._-]+)"' check='(gpu|memory|storage_space|storage_write)'
+    # The node's own checks (health.NODE_CHECKS): a full shared storage or a collective
+    # that does not complete is no one node's fault.
+    local node='"node": "([A-Za-z0-9._-]+)"' check='(gpu|memory|storage_write)'
     grep -E "^\{\"event\": \"health\", \"time\": [0-9.]+, \"ok\": false.*$(this_step)" \
         "$EVENTS" 2>/dev/null |
         sed -nE "s/.*$node, \"check\": \"$check\".*/\1\thealth check failed: \2/p"

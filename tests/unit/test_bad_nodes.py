@@ -106,6 +106,22 @@ def test_without_spares_a_failed_health_check_excludes_the_node_from_the_requeue
     assert len(lines(tmp_path / "srun.argv")) == 1
 
 
+def test_a_full_storage_is_no_node_s_fault(tmp_path):
+    full = dict(HEALTH_FAIL, check="storage_space")
+    done, run = run_job(tmp_path, [f"echo {shlex.quote(json.dumps(full))} >> \"$EVENTS\"\n"
+                                   "exit 77\n"])
+    assert done.returncode == 77
+    assert decisions(run) == [("requeue", 77, "health check failed")]
+    assert not (run / "bad-nodes").exists()
+
+
+def test_the_script_blames_exactly_the_node_checks_health_py_names():
+    from pyrecover import health
+    from pyrecover.slurm import blocks
+
+    assert f"check='({'|'.join(health.NODE_CHECKS)})'" in blocks.NODES_BLOCK
+
+
 def test_a_node_is_not_excluded_where_the_partition_would_be_too_small_for_the_job(tmp_path):
     fail = f"echo {shlex.quote(json.dumps(HEALTH_FAIL))} >> \"$EVENTS\"\nexit 77\n"
     done, run = run_job(tmp_path, [fail], partition="node1 node2")
