@@ -179,3 +179,18 @@ def test_status_lists_the_excluded_nodes_and_clears_them(tmp_path):
 def test_clearing_refuses_what_is_not_a_run_directory(tmp_path):
     done = pyrecover("status", str(tmp_path / "nowhere"), "--clear-bad-nodes")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_rank_that_hangs_outside_a_collective_blames_its_node_and_its_waiting_peers_do_not(
+        tmp_path):
+    def hang(rank, node, phase):
+        return {"event": "hang", "time": 9.0, "rank": rank, "node": node, "phase": phase,
+                "step": 9, "job_id": "123", "restart_count": 0, "in_job_restart": 0}
+
+    step = "".join(f"echo {shlex.quote(json.dumps(h))} >> \"$EVENTS\"\n" for h in (
+        hang(0, "node1", "backward"), hang(1, "node2", "forward"))) + "exit 76\n"
+    done, run = run_job(tmp_path, [step, "exit 0\n"], spares=1, nodes="node1 node2 node3")
+    assert done.returncode == 0
+    assert [line.split("\t")[::2] for line in lines(run / "bad-nodes")] == [
+        ["node2", "hang in phase forward"]]
+    assert decisions(run) == [("restart_in_job", 76, "hang")]
