@@ -131,6 +131,9 @@ class TrackingConfig:
     """Comma-separated, e.g. `baseline,125m`."""
     name: str = ""
     """Display name of the wandb run; empty: run.exp_name."""
+    sweep_id: str = ""
+    """The wandb sweep the run belongs to (its page lists the run); `pyrecover sweep launch`
+    sets it for each trial when it registered the sweep with wandb."""
 
 
 @dataclass

@@ -114,7 +114,8 @@ def ledger(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
         ends = _times(mine) + [t for t in (_first_event(attempt, "finish"), first) if t]
         train_end = agreed if agreed is not None else max(ends, default=None)
         training = _span(first, train_end)
-        stall = min(training, _stall(attempt, mine, train_end))
+        # No sign that training began (an attempt that ended during start-up): no stall.
+        stall = min(training, _stall(attempt, mine, train_end)) if train_end is not None else 0.0
         causes["checkpoint_stall"] += stall + _span(agreed, saved)
         lost = 0.0
         if i + 1 < len(runs):

@@ -7,15 +7,17 @@ Nothing here writes.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pyrecover import ledger as ledger_mod
 from pyrecover import phases
-from pyrecover.rundir import RunDir, read_jsonl
+from pyrecover.rundir import RunDir, read_bad_nodes, read_jsonl
 
 
 class StatusError(ValueError):
@@ -51,6 +53,8 @@ class Status:
     """The newest interruption's phases in order (phases.py), each with its `gap` in seconds."""
     ledger: dict[str, Any] = field(default_factory=dict)
     """Wall time by cause across all requeues (ledger.py)."""
+    skipped_records: int = 0
+    """Records of events.jsonl and metrics.jsonl left out: not as pyrecover writes them."""
     excluded_nodes: list[dict[str, str]] = field(default_factory=list)
     """The run's bad nodes (`node`, `time`, `reason`), which its jobs leave out."""
 
@@ -66,8 +70,8 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
     if problem:
         raise StatusError(problem)
     now = time.time() if now is None else now
-    events = list(read_jsonl(run.events))
-    metrics = list(read_jsonl(run.metrics))
+    events, skipped_events = _well_formed(read_jsonl(run.events), needs_time=True)
+    metrics, skipped_metrics = _well_formed(read_jsonl(run.metrics), needs_time=False)
     starts = [e for e in events if e.get("event") in ("start", "resume")]
     step = max([int(m.get("step", 0)) for m in metrics] +
                [int(e.get("step", 0)) for e in events if "step" in e], default=0)
@@ -106,32 +110,41 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
         interruption=phases.last_interruption(events),
         ledger=ledger_mod.ledger(events, metrics, [ledger_mod.JobTimes(*t) for t in (
             sacct(job_id) if (sacct and job_id) else [])]).to_dict(),
+        skipped_records=skipped_events + skipped_metrics,
         excluded_nodes=read_bad_nodes(run),
     )
 
 
-def read_bad_nodes(run: RunDir) -> list[dict[str, str]]:
-    """read_bad_nodes lists the run's excluded nodes, first exclusion of each, in file order."""
+# The fields read as numbers anywhere in status, the ledger or the phases.
+NUMERIC_FIELDS = ("time", "step", "rank", "blocked", "seconds", "restore_seconds",
+                  "steps_lost", "step_time", "checkpoint_stall_total")
+TEXT_FIELDS = ("event", "phase", "reason", "error", "job_id", "node")
+
+
+def _well_formed(records: Iterable[dict[str, Any]], needs_time: bool
+                 ) -> tuple[list[dict[str, Any]], int]:
+    """_well_formed keeps the records whose fields have the types pyrecover writes (a number
+    a float can hold, text), so a hand-edited or foreign line never stops `status`; it
+    returns them and how many it left out."""
+    kept, skipped = [], 0
+    for record in records:
+        numbers_ok = all(_is_number(record[k]) for k in NUMERIC_FIELDS if k in record)
+        texts_ok = all(isinstance(record[k], str) for k in TEXT_FIELDS if k in record
+                       and not (k == "job_id" and _is_number(record[k])))
+        if numbers_ok and texts_ok and (not needs_time or "time" in record):
+            kept.append(record)
+        else:
+            skipped += 1
+    return kept, skipped
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
     try:
-        text = run.bad_nodes.read_text(errors="replace")
-    except FileNotFoundError:
-        return []
-    nodes: dict[str, dict[str, str]] = {}
-    for line in text.splitlines():
-        node, _, rest = line.partition("\t")
-        when, _, reason = rest.partition("\t")
-        if node.strip():
-            nodes.setdefault(node.strip(), {"node": node.strip(), "time": when,
-                                            "reason": reason})
-    return list(nodes.values())
-
-
-def clear_bad_nodes(run: RunDir) -> list[str]:
-    """clear_bad_nodes empties the run's bad-node list; returns the nodes it held. A job
-    already requeued keeps the exclusion SLURM holds for it; the next requeue sets it anew."""
-    cleared = [n["node"] for n in read_bad_nodes(run)]
-    run.bad_nodes.unlink(missing_ok=True)
-    return cleared
+        return math.isfinite(float(value)) and abs(value) < 1e15
+    except OverflowError:
+        return False
 
 
 def _slurm_name(events: list[dict[str, Any]], job_id: str) -> str:
@@ -286,6 +299,9 @@ def render(s: Status) -> str:
         lines.append(f"excluded    {n['node']} since {n['time']}: {n['reason']}")
     if s.last_error:
         lines.append(f"last error  {s.last_error}")
+    if s.skipped_records:
+        lines.append(f"skipped     {s.skipped_records} records of events.jsonl/metrics.jsonl "
+                     "that are not as pyrecover writes them")
     lines += _ledger_lines(s.ledger, s.job_id) + _interruption_lines(s.interruption)
     return "\n".join(lines)
 

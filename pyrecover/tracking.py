@@ -367,7 +367,9 @@ def _init_wandb(cfg: Config, run: RunDir, mode: str, system: Mapping[str, Any]) 
     for attempt in tries:
         settings = wandb.Settings(
             quiet=True, silent=True, console="off", disable_git=True, save_code=False,
-            init_timeout=60.0,
+            # The sweep as a run setting: from the environment (WANDB_SWEEP_ID, as an agent
+            # sets it) wandb.init would drop our run id, and a requeue would start a new run.
+            init_timeout=60.0, sweep_id=t.sweep_id or None,
             finish_timeout=FINISH_TIMEOUT_S if attempt == "online" else 0.0)
         try:
             wb = wandb.init(mode=attempt, settings=settings, **kwargs)

@@ -5,8 +5,10 @@ model and optimizer under the keys `model.<fqn>` and `optim.<...>`, so plain
 `torch.distributed.checkpoint.load({"model": model.state_dict()}, checkpoint_id=folder)` reads
 the weights without pyrecover; plus `extra.json` (scheduler, config) and `rng-<rank>.pt`.
 
-With DDP every rank holds every tensor; DCP's planner then gives each replicated tensor to
-one rank, picking the least loaded by bytes, so writes spread over all ranks.
+With DDP every rank holds every tensor; each rank stages and writes only its share
+(share.py: each tensor to the least loaded rank by bytes, decided from the shapes before
+anything is copied), so writes spread over all ranks and each rank's host buffers hold 1/N
+of the state. With sharded (DTensor) state each rank writes its own shards.
 
 An asynchronous save copies the state into host buffers that are allocated once and reused
 (pinned on CUDA; staging.py, the same code on every device), on a side stream (CUDA) or in a
@@ -32,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pyrecover import faults
-from pyrecover.checkpoint import dcp_io, rng
+from pyrecover.checkpoint import dcp_io, rng, share
 from pyrecover.checkpoint.mode import Restored, WriteResult
 from pyrecover.checkpoint.staging import StateStager
 from pyrecover.checkpoint.store import Checkpoint, Pending, sha256_file
@@ -103,6 +105,8 @@ class DcpMode:
             (folder / EXTRA_FILE).write_text(json.dumps(extra))
         model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        if share.replicated(state):  # DDP: stage and write only this rank's share
+            state = share.own_share(state, self.rank, self.world_size)
         writer = dcp_io.Writer(folder)
         upload = None
         if self.asynchronous:

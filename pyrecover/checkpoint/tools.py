@@ -1,4 +1,5 @@
-"""What `pyrecover ckpt ...` does: list, verify and export the checkpoints of a run directory."""
+"""What `pyrecover ckpt ...` does: list, verify and convert the checkpoints of a run directory
+(export, which writes the model alone, is pyrecover/export.py)."""
 
 from __future__ import annotations
 
@@ -143,20 +144,6 @@ def model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{ckpt.path}: mode {ckpt.mode!r} cannot be read here")
 
 
-def export_model(run: RunDir, step: int | None, out: Path) -> tuple[Checkpoint, int]:
-    """export_model writes the plain model state_dict of the checkpoint of `step` (default:
-    the newest that reads) to `out`; returns the checkpoint and the file's bytes.
-
-    The file holds tensors only, so `torch.load(out, weights_only=True)` reads it with no
-    pyrecover code. Written to a temporary name and renamed, so `out` is never half-written.
-    """
-    ckpt, state = first_that_works(run, step, model_state)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _temporary(out) as tmp:
-        torch.save(state, tmp)
-    return ckpt, out.stat().st_size
-
-
 def first_that_works(run: RunDir, step: int | None, use) -> tuple[Checkpoint, object]:
     """first_that_works calls `use(ckpt)` on the checkpoint of `step`, or on the newest valid
     one, falling back to the next older while `use` fails to read one (named as invalid)."""
@@ -173,8 +160,8 @@ def first_that_works(run: RunDir, step: int | None, use) -> tuple[Checkpoint, ob
     raise AssertionError("unreachable: candidates() raises when it runs out")
 
 
-class _temporary:
-    """_temporary yields a temporary path next to `out` and renames it to `out` on success;
+class temporary:
+    """temporary yields a temporary path next to `out` and renames it to `out` on success;
     on failure (the rename included) nothing is left behind."""
 
     def __init__(self, out: Path) -> None:
@@ -274,7 +261,7 @@ def convert(run: RunDir, step: int | None, to: str, out: Path) -> Checkpoint:
         raise CheckpointError(f"{out} already exists; choose a new path")
     ckpt, (parts, rngs) = first_that_works(run, step, _read_full)
     train = dict(ckpt.manifest["train_state"])
-    with _temporary(out) as tmp:
+    with temporary(out) as tmp:
         if to == "torch":
             torch.save(vanilla.full_state(parts, train, rngs), tmp)
         else:

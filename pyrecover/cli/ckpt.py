@@ -1,4 +1,4 @@
-"""`pyrecover ckpt ...`: list, verify and export a run's checkpoints."""
+"""`pyrecover ckpt ...`: list, verify, export and convert a run's checkpoints."""
 
 from __future__ import annotations
 
@@ -64,14 +64,31 @@ def verify(run_dir: RunArg, step: StepOpt = None) -> None:
 @ckpt_app.command("export")
 def export(
     run_dir: RunArg,
-    out: Annotated[Path, typer.Option(help="File to write: a plain model state_dict.")],
+    out: Annotated[Path, typer.Option(
+        help="What to create: a file (torch, safetensors) or a new or empty folder (hf).")],
     step: StepOpt = None,
+    fmt: Annotated[str, typer.Option(
+        "--format", help="torch: a plain state_dict file; safetensors: the same as a "
+        "safetensors file; hf: a Hugging Face GPT-2 folder (config.json, model.safetensors) "
+        "that transformers.GPT2LMHeadModel.from_pretrained(OUT) loads.")] = "torch",
 ) -> None:
-    """Write the model weights for inference: `torch.load(OUT, weights_only=True)` reads them."""
+    """Write the model weights for inference, readable without pyrecover.
+
+    `--format torch`: `torch.load(OUT, weights_only=True)`. `--format safetensors`:
+    `safetensors.torch.load_model(GPT(cfg), OUT)`, the config in the file's metadata.
+    `--format hf`: `GPT2LMHeadModel.from_pretrained(OUT)` gives the same logits; a model GPT-2
+    cannot express is refused. safetensors and hf need `pip install 'pyrecover[hf]'`.
+    """
+    from pyrecover import export as export_mod
     from pyrecover.checkpoint import tools
 
-    ckpt, size = tools.export_model(tools.open_run(run_dir), step, out)
-    typer.echo(f"exported step {ckpt.step} ({ckpt.mode}) to {out} ({tools.human_bytes(size)})")
+    done = export_mod.export_model(tools.open_run(run_dir), step, out, fmt)
+    how = {"torch": "", "safetensors": " as safetensors",
+           "hf": " as a Hugging Face GPT-2 folder"}[fmt]
+    typer.echo(f"exported step {done.ckpt.step} ({done.ckpt.mode}){how} to {done.out} "
+               f"({tools.human_bytes(done.size)})")
+    if fmt == "hf":
+        typer.echo(f"load it: transformers.GPT2LMHeadModel.from_pretrained({str(done.out)!r})")
 
 
 @ckpt_app.command("convert")

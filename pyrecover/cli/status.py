@@ -23,11 +23,12 @@ def status(
 
     from pyrecover import status as status_mod
     from pyrecover.rundir import RunDir
+    from pyrecover.rundir import clear_bad_nodes as clear
     from pyrecover.slurm.query import job_times, squeue_state
 
     if clear_bad_nodes:
         status_mod.read(run_dir)  # refuses what is not a run directory, before changing it
-        cleared = status_mod.clear_bad_nodes(RunDir(run_dir))
+        cleared = clear(RunDir(run_dir))
         typer.echo(f"cleared {len(cleared)} excluded node(s)" +
                    (f": {', '.join(cleared)}" if cleared else ""), err=True)
 

@@ -65,7 +65,7 @@ def launch(
     from pyrecover.rundir import RunDir
     from pyrecover.slurm import LaunchError, profile, submit
     from pyrecover.slurm.render import absolute_paths
-    from pyrecover.sweep import record, render, spec, trials
+    from pyrecover.sweep import record, render, spec, trials, wandb_sweep
 
     cwd = os.getcwd()
     sweep = spec.load(sweep_file)
@@ -104,6 +104,7 @@ def launch(
     submit.require_sbatch(os.environ)
     sweep_dir = Path(job.run_dir)
     _refuse_a_second_live_array(sweep_dir)
+    rec, cfgs = wandb_sweep.attach(sweep_file, sweep_dir, rec, cfgs, os.environ)
     record.write(sweep_dir, rec)
     for trial_cfg in cfgs:
         prepare_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()))
@@ -111,6 +112,8 @@ def launch(
     job_id = submit.submit(argv, cwd=job.run_dir)
     record.add_job(sweep_dir, job_id)
     typer.echo(f"submitted job array {job_id} ({len(cfgs)} trials):\n{table}")
+    if rec.wandb:
+        typer.echo(f"wandb sweep {rec.wandb['sweep_id']}: {rec.wandb['url'] or '(no URL)'}")
     typer.echo(f"sweep directory: {sweep_dir}")
     typer.echo(f"follow it: pyrecover sweep status {shlex.quote(str(sweep_dir))}")
 

@@ -4,6 +4,7 @@
     trials.py  the trials: grid expansion or seeded random draws, each a validated Config
     record.py  the sweep directory: `sweep.yaml` (the trials as drawn) read and written
     render.py  the job array script, through pyrecover.slurm.render
+    wandb_sweep.py  the sweep registered with wandb (online only), its id given to each trial
     status.py  the trials read back from their run directories, ranked by the metric
 
 Nothing here imports torch.

@@ -1,7 +1,8 @@
 """The sweep directory and its record, `sweep.yaml`: what was launched, trial by trial.
 
     <storage>/<sweep name>/
-      sweep.yaml       name, method, metric, seed, and each trial's folder and values
+      sweep.yaml       name, method, metric, seed, the wandb sweep (when registered), and
+                       each trial's folder and values
       job.sbatch       the job array's script
       jobs             the array's job id, one line per submission
       trial-<i>/       one ordinary run directory per trial (run.yaml, events.jsonl, ...)
@@ -36,6 +37,8 @@ class Record:
     seed: int
     trials: list[dict[str, Any]]
     """[{index, dir, params}] in trial order."""
+    wandb: dict[str, Any] | None = None
+    """{sweep_id, url} of the sweep registered with wandb at the first launch, else None."""
 
 
 def make(sweep: Sweep, params: list[dict[str, Any]]) -> Record:
@@ -45,9 +48,11 @@ def make(sweep: Sweep, params: list[dict[str, Any]]) -> Record:
 
 
 def to_yaml(record: Record) -> str:
+    wandb = {"wandb": record.wandb} if record.wandb else {}
     return yaml.safe_dump({"name": record.name, "method": record.method,
                            "metric": {"name": record.metric, "goal": record.goal},
-                           "seed": record.seed, "trials": record.trials}, sort_keys=False)
+                           "seed": record.seed, **wandb, "trials": record.trials},
+                          sort_keys=False)
 
 
 def read(sweep_dir: str | Path) -> Record:
@@ -60,9 +65,17 @@ def read(sweep_dir: str | Path) -> Record:
         raw = yaml.safe_load(path.read_text())
         return Record(name=raw["name"], method=raw["method"], metric=raw["metric"]["name"],
                       goal=raw["metric"]["goal"], seed=int(raw["seed"]),
-                      trials=list(raw["trials"]))
+                      trials=list(raw["trials"]), wandb=_wandb(raw.get("wandb")))
     except (yaml.YAMLError, KeyError, TypeError, ValueError):
         raise SweepError(f"{path} is damaged: not the record `sweep launch` wrote") from None
+
+
+def _wandb(raw: Any) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("sweep_id"), str):
+        raise TypeError("wandb: expected {sweep_id, url}")
+    return {"sweep_id": raw["sweep_id"], "url": raw.get("url")}
 
 
 def write(sweep_dir: Path, record: Record) -> None:

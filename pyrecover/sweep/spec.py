@@ -91,8 +91,9 @@ def parse(raw: Any, default_name: str, source: str = "sweep") -> Sweep:
                          "and '-' (it names the sweep's folder)")
     method = raw.get("method")
     if method == "bayes":
-        raise SweepError(f"{source}: method=bayes needs wandb's sweep controller, which "
-                         "pyrecover does not run; use grid or random")
+        raise SweepError(f"{source}: method=bayes needs wandb's agent to choose each trial's "
+                         "values from the results so far, and a job array fixes every trial "
+                         "at launch; use grid or random")
     if method not in METHODS:
         raise SweepError(f"{source}: method={method!r} is not allowed: expected grid or random")
     metric, goal = _metric(raw.get("metric"), source)

@@ -77,7 +77,7 @@ def test_log_uniform_draws_spread_evenly_over_the_decades():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"method": "bayes"}, "method=bayes needs wandb's sweep controller"),
+    ({"method": "bayes"}, "method=bayes needs wandb's agent to choose each trial's values"),
     ({"method": "hyperband"}, "method='hyperband' is not allowed"),
     ({"method": "random"}, "method=random needs run_cap"),
     ({"parameters": {}}, "parameters must map config keys"),

@@ -1,0 +1,100 @@
+"""The sweep registered with wandb, so its sweep page lists the trials' runs.
+
+pyrecover stays the controller: the trials and their values are fixed at launch and run as a
+SLURM job array. The sweep is registered once, at the first launch, through wandb's own client
+(`wandb.sweep`, two GraphQL calls: Viewer and UpsertSweep) with `controller: {type: local}`,
+which tells the server that no wandb agent is to be handed runs. Each trial's config gets the
+sweep's id (`tracking.sweep_id`), and its wandb run, whose id is kept across requeues, carries
+it; a run logged offline carries it too, and `wandb sync` attaches it to the sweep.
+
+Only when `tracking.wandb` resolves to online (a key, and a server that answers): a sweep
+launched offline is not registered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pyrecover import tracking
+from pyrecover.config import Config
+from pyrecover.sweep import SweepError, record
+
+OURS = ("max_parallel", "seed")
+"""pyrecover's own keys of the sweep file: wandb's format has no place for them."""
+LOCAL_CONTROLLER = {"type": "local"}
+
+
+@dataclass(frozen=True)
+class Registered:
+    sweep_id: str
+    url: str | None
+
+
+def sweep_config(path: str | Path, name: str) -> dict[str, Any]:
+    """sweep_config is what is sent to wandb: the sweep file as written (already checked by
+    spec.load), less pyrecover's own keys, with its name and the local controller."""
+    raw = yaml.safe_load(Path(path).read_text())
+    config = {k: v for k, v in raw.items() if k not in OURS}
+    config["name"] = name
+    config["controller"] = dict(LOCAL_CONTROLLER)
+    return config
+
+
+def register(config: dict[str, Any], project: str, entity: str | None) -> Registered:
+    """register creates the sweep on the wandb server and returns its id; raises SweepError
+    in one line when wandb refuses or fails."""
+    try:
+        import wandb
+    except ImportError as exc:
+        raise SweepError(f"tracking.wandb is online but wandb is not importable ({exc}); "
+                         "install it or set tracking.wandb=offline") from None
+    said = io.StringIO()  # wandb.sweep prints its id and URL; the CLI says it in its own words
+    # wandb.sweep sets WANDB_PROJECT, WANDB_ENTITY and the address of its service process in
+    # os.environ, which sbatch would hand to every trial (whose wandb then dials a service
+    # that has exited): the environment is put back and the service stopped.
+    environ = dict(os.environ)
+    try:
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(io.StringIO()):
+            sweep_id = wandb.sweep(config, entity=entity or None, project=project)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise SweepError(f"wandb did not register the sweep ({type(exc).__name__}: {first}); "
+                         "fix the key or server, or set tracking.wandb=offline to launch "
+                         "without it") from None
+    finally:
+        with contextlib.suppress(Exception):
+            wandb.teardown()
+        os.environ.clear()
+        os.environ.update(environ)
+    url = re.search(r"^Sweep URL: (\S+)", said.getvalue(), re.M)
+    return Registered(str(sweep_id), url.group(1) if url else None)
+
+
+def attach(sweep_file: Path, sweep_dir: Path, rec: record.Record, cfgs: list[Config],
+           environ: Mapping[str, str]) -> tuple[record.Record, list[Config]]:
+    """attach gives the record and each trial's config the sweep's wandb id: the one recorded
+    at the first launch (a relaunch registers nothing); else, where tracking.wandb resolves
+    to online, a new registration; else none, and nothing changes."""
+    base = cfgs[0].tracking
+    if (sweep_dir / record.RECORD).is_file():
+        known = record.read(sweep_dir).wandb
+    elif tracking.resolve_mode(base.wandb, environ) == "online":
+        done = register(sweep_config(sweep_file, rec.name), base.project, base.entity)
+        known = {"sweep_id": done.sweep_id, "url": done.url}
+    else:
+        known = None
+    if not known:
+        return rec, cfgs
+    return dataclasses.replace(rec, wandb=known), [
+        dataclasses.replace(c, tracking=dataclasses.replace(
+            c.tracking, sweep_id=c.tracking.sweep_id or known["sweep_id"])) for c in cfgs]

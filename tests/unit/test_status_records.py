@@ -1,0 +1,70 @@
+"""`pyrecover status` reads a run whose events.jsonl or metrics.jsonl holds lines it did not
+write (hand-edited, another tool's, a value of the wrong type): it leaves those records out,
+says how many, and never stops with a traceback."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from pyrecover import status
+from pyrecover.rundir import RunDir
+
+# Values of every JSON type, including the ones a float() or int() of a field chokes on.
+HOSTILE = ["", "abc", "12", None, True, [], [1], {}, {"a": 1}, 10**400, -1, 0, 1e308, 3.5]
+
+
+def _a_real_history(run: RunDir) -> None:
+    run.event("start", step=0)
+    run.event("phase", phase="process_start")
+    run.event("checkpoint", step=10, blocked=0.2, seconds=0.4)
+    run.event("stop", step=12, reason="signal")
+    run.event("phase", phase="stop_agreed")
+    run.event("requeue", exit_code=75, reason="stopped cleanly", job_id="7", restart_count=0)
+    run.event("phase", phase="process_start")
+    run.event("resume", step=10, steps_lost=2, restore_seconds=0.3)
+    run.event("hang", rank=1, node="n1", phase="allreduce", step=14, seconds=61.0, limit=60.0)
+    run.event("straggler", rank=2, node="n2", seconds=0.4, median=0.1, windows=3, step=14)
+    for step in range(1, 16):
+        run.metric(step=step, loss=2.0, step_time=0.1, checkpoint_stall_total=0.2)
+
+
+def test_a_record_with_a_value_of_the_wrong_type_is_left_out_and_counted(tmp_path):
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    _a_real_history(run)
+    clean = status.read(run.root)
+    with run.events.open("a") as f:
+        f.write(json.dumps({"event": "resume", "time": "yesterday", "step": 3}) + "\n")
+        f.write(json.dumps({"event": "checkpoint", "time": 1.0, "blocked": [1]}) + "\n")
+    s = status.read(run.root)
+    assert s.skipped_records == 2
+    assert (s.starts, s.checkpoint_seconds) == (clean.starts, clean.checkpoint_seconds)
+    assert "skipped     2 records" in status.render(s)
+
+
+def test_status_never_fails_on_any_field_of_any_record_set_to_any_json_value(tmp_path):
+    """Property: replace one field of one record with a hostile value, 300 times over every
+    record and field; status reads and renders each time, leaving out at most that record."""
+    rng = random.Random(20261124)
+    base = RunDir(tmp_path / "base")
+    base.create()
+    _a_real_history(base)
+    files = {"events.jsonl": base.events.read_text().splitlines(),
+             "metrics.jsonl": base.metrics.read_text().splitlines()}
+    for trial in range(300):
+        run = RunDir(tmp_path / f"t{trial}")
+        run.create()
+        name = rng.choice(sorted(files))
+        lines = list(files[name])
+        i = rng.randrange(len(lines))
+        record = json.loads(lines[i])
+        key = rng.choice(sorted(record) + ["event", "time", "step"])
+        record[key] = rng.choice(HOSTILE)
+        lines[i] = json.dumps(record)
+        (run.root / name).write_text("\n".join(lines) + "\n")
+        other = "metrics.jsonl" if name == "events.jsonl" else "events.jsonl"
+        (run.root / other).write_text("\n".join(files[other]) + "\n")
+        s = status.read(run.root)
+        assert s.skipped_records <= 1, (name, record)
+        status.render(s)

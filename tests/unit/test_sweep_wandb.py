@@ -1,0 +1,107 @@
+"""The sweep's wandb registration without a server: what would be sent, when nothing is
+registered (offline, or a relaunch that reuses the recorded id), and the record that keeps the
+id. The registration itself, against a stand-in server, is tests/slurm/test_sweep_wandb_e2e.py."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from helpers import TINY, pyrecover
+from test_sweep import base_config
+
+from pyrecover.sweep import record, spec, trials, wandb_sweep
+
+STANDIN = Path(__file__).resolve().parents[1] / "wandb_standin.py"
+SWEEP = """\
+method: grid
+metric: {name: loss, goal: minimize}
+max_parallel: 2
+seed: 3
+parameters:
+  train.lr: {values: [1e-3, 3e-3]}
+"""
+
+
+def closed_port_url() -> str:
+    """A URL where nothing listens: any attempt to reach wandb there fails at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def launch_parts(tmp_path, wandb_mode: str):
+    path = tmp_path / "lr.yaml"
+    path.write_text(SWEEP)
+    sweep = spec.load(path)
+    cfg = trials.base_for(sweep, base_config(str(tmp_path / "storage")))
+    cfg.tracking.wandb = wandb_mode
+    cfgs = trials.configs(sweep, cfg, trials.choose(sweep))
+    rec = record.make(sweep, [trials.resolved(c, ["train.lr"]) for c in cfgs])
+    return path, cfg.run_dir(), rec, cfgs
+
+
+def test_the_config_sent_is_the_sweep_file_with_pyrecovers_keys_out_and_a_local_controller(
+        tmp_path):
+    path, _, _, _ = launch_parts(tmp_path, "offline")
+    sent = wandb_sweep.sweep_config(path, "lr")
+    want = {k: v for k, v in yaml.safe_load(SWEEP).items() if k not in ("max_parallel", "seed")}
+    assert sent == {**want, "name": "lr", "controller": {"type": "local"}}
+
+
+def test_an_offline_sweep_is_not_registered_and_its_trials_name_no_sweep(tmp_path):
+    path, sweep_dir, rec, cfgs = launch_parts(tmp_path, "offline")
+    env = {"WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": closed_port_url()}
+    got_rec, got_cfgs = wandb_sweep.attach(path, sweep_dir, rec, cfgs, env)
+    assert got_rec.wandb is None and got_rec == rec
+    assert [c.tracking.sweep_id for c in got_cfgs] == ["", ""]
+
+
+def test_a_relaunch_reuses_the_recorded_sweep_id_and_contacts_nothing(tmp_path):
+    path, sweep_dir, rec, cfgs = launch_parts(tmp_path, "online")
+    first = record.Record(**{**rec.__dict__, "wandb": {"sweep_id": "abc123", "url": None}})
+    record.write(sweep_dir, first)
+    assert record.read(sweep_dir).wandb == {"sweep_id": "abc123", "url": None}
+    # online, with a key, and a server that would refuse the connection: not asked
+    env = {"WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": closed_port_url()}
+    got_rec, got_cfgs = wandb_sweep.attach(path, sweep_dir, rec, cfgs, env)
+    assert got_rec.wandb["sweep_id"] == "abc123"
+    assert [c.tracking.sweep_id for c in got_cfgs] == ["abc123", "abc123"]
+
+
+def test_a_record_without_a_wandb_sweep_reads_back_as_none(tmp_path):
+    _, sweep_dir, rec, _ = launch_parts(tmp_path, "offline")
+    record.write(sweep_dir, rec)
+    assert "wandb" not in yaml.safe_load((sweep_dir / record.RECORD).read_text())
+    assert record.read(sweep_dir).wandb is None
+
+
+def test_a_key_the_server_refuses_is_one_line_and_nothing_is_written_or_submitted(tmp_path):
+    """sbatch is a stand-in that leaves a mark if called; the wandb server is
+    tests/wandb_standin.py refusing the key (401), as wandb answers a wrong one."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path / 'SUBMITTED'}\necho 77\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    path = tmp_path / "lr.yaml"
+    path.write_text(SWEEP)
+    server = subprocess.Popen([sys.executable, str(STANDIN), str(tmp_path / "requests.jsonl"),
+                               "-"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--launcher",
+                         "none", "--set", f"run.storage={tmp_path / 'st'}",
+                         "--set", "tracking.wandb=online", cwd=tmp_path,
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
+                              "WANDB_MODE": "online", "WANDB_API_KEY": "k" * 40,
+                              "WANDB_BASE_URL": f"http://127.0.0.1:{port}"})
+        assert server.wait(timeout=60) == 0  # it was asked, and refused
+    finally:
+        server.kill()
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: wandb did not register the sweep (")
+    assert "user is not logged in" in done.stderr and done.stderr.count("\n") == 1
+    assert not (tmp_path / "st").exists() and not (tmp_path / "SUBMITTED").exists()
