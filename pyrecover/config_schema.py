@@ -45,6 +45,9 @@ class RunConfig:
     """A rank this many times slower than the median counts as slow in a window."""
     straggler_windows: int = 3
     """Slow windows in a row before a `straggler` event."""
+    health_check: bool = True
+    """Check each task's GPUs, memory and storage, then one collective, before training (a
+    few seconds); a failure exits 77 and the job script excludes the node. false: skip."""
 
 
 @dataclass

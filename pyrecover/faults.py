@@ -40,6 +40,11 @@ kernel or a debugger (nothing in it runs, its own watchdog included).
 like a slow save that keeps writing. `PYRECOVER_HANG_ONCE=PATH` works as
 `PYRECOVER_KILL_ONCE` does.
 
+A bad node, for the health check (pyrecover/health.py): `PYRECOVER_HEALTH_FAIL=NODE` (a
+comma-separated list names several) fails the check named by `PYRECOVER_HEALTH_FAIL_CHECK`
+(default `storage_write`) on every task of those nodes, matched against SLURMD_NODENAME
+(all nodes of the local test cluster share one hostname).
+
 A slow rank, for straggler detection: `PYRECOVER_SLOW_RANK=R` (comma-separated for several)
 adds `PYRECOVER_SLOW_S` seconds (default 0.1) to every forward pass of those ranks.
 """
@@ -142,3 +147,11 @@ def maybe_delay() -> None:
         import time
 
         time.sleep(float(delay))
+
+
+def health_fault(node: str) -> str | None:
+    """health_fault is the health check to fail on `node`, if the environment names it."""
+    nodes = os.environ.get("PYRECOVER_HEALTH_FAIL")
+    if not nodes or node not in nodes.split(","):
+        return None
+    return os.environ.get("PYRECOVER_HEALTH_FAIL_CHECK", "storage_write")

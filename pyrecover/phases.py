@@ -125,3 +125,23 @@ def last_interruption(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["gap"] = round(row["time"] - previous, 3) if previous is not None else 0.0
         previous = row["time"]
     return rows
+
+
+def failure_to_first_step(events: list[dict[str, Any]]) -> float | None:
+    """failure_to_first_step is the seconds from the newest failure to the first step after
+    it: from the failed attempt's first `crash`, `hang` or failed `health` record (where it
+    left none, e.g. a SIGKILLed task, the job script's `restart_in_job` or `requeue`
+    decision) to the next attempt's `first_step` phase. None if there is no such pair."""
+    decided = [i for i, e in enumerate(events) if e.get("event") in ("restart_in_job", "requeue")]
+    if not decided:
+        return None
+    d = decided[-1]
+    first = next((e for e in events[d:] if e.get("event") == "phase"
+                  and e.get("phase") == "first_step"), None)
+    if first is None:
+        return None
+    begin = max((i for i, e in enumerate(events[:d]) if e.get("event") == "phase"
+                 and e.get("phase") == "process_start"), default=0)
+    failed = [float(e["time"]) for e in events[begin:d] if e.get("event") in ("crash", "hang")
+              or (e.get("event") == "health" and e.get("ok") is False)]
+    return float(first["time"]) - (min(failed) if failed else float(events[d]["time"]))

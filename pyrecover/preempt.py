@@ -21,6 +21,7 @@ EXIT_CRASH = 1  # anything unexpected: requeued while restarts remain
 EXIT_USER_ERROR = 2  # config or data: requeueing cannot help, never requeued
 EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL: saved cleanly, "run me again"; always requeued
 EXIT_HANG = 76  # the hang watchdog fired (pyrecover/watchdog.py): a crash, recorded as `hang`
+EXIT_HEALTH = 77  # a task's health check failed (pyrecover/health.py): its node is excluded
 
 DEFAULT_SIGNALS = ("SIGUSR2", "SIGTERM")
 

@@ -62,6 +62,11 @@ class RunDir:
         return self.root / "job.sbatch"
 
     @property
+    def bad_nodes(self) -> Path:
+        """Nodes the job script excludes (name, UTC time, reason; tab-separated lines)."""
+        return self.root / "bad-nodes"
+
+    @property
     def wandb(self) -> Path:
         return self.root / "wandb"
 
@@ -97,6 +102,9 @@ class RunDir:
         if job:
             record.setdefault("job_id", job)
             record.setdefault("restart_count", int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+            in_job = os.environ.get("PYRECOVER_IN_JOB_RESTART")
+            if in_job:  # the job script's step inside the allocation (restarts without requeue)
+                record.setdefault("in_job_restart", int(in_job))
             array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get(
                 "SLURM_ARRAY_TASK_ID")
             if array and task:  # a sweep's trial: SLURM names the task ARRAYID_TASKID
@@ -231,3 +239,27 @@ def lock_wait_seconds(environ: dict[str, str] | None = None) -> float:
         except ValueError:
             pass
     return 120.0 if env.get("SLURM_JOB_ID") else 0.0
+
+
+def read_bad_nodes(run: RunDir) -> list[dict[str, str]]:
+    """read_bad_nodes lists the run's excluded nodes, first exclusion of each, in file order."""
+    try:
+        text = run.bad_nodes.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    nodes: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        node, _, rest = line.partition("\t")
+        when, _, reason = rest.partition("\t")
+        if node.strip():
+            nodes.setdefault(node.strip(), {"node": node.strip(), "time": when,
+                                            "reason": reason})
+    return list(nodes.values())
+
+
+def clear_bad_nodes(run: RunDir) -> list[str]:
+    """clear_bad_nodes empties the run's bad-node list; returns the nodes it held. A job
+    already requeued keeps the exclusion SLURM holds for it; the next requeue sets it anew."""
+    cleared = [n["node"] for n in read_bad_nodes(run)]
+    run.bad_nodes.unlink(missing_ok=True)
+    return cleared

@@ -17,7 +17,7 @@ from typing import Any
 
 from pyrecover import ledger as ledger_mod
 from pyrecover import phases
-from pyrecover.rundir import RunDir, read_jsonl
+from pyrecover.rundir import RunDir, read_bad_nodes, read_jsonl
 
 
 class StatusError(ValueError):
@@ -55,6 +55,8 @@ class Status:
     """Wall time by cause across all requeues (ledger.py)."""
     skipped_records: int = 0
     """Records of events.jsonl and metrics.jsonl left out: not as pyrecover writes them."""
+    excluded_nodes: list[dict[str, str]] = field(default_factory=list)
+    """The run's bad nodes (`node`, `time`, `reason`), which its jobs leave out."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,7 +101,8 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
         steps_lost=lost, checkpoint_seconds=round(checkpoint_s, 3),
         restore_seconds=round(restore_s, 3), wall_seconds=round(wall, 1),
         goodput=round(goodput, 4) if goodput is not None else None, last_error=last_error,
-        requeue_decisions=[e for e in events if e.get("event") in ("requeue", "no_requeue")],
+        requeue_decisions=[e for e in events
+                           if e.get("event") in ("requeue", "no_requeue", "restart_in_job")],
         hangs=[{k: v for k, v in e.items() if k != "stacks"} for e in events
                if e.get("event") == "hang"],
         stragglers=list({e.get("rank"): e for e in events
@@ -108,6 +111,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
         ledger=ledger_mod.ledger(events, metrics, [ledger_mod.JobTimes(*t) for t in (
             sacct(job_id) if (sacct and job_id) else [])]).to_dict(),
         skipped_records=skipped_events + skipped_metrics,
+        excluded_nodes=read_bad_nodes(run),
     )
 
 
@@ -291,6 +295,8 @@ def render(s: Status) -> str:
         lines.append(f"straggler   rank {g.get('rank')} on {g.get('node')}: {g.get('seconds')}s "
                      f"own compute per step, median {g.get('median')}s (step {g.get('step')}, "
                      f"{g.get('windows')} windows in a row)")
+    for n in s.excluded_nodes:
+        lines.append(f"excluded    {n['node']} since {n['time']}: {n['reason']}")
     if s.last_error:
         lines.append(f"last error  {s.last_error}")
     if s.skipped_records:

@@ -140,7 +140,9 @@ def diagnostics(env: DistEnv, device: Any, environ: Mapping[str, str] = os.envir
         "host": socket.gethostname(),
         "launcher": env.launcher,
         "world_size": env.world_size,
-        "nodes": int(environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or nodes),
+        # The step's nodes: with spare nodes the job holds more than the training runs on.
+        "nodes": int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES")
+                     or environ.get("SLURM_NNODES") or nodes),
         "ranks_per_node": env.local_world_size,
     }
     info.update(slurm_job(environ))

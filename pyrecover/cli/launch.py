@@ -59,6 +59,13 @@ def launch(
         f"always bound. Repeatable ({P}: binds).")] = None,
     max_restarts: Annotated[int | None, typer.Option(
         help=f"Requeues allowed after a stop or crash ({P}: max_restarts).")] = None,
+    spare_nodes: Annotated[int | None, typer.Option(
+        help="Allocate this many extra nodes: training runs on --nodes of them, and after a "
+        "crash, hang or failed health check it restarts at once on the healthy ones, without "
+        f"a requeue ({P}: spare_nodes).")] = None,
+    max_restarts_in_job: Annotated[int | None, typer.Option(
+        help=f"Restarts inside the allocation (needs spare nodes) before the job requeues "
+        f"instead ({P}: max_restarts_in_job).")] = None,
     launcher: Annotated[str | None, typer.Option(
         help="srun: one task per GPU in the container; torchrun: one torchrun per node; "
         "spawn: one task per node running `pyrecover train --nproc GPUS` (both in the "
@@ -95,7 +102,8 @@ def launch(
         profile.load_profile(found, cwd), cwd, binds=tuple(bind or ()), nodes=nodes,
         gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, time=time,
         partition=partition, account=account, image=image, launcher=launcher,
-        max_restarts=max_restarts, signal_seconds=signal_seconds)
+        max_restarts=max_restarts, signal_seconds=signal_seconds, spare_nodes=spare_nodes,
+        max_restarts_in_job=max_restarts_in_job)
     prof = profile.find_image(prof, os.environ, cwd)
     profile.validate(prof)
     cfg, batch_note = resolve_for_run(cfg, prof.nodes * prof.gpus_per_node)

@@ -54,6 +54,11 @@ class ClusterProfile:
     running this machine's python, no container."""
     max_restarts: int = 3
     """How often the job may requeue itself after a stop or crash."""
+    spare_nodes: int = 0
+    """Extra nodes allocated beside `nodes`: training runs on `nodes` of them, and after a
+    crash, hang or failed health check a new step starts at once on the healthy ones."""
+    max_restarts_in_job: int = 2
+    """With spare nodes: restarts inside the allocation before the job requeues instead."""
     signal_seconds: int = 120
     """SLURM sends SIGUSR2 to every task this many seconds before the time limit; 0: no
     signal (the trainer then stops on its own deadline prediction)."""
@@ -174,7 +179,8 @@ def validate(profile: ClusterProfile) -> None:
         _at_least(key, getattr(profile, key), 1)
     if profile.cpus_per_task is not None:
         _at_least("cpus_per_task", profile.cpus_per_task, 1)
-    _at_least("max_restarts", profile.max_restarts, 0)
+    for key in ("max_restarts", "spare_nodes", "max_restarts_in_job"):
+        _at_least(key, getattr(profile, key), 0)
     if not 0 <= profile.signal_seconds <= MAX_SIGNAL_SECONDS:
         _bad("signal_seconds", profile.signal_seconds, f"0 to {MAX_SIGNAL_SECONDS} seconds")
     if profile.launcher not in LAUNCHERS:

@@ -23,9 +23,11 @@ from pyrecover.container import Bind
 from pyrecover.dist import PORT_BASE, PORT_SPAN
 from pyrecover.rundir import RunDir
 from pyrecover.slurm import LaunchError
+from pyrecover.slurm.blocks import NODES_BLOCK, REQUEUE_BLOCK
 from pyrecover.slurm.profile import ClusterProfile
 
 INDENT = "    "
+SCRIPT_BLOCK = REQUEUE_BLOCK + "\n\n" + NODES_BLOCK
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,10 @@ class JobSpec:
     """run.stop_signal, without SIG: torchrun's agent passes it on to its workers."""
     array: ArrayJob | None = None
     """A job array (a sweep): one run directory per task under run_dir."""
+    spare_nodes: int = 0
+    """Nodes allocated beyond `nodes`; a step runs on `nodes` healthy ones."""
+    max_restarts_in_job: int = 2
+    """New steps inside the allocation (spare nodes only) before requeueing."""
 
     @property
     def run(self) -> RunDir:
@@ -124,6 +130,8 @@ def job_spec(cfg: Config, profile: ClusterProfile, python: str) -> JobSpec:
         account=profile.account,
         signal_seconds=profile.signal_seconds,
         max_restarts=profile.max_restarts,
+        spare_nodes=profile.spare_nodes,
+        max_restarts_in_job=profile.max_restarts_in_job,
         launcher=profile.launcher,
         image=image,
         binds=binds,
@@ -150,7 +158,7 @@ def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
         "error": log,
         "gpus-per-node": spec.gpus_per_node,
         "job-name": spec.job_name,
-        "nodes": spec.nodes,
+        "nodes": spec.nodes + spec.spare_nodes,
         "ntasks-per-node": spec.gpus_per_node,
         "open-mode": "append",  # a requeued job keeps its id: keep the earlier runs' output
         "output": log,
@@ -167,12 +175,16 @@ def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
 def step_lines(spec: JobSpec) -> list[list[Word]]:
     """step_lines is the step's command in readable pieces: srun, the container, the trainer."""
     train: list[Word] = ["train", "--config", task_path(spec, "run.yaml")]
-    srun: list[Word] = ["srun", "--kill-on-bad-exit=1"]
-    if spec.launcher in ("torchrun", "spawn"):
+    # The step runs on NODES of the allocation's nodes, chosen by the job script (spares
+    # and known bad nodes left out), so it names its nodes and tasks itself.
+    srun: list[Word] = ["srun", "--kill-on-bad-exit=1", Shell('--nodelist="$STEP_NODES"'),
+                        Shell('--nodes="$NODES"')]
+    if spec.launcher not in ("torchrun", "spawn"):
+        srun.append(f"--ntasks={spec.nodes * spec.gpus_per_node}")
+    else:
         # One task per node, which starts one worker per GPU. srun would otherwise take
         # the allocation's task count (one per GPU) from the environment.
-        srun += [Shell('--nodes="$SLURM_NNODES"'), Shell('--ntasks="$SLURM_NNODES"'),
-                 "--ntasks-per-node=1"]
+        srun += [Shell('--ntasks="$NODES"'), "--ntasks-per-node=1"]
         if spec.cpus_per_task is not None:
             srun.append(f"--cpus-per-task={spec.cpus_per_task * spec.gpus_per_node}")
     if spec.launcher == "spawn":
@@ -185,7 +197,7 @@ def step_lines(spec: JobSpec) -> list[list[Word]]:
         torchrun: list[Word] = ["python" if spec.image else spec.python, "-m",
                                 "pyrecover.elastic_agent", "--stop-signal", spec.stop_signal]
         command = [
-            [*torchrun, "--nnodes", Shell('"$SLURM_NNODES"'), "--nproc-per-node",
+            [*torchrun, "--nnodes", Shell('"$NODES"'), "--nproc-per-node",
              spec.gpus_per_node],
             ["--rdzv-backend", "c10d", "--rdzv-endpoint", Shell('"$MASTER_ADDR:$MASTER_PORT"'),
              "--rdzv-id", Shell('"$SLURM_JOB_ID"')],
@@ -218,7 +230,7 @@ def render(spec: JobSpec) -> str:
     _check_sbatch_path("the run directory", spec.run_dir)  # also in EVENTS= and the command
     sbatch = [f"#SBATCH --{k}" if v is None else f"#SBATCH --{k}={shlex.quote(str(v))}"
               for k, v in options.items()]
-    step = f" \\\n{INDENT}".join(_join(line) for line in step_lines(spec))
+    step = f" \\\n{INDENT * 2}".join(_join(line) for line in step_lines(spec))
     return "\n".join([
         "#!/bin/bash",
         "# Rendered by `pyrecover launch`. Submitting this file again runs the same job; the",
@@ -227,87 +239,33 @@ def render(spec: JobSpec) -> str:
         "",
         "set -uo pipefail",
         "",
-        "# The first node hosts the process group's rendezvous. The port follows from the job",
-        "# id (pyrecover.dist.port_for_job), so two jobs sharing a node rarely collide.",
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
-        f"MASTER_PORT=$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))",
-        "export MASTER_ADDR MASTER_PORT",
         f"MAX_RESTARTS={spec.max_restarts}",
+        f"NODES={spec.nodes}  # a training step's nodes; the allocation has SPARES more",
+        f"SPARES={spec.spare_nodes}",
+        f"MAX_RESTARTS_IN_JOB={spec.max_restarts_in_job}",
         f"EVENTS={_word(task_path(spec, 'events.jsonl'))}",
+        f"BAD_NODES={_word(task_path(spec, 'bad-nodes'))}",
+        f"JOB_LOG={_word(task_path(spec, 'logs'))}/\"$SLURM_JOB_ID\".out",
         "",
-        REQUEUE_BLOCK if spec.array is None else _array_requeue(REQUEUE_BLOCK),
+        SCRIPT_BLOCK if spec.array is None else _array_requeue(SCRIPT_BLOCK),
         "",
-        'echo "pyrecover: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, '
-        'rendezvous $MASTER_ADDR:$MASTER_PORT" >&2',
-        step,
-        "after_training $?",
+        "# The first node of each step hosts the process group's rendezvous. The port follows",
+        "# from the job id (pyrecover.dist.port_for_job) and the step, so two jobs sharing a",
+        "# node rarely collide and a new step never waits for the last one's port.",
+        "IN_JOB=0",
+        "while :; do",
+        f"{INDENT}start_step",
+        f"{INDENT}MASTER_PORT=$(({PORT_BASE} + (SLURM_JOB_ID + IN_JOB) % {PORT_SPAN}))",
+        f"{INDENT}export MASTER_PORT",
+        f'{INDENT}echo "pyrecover: job $SLURM_JOB_ID (nodes $SLURM_JOB_NODELIST), step $IN_JOB '
+        'on $STEP_NODES, rendezvous $MASTER_ADDR:$MASTER_PORT" >&2',
+        f"{INDENT}{step}",
+        f"{INDENT}after_step $?  # exits the job, or comes back to start another step here",
+        "done",
         "",
     ])
 
 
-# Runs in the batch shell, outside the container, so the image needs no SLURM commands.
-REQUEUE_BLOCK = r"""# The trainer also stops by itself when the next steps and a checkpoint would
-# not fit before the job ends. SLURM 22.05 sets no SLURM_JOB_END_TIME: ask squeue here.
-if [ -z "${SLURM_JOB_END_TIME:-}" ]; then
-    end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null)
-    PYRECOVER_JOB_END_TIME=$(date -d "$end" +%s 2>/dev/null || true)
-    export PYRECOVER_JOB_END_TIME
-fi
-
-# Preemption and scancel send SIGTERM to this shell too: keep waiting for the training step,
-# which saves on the same signal, and decide afterwards. (A handler, not an ignore: children
-# must still receive the signal.)
-trap 'echo "pyrecover: batch shell got SIGTERM; waiting for the training step" >&2' TERM
-
-# ---- after the training step: the requeue decision ----------------------------------
-# Exit 0: finished. 2: a config or data error, which a requeue cannot fix. 75: stopped
-# cleanly with a checkpoint (signal or deadline). 76: a rank hung (the watchdog fired), a
-# crash recorded as hang. Anything else: a crash. 75 and crashes are requeued while
-# SLURM_RESTART_COUNT is below MAX_RESTARTS; each decision is recorded.
-record() {
-    local fmt='{"event": "%s", "time": %s, "job_id": "%s", "restart_count": %s, '
-    fmt+='"exit_code": %s, "reason": "%s"}\n'
-    # shellcheck disable=SC2059
-    printf "$fmt" "$1" "$(date +%s)" "$SLURM_JOB_ID" "${SLURM_RESTART_COUNT:-0}" "$2" "$3" \
-        >> "$EVENTS"
-}
-# srun returns the highest code of its tasks, and with --kill-on-bad-exit the first task to
-# exit (75 or 2 is non-zero too) gets the others SIGTERMed, often while they are still
-# shutting down: 143. The trainer's own record of this attempt tells what really happened.
-attempt_outcome() {
-    local this="\"job_id\": \"$SLURM_JOB_ID\", \"restart_count\": ${SLURM_RESTART_COUNT:-0}[,}]"
-    grep -E "^\{\"event\": \"(stop|error|hang)\".*$this" "$EVENTS" 2>/dev/null | tail -n 1 |
-        sed -E 's/^\{"event": "([a-z]+)".*/\1/'
-}
-after_training() {
-    local code=$1 restart=${SLURM_RESTART_COUNT:-0} reason=crash
-    echo "pyrecover: training exited with code $code" \
-        "(restart $restart of at most $MAX_RESTARTS)" >&2
-    if [ "$code" -gt 128 ]; then
-        case $(attempt_outcome) in
-            stop) code=75 ;;
-            error) code=2 ;;
-            hang) code=76 ;;
-        esac
-        [ "$code" -gt 128 ] || echo "pyrecover: a task was ended by SLURM after the" \
-            "trainer recorded this attempt's outcome; taking it as exit code $code" >&2
-    fi
-    case $code in
-        0) exit 0 ;;
-        2) record no_requeue "$code" "config or data error"; exit 2 ;;
-        75) reason="stopped cleanly" ;;
-        76) reason=hang ;;
-    esac
-    if [ "$restart" -ge "$MAX_RESTARTS" ]; then
-        record no_requeue "$code" "$reason; max restarts ($MAX_RESTARTS) reached"
-        exit "$code"
-    fi
-    record requeue "$code" "$reason"
-    echo "pyrecover: requeueing job $SLURM_JOB_ID ($reason)" >&2
-    scontrol requeue "$SLURM_JOB_ID"
-    exit "$code"
-}
-# -------------------------------------------------------------------------------------"""
 
 
 def task_path(spec: JobSpec, name: str) -> Word:
@@ -322,13 +280,14 @@ def task_path(spec: JobSpec, name: str) -> Word:
 # array's id as its SLURM_JOB_ID, and `scontrol requeue` or `squeue -j` of that id means every
 # task (seen on SLURM 22.05). An array task names itself ARRAYID_TASKID instead.
 _ARRAY_TASK = '"${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"'
-_ARRAY_WORDS = ('squeue -h -j "$SLURM_JOB_ID"', 'scontrol requeue "$SLURM_JOB_ID"')
+_ARRAY_WORDS = ('squeue -h -j "$SLURM_JOB_ID"', 'scontrol requeue "$SLURM_JOB_ID"',
+                'scontrol update JobId="$SLURM_JOB_ID"')
 
 
 def _array_requeue(block: str) -> str:
     for words in _ARRAY_WORDS:
         if block.count(words) != 1:
-            raise AssertionError(f"the requeue block no longer holds one {words}")
+            raise AssertionError(f"the script block no longer holds one {words}")
         block = block.replace(words, words.replace('"$SLURM_JOB_ID"', _ARRAY_TASK))
     return block
 

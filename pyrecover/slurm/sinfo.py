@@ -94,6 +94,7 @@ def starting_profile(partitions: list[Partition] | None) -> str:
         _line(f"nodes: {d.nodes}", "the default for --nodes"),
         _line(f"signal_seconds: {d.signal_seconds}", "SIGUSR2 this long before the limit"),
         _line(f"max_restarts: {d.max_restarts}", "requeues after a stop or a crash"),
+        _line(f"spare_nodes: {d.spare_nodes}", "extra nodes: a failed step restarts on them"),
         "# srun: one task per GPU in the container; torchrun: one torchrun per node; spawn:",
         "# one task per node that starts a worker per GPU; none: this python, no container.",
         f"launcher: {d.launcher}",

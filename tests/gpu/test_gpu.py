@@ -180,3 +180,22 @@ def test_more_processes_than_gpus_is_one_clear_line(tmp_path, corpus):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("error: 2 processes on this machine")
     assert "train.device=cpu" in done.stderr and "Traceback" not in done.stderr
+
+
+@needs_gpus(1)
+def test_the_health_check_s_gpu_part_passes_on_a_working_gpu_and_counts_the_gpus():
+    from pyrecover import health
+
+    assert health.check_gpu("cuda", 0, 1) is None  # the matmul matches the CPU's
+    said = health.check_gpu("cuda", 0, GPUS + 1)
+    assert said == f"{GPUS} GPU(s) visible, this node's {GPUS + 1} tasks need one each"
+
+
+@needs_gpus(1)
+def test_a_cuda_run_passes_the_health_check_before_training(tmp_path, corpus):
+    done = pyrecover("train", *gpu_args(tmp_path, corpus, "health", 1, "train.max_steps=2"),
+                     timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    passed = [e for e in read_jsonl(tmp_path / "health" / "events.jsonl")
+              if e["event"] == "health"]
+    assert [e["ok"] for e in passed] == [True]

@@ -77,3 +77,23 @@ def test_the_process_start_time_is_when_the_process_was_started_not_imported():
     started = float(out.stdout)
     # Within the kernel's 10 ms ticks of the spawn, before the half-second sleep.
     assert before - 0.05 <= started < before + 0.4
+
+
+def test_failure_to_first_step_runs_from_the_failure_s_first_record_to_the_next_first_step():
+    from pyrecover.phases import failure_to_first_step
+
+    def phase(name, t):
+        return {"event": "phase", "phase": name, "time": t}
+
+    crashed = [phase("process_start", 1.0), phase("first_step", 3.0),
+               {"event": "crash", "time": 10.0}, {"event": "crash", "time": 10.5},
+               {"event": "restart_in_job", "time": 11.0}, phase("process_start", 11.5),
+               phase("first_step", 14.0)]
+    assert failure_to_first_step(crashed) == 4.0
+    killed = [e for e in crashed if e["event"] != "crash"]  # a SIGKILL leaves no record
+    assert failure_to_first_step(killed) == 3.0
+    health = [phase("process_start", 1.0), {"event": "health", "time": 2.0, "ok": True},
+              {"event": "health", "time": 2.5, "ok": False}, {"event": "requeue", "time": 3.0},
+              phase("process_start", 20.0), phase("first_step", 22.0)]
+    assert failure_to_first_step(health) == 19.5
+    assert failure_to_first_step(crashed[:5]) is None and failure_to_first_step([]) is None

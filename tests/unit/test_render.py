@@ -30,9 +30,10 @@ FIXED_CWD = "/home/user/pyrecover"
 TINY_SETS = ["run.storage=/scratch/pyrecover", "run.exp_name=tiny-gpt"]
 # What the stand-in environment of `run_step` makes of each run-time word.
 EXPANSIONS = {
-    '--nodes="$SLURM_NNODES"': "--nodes=2",
-    '--ntasks="$SLURM_NNODES"': "--ntasks=2",
-    '"$SLURM_NNODES"': "2",
+    '--nodelist="$STEP_NODES"': "--nodelist=node1,node2",
+    '--nodes="$NODES"': "--nodes=2",
+    '--ntasks="$NODES"': "--ntasks=2",
+    '"$NODES"': "2",
     '"$MASTER_ADDR:$MASTER_PORT"': "node1:10123",
     '"$SLURM_JOB_ID"': "123",
 }
@@ -164,20 +165,25 @@ def test_unset_partition_account_and_cpus_leave_no_sbatch_line():
     assert not {"--partition", "--account", "--cpus-per-task"} & set(keys)
 
 
+STEP = ("--nodelist=node1,node2", "--nodes=2")  # the step's nodes, chosen by the script
+
+
 @pytest.mark.parametrize("launcher, command", [
-    ("srun", ["srun", "--kill-on-bad-exit=1", "apptainer", "exec", "--nv", "--bind",
+    ("srun", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=8", "apptainer", "exec", "--nv",
+              "--bind",
               "/scratch/pyrecover:/scratch/pyrecover", "/images/pyrecover.sif", "pyrecover",
               "train", "--config", "/scratch/pyrecover/tiny-gpt/run.yaml"]),
-    ("none", ["srun", "--kill-on-bad-exit=1", PYTHON, "-m", "pyrecover", "train", "--config",
+    ("none", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=8", PYTHON, "-m", "pyrecover",
+              "train", "--config",
               "/scratch/pyrecover/tiny-gpt/run.yaml"]),
-    ("torchrun", ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks=2",
+    ("torchrun", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=2",
                   "--ntasks-per-node=1", "--cpus-per-task=32", "apptainer", "exec", "--nv",
                   "--bind", "/scratch/pyrecover:/scratch/pyrecover", "/images/pyrecover.sif",
                   "python", "-m", "pyrecover.elastic_agent", "--stop-signal", "USR2",
                   "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend",
                   "c10d", "--rdzv-endpoint", "node1:10123", "--rdzv-id", "123", "-m",
                   "pyrecover", "train", "--config", "/scratch/pyrecover/tiny-gpt/run.yaml"]),
-    ("spawn", ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks=2",
+    ("spawn", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=2",
                "--ntasks-per-node=1", "--cpus-per-task=32", "apptainer", "exec", "--nv",
                "--bind", "/scratch/pyrecover:/scratch/pyrecover", "/images/pyrecover.sif",
                "pyrecover", "train", "--config", "/scratch/pyrecover/tiny-gpt/run.yaml",
@@ -211,7 +217,7 @@ def test_after_the_step_the_script_requeues_only_what_a_requeue_can_fix(tmp_path
     _, stderr, exit_code = run_step(render.render(spec), tmp_path, exit_code=code,
                                     env={"SLURM_RESTART_COUNT": str(restart)})
     assert exit_code == code, stderr
-    assert f"training exited with code {code} (restart {restart} of at most 3)" in stderr
+    assert f"training exited with code {code} (restart {restart} of at most 3," in stderr
     requeued = (tmp_path / "scontrol.requeue").read_text().split() if (
         tmp_path / "scontrol.requeue").exists() else []
     events = [json.loads(line) for line in spec.run.events.read_text().splitlines()] if (
@@ -427,7 +433,8 @@ def test_dry_run_prints_script_and_sbatch_command_and_writes_nothing(tmp_path):
     assert done.stdout.startswith("#!/bin/bash\n")
     assert f"#   sbatch --parsable {run_dir / 'job.sbatch'}\n" in done.stdout
     assert f"--config {run_dir / 'run.yaml'}" in done.stdout
-    assert f"srun --kill-on-bad-exit=1 \\\n    {sys.executable} -m pyrecover" in done.stdout
+    assert (f'srun --kill-on-bad-exit=1 --nodelist="$STEP_NODES" --nodes="$NODES" --ntasks=4 '
+            f'\\\n        {sys.executable} -m pyrecover') in done.stdout
     assert files_under(tmp_path) == []
 
 

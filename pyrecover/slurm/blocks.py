@@ -1,0 +1,203 @@
+"""The fixed bash of the job script (render.py fills in the values around it).
+
+It runs in the batch shell, outside the container, so the image needs no SLURM commands.
+`REQUEUE_BLOCK` decides, after a training step, whether the job requeues; `NODES_BLOCK`
+keeps the run's bad nodes, picks each step's nodes and restarts a step inside the
+allocation. Both read the trainer's records in events.jsonl by a regex that relies on the
+key order rundir.RunDir.event writes: event, time, the fields, job_id, restart_count,
+in_job_restart.
+"""
+
+REQUEUE_BLOCK = r"""# The trainer also stops by itself when the next steps and a checkpoint would
+# not fit before the job ends. SLURM 22.05 sets no SLURM_JOB_END_TIME: ask squeue here.
+if [ -z "${SLURM_JOB_END_TIME:-}" ]; then
+    end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null)
+    PYRECOVER_JOB_END_TIME=$(date -d "$end" +%s 2>/dev/null || true)
+    export PYRECOVER_JOB_END_TIME
+fi
+
+# Preemption and scancel send SIGTERM to this shell too: keep waiting for the training step,
+# which saves on the same signal, and decide afterwards. (A handler, not an ignore: children
+# must still receive the signal.) `scontrol requeue` sends it as well: the handler keeps
+# this shell alive long enough to set the requeued job's excluded nodes.
+trap 'echo "pyrecover: batch shell got SIGTERM; waiting for the training step" >&2' TERM
+
+# ---- after the training step: the requeue decision ----------------------------------
+# Exit 0: finished. 2: a config or data error, which a requeue cannot fix. 75: stopped
+# cleanly with a checkpoint (signal or deadline). 76: a rank hung (the watchdog fired), a
+# crash recorded as hang. 77: a task's health check failed. Anything else: a crash. 75 and
+# crashes are requeued while SLURM_RESTART_COUNT is below MAX_RESTARTS; each decision is
+# recorded.
+record() {
+    local fmt='{"event": "%s", "time": %s, "job_id": "%s", "restart_count": %s, '
+    fmt+='"in_job_restart": %s, "exit_code": %s, "reason": "%s"}\n'
+    # shellcheck disable=SC2059
+    printf "$fmt" "$1" "$(date +%s)" "$SLURM_JOB_ID" "${SLURM_RESTART_COUNT:-0}" "$IN_JOB" \
+        "$2" "$3" >> "$EVENTS"
+}
+# This step's own records: the job, the requeue and the step inside the allocation (a
+# trainer without in-job restarts writes no in_job_restart: step 0; no other key after
+# restart_count begins with "i").
+this_step() {
+    local step=', "in_job_restart": '"$IN_JOB"'(, "[^i]|})'
+    [ "$IN_JOB" -gt 0 ] || step='(, "in_job_restart": 0)?(, "[^i]|})'
+    printf '"job_id": "%s", "restart_count": %s%s' "$SLURM_JOB_ID" \
+        "${SLURM_RESTART_COUNT:-0}" "$step"
+}
+# srun returns the highest code of its tasks, and with --kill-on-bad-exit the first task to
+# exit (75 or 2 is non-zero too) gets the others SIGTERMed, often while they are still
+# shutting down: 143. The trainer's own record of this step tells what really happened.
+attempt_outcome() {
+    grep -E "^\{\"event\": \"(stop|error|hang|health)\".*$(this_step)" "$EVENTS" 2>/dev/null |
+        grep -v '^{"event": "health", "time": [0-9.]*, "ok": true' | tail -n 1 |
+        sed -E 's/^\{"event": "([a-z]+)".*/\1/'
+}
+# resolve_code prints the step's exit code, corrected by its own record where SLURM ended it.
+resolve_code() {
+    local code=$1
+    if [ "$code" -gt 128 ]; then
+        case $(attempt_outcome) in
+            stop) code=75 ;;
+            error) code=2 ;;
+            hang) code=76 ;;
+            health) code=77 ;;
+        esac
+        [ "$code" -gt 128 ] || echo "pyrecover: a task was ended by SLURM after the" \
+            "trainer recorded this attempt's outcome; taking it as exit code $code" >&2
+    fi
+    echo "$code"
+}
+reason_for() {
+    case $1 in
+        75) echo "stopped cleanly" ;;
+        76) echo hang ;;
+        77) echo "health check failed" ;;
+        *) echo crash ;;
+    esac
+}
+# after_training ends the job for a resolved exit code: done, or requeued, or given up.
+after_training() {
+    local code=$1 restart=${SLURM_RESTART_COUNT:-0} reason exclude
+    reason=$(reason_for "$code")
+    case $code in
+        0) exit 0 ;;
+        2) record no_requeue "$code" "config or data error"; exit 2 ;;
+    esac
+    if [ "$restart" -ge "$MAX_RESTARTS" ]; then
+        record no_requeue "$code" "$reason; max restarts ($MAX_RESTARTS) reached"
+        exit "$code"
+    fi
+    record requeue "$code" "$reason"
+    exclude=$(exclusion_for_requeue)  # before the requeue, whose SIGTERM may cut it short
+    echo "pyrecover: requeueing job $SLURM_JOB_ID ($reason)" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+    exclude_on_requeue "$exclude"
+    exit "$code"
+}
+# -------------------------------------------------------------------------------------"""
+
+
+NODES_BLOCK = r"""# ---- nodes: bad ones are left out, a failed step restarts here --------------
+# BAD_NODES holds one line per node: name, UTC time, reason (tab-separated). A node goes in
+# after a failed health check, a hang it reported outside any collective, or a task on it
+# killed by a signal (srun's own report in this job's log); `pyrecover status` lists them
+# and `pyrecover status RUN_DIR --clear-bad-nodes` empties the list.
+bad_nodes() { cut -f1 "$BAD_NODES" 2>/dev/null | sort -u; }
+allocation() { scontrol show hostnames "$SLURM_JOB_NODELIST"; }
+healthy_count() { allocation | grep -cvxF -f <(bad_nodes); }
+# step_nodes prints NODES nodes of the allocation, comma-separated: healthy ones first, a
+# known bad one only where too few healthy ones are left.
+step_nodes() {
+    { allocation | grep -vxF -f <(bad_nodes); allocation | grep -xF -f <(bad_nodes); } |
+        head -n "$NODES" | paste -sd, -
+}
+start_step() {
+    STEP_NODES=$(step_nodes)
+    MASTER_ADDR=${STEP_NODES%%,*}
+    PYRECOVER_IN_JOB_RESTART=$IN_JOB
+    export MASTER_ADDR PYRECOVER_IN_JOB_RESTART
+    LOG_OFFSET=$(stat -c %s "$JOB_LOG" 2>/dev/null || echo 0)
+}
+# suspects prints "node<TAB>reason" for each node this step's failure points at.
+suspects() {
+    # The node's own checks (health.NODE_CHECKS): a full shared storage or a collective
+    # that does not complete is no one node's fault.
+    local node='"node": "([A-Za-z0-9._-]+)"' check='(gpu|memory|storage_write)'
+    grep -E "^\{\"event\": \"health\", \"time\": [0-9.]+, \"ok\": false.*$(this_step)" \
+        "$EVENTS" 2>/dev/null |
+        sed -nE "s/.*$node, \"check\": \"$check\".*/\1\thealth check failed: \2/p"
+    # A rank stuck outside any collective reports its own hang; ranks waiting in one do not
+    # name the culprit.
+    grep -E "^\{\"event\": \"hang\".*$(this_step)" "$EVENTS" 2>/dev/null |
+        sed -nE "s/.*$node, \"phase\": \"(data|forward|optimizer)\".*/\1\thang in phase \2/p"
+    # srun names the first task a signal killed ("srun: error: node2: task 1: Killed"), before
+    # it ends the step's other tasks itself (SIGKILL too, reported after "Terminating").
+    local signal='(Killed|Segmentation fault|Bus error|Aborted|Illegal instruction)'
+    tail -c +"$((LOG_OFFSET + 1))" "$JOB_LOG" 2>/dev/null |
+        sed -nE -e '/^srun: .*(Terminating|Force Terminated) StepId/q' \
+            -e "s/^srun: error: ([A-Za-z0-9._-]+): tasks? [0-9,-]+: $signal.*/\1\ttask \2/p" |
+        head -n 1
+}
+exclude_node() {
+    if bad_nodes | grep -qxF "$1"; then
+        return 0
+    fi
+    printf '%s\t%s\t%s\n' "$1" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$2" >> "$BAD_NODES"
+    echo "pyrecover: node $1 is excluded from this run: $2" >&2
+}
+# exclusion_for_requeue prints the run's bad nodes, comma-separated, for the requeued job
+# to exclude: none where too few nodes of the partition would be left for it to start.
+exclusion_for_requeue() {
+    local list left
+    list=$(bad_nodes | paste -sd, -)
+    [ -n "$list" ] || return 0
+    left=$(sinfo -h -N -o %N -p "${SLURM_JOB_PARTITION:-}" 2>/dev/null | sort -u |
+        grep -cvxF -f <(bad_nodes))
+    if [ "${left:-0}" -lt $((NODES + SPARES)) ]; then
+        echo "pyrecover: not excluding $list from the requeued job: only ${left:-0} other" \
+            "nodes in its partition, it needs $((NODES + SPARES))" >&2
+        return 0
+    fi
+    echo "$list"
+}
+# exclude_on_requeue sets the requeued job's excluded nodes. SLURM refuses that for a
+# running job but takes it once `scontrol requeue` has ended this one (whose SIGTERM the
+# handler above survives), so it runs right after the requeue, a few tries while SLURM
+# updates the job and the SIGTERM may end a try.
+exclude_on_requeue() {
+    local list=$1
+    [ -n "$list" ] || return 0
+    for _ in 1 2 3 4 5 6; do
+        if scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$list" 2>/dev/null; then
+            echo "pyrecover: the requeued job excludes $list" >&2
+            return 0
+        fi
+        sleep 0.5
+    done
+    echo "pyrecover: could not set the requeued job's excluded nodes to $list" >&2
+}
+# after_step ends the job (after_training) or returns to start another step here: after a
+# crash, hang or failed health check, with spare nodes, while MAX_RESTARTS_IN_JOB allows and
+# enough healthy nodes are left in the allocation.
+after_step() {
+    local code reason node why
+    code=$(resolve_code "$1")
+    echo "pyrecover: training exited with code $code (restart ${SLURM_RESTART_COUNT:-0}" \
+        "of at most $MAX_RESTARTS, $IN_JOB of $MAX_RESTARTS_IN_JOB in this job)" >&2
+    case $code in
+        0 | 2 | 75) after_training "$code" ;;
+    esac
+    while IFS=$'\t' read -r node why; do
+        exclude_node "$node" "$why"
+    done < <(suspects)
+    if [ "$SPARES" -gt 0 ] && [ "$IN_JOB" -lt "$MAX_RESTARTS_IN_JOB" ] &&
+        [ "$(healthy_count)" -ge "$NODES" ]; then
+        reason=$(reason_for "$code")
+        record restart_in_job "$code" "$reason"
+        IN_JOB=$((IN_JOB + 1))
+        echo "pyrecover: restarting inside the allocation ($reason)" >&2
+        return 0
+    fi
+    after_training "$code"
+}
+# -------------------------------------------------------------------------------------"""

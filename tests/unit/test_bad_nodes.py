@@ -1,0 +1,196 @@
+"""The job script's node handling, run by bash with SLURM's commands replaced by stand-ins
+(tests/slurm/test_health_e2e.py runs the same on the real local cluster): a node is blamed
+only on evidence, excluded from later steps and from the requeued job, and with spare nodes
+a failed step restarts inside the allocation. Also `pyrecover status` listing and clearing
+the run's bad nodes."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from pathlib import Path
+
+from helpers import pyrecover
+from test_render import TINY_SETS, spec_for
+
+from pyrecover import status as status_mod
+from pyrecover.slurm import render
+
+HEALTH_FAIL = {"event": "health", "time": 5.0, "ok": False, "rank": 1, "node": "node2",
+               "check": "gpu", "error": "x", "job_id": "123", "restart_count": 0,
+               "in_job_restart": 0, "host": "h"}
+
+
+def run_job(tmp_path: Path, steps: list[str], spares: int = 0, nodes: str = "node1 node2",
+            partition: str = "node1 node2 node3") -> tuple[subprocess.CompletedProcess, Path]:
+    """Run the rendered script (2 training nodes, `spares` more) where the allocation is
+    `nodes`; the k-th srun runs `steps[k]` (bash, with $EVENTS set) for its effect and exit
+    code. stderr goes to the job's log as under SLURM. Returns (the run, the run dir)."""
+    spec = spec_for("none", sets=[*TINY_SETS, f"run.storage={tmp_path / 'store'}"],
+                    spare_nodes=spares)
+    run = spec.run.root
+    (run / "logs").mkdir(parents=True)
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    for k, body in enumerate(steps):
+        (tmp_path / f"step{k}.sh").write_text(body)
+    q = shlex.quote
+    stubs = {
+        "srun": f"n=$(cat {q(str(calls))} 2>/dev/null || echo 0)\n"
+                f"echo $((n + 1)) > {q(str(calls))}\n"
+                f"printf '%s\\n' \"$*\" >> {q(str(tmp_path / 'srun.argv'))}\n"
+                f"source {q(str(tmp_path))}/step$n.sh\n",
+        "scontrol": f"case $1 in\n show) printf '%s\\n' {nodes} ;;\n"
+                    f" *) echo \"$*\" >> {q(str(tmp_path / 'scontrol.calls'))} ;;\nesac\n",
+        "sinfo": f"printf '%s\\n' {partition}\n",
+        "squeue": "exit 0\n",
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render.render(spec))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_ID": "123",
+           "SLURM_JOB_NODELIST": "node[1-3]", "SLURM_JOB_PARTITION": "gpu",
+           "EVENTS": str(run / "events.jsonl")}
+    with open(run / "logs" / "123.out", "ab") as log:
+        done = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, stdout=log,
+                              stderr=log, timeout=60)
+    return done, run
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def decisions(run: Path) -> list[tuple[str, int, str]]:
+    return [(e["event"], e["exit_code"], e["reason"]) for e in map(json.loads, lines(
+        run / "events.jsonl")) if e["event"] in ("requeue", "no_requeue", "restart_in_job")]
+
+
+def test_with_a_spare_a_killed_task_s_node_is_replaced_and_the_job_finishes_without_requeue(
+        tmp_path):
+    killed = "echo 'srun: error: node2: task 1: Killed' >&2\nexit 137\n"
+    done, run = run_job(tmp_path, [killed, "exit 0\n"], spares=1, nodes="node1 node2 node3")
+    assert done.returncode == 0, lines(run / "logs" / "123.out")
+    argv = lines(tmp_path / "srun.argv")
+    assert [a.split()[1:3] for a in argv] == [["--nodelist=node1,node2", "--nodes=2"],
+                                              ["--nodelist=node1,node3", "--nodes=2"]]
+    [bad] = [line.split("\t") for line in lines(run / "bad-nodes")]
+    assert (bad[0], bad[2]) == ("node2", "task Killed")
+    assert decisions(run) == [("restart_in_job", 137, "crash")]
+    assert lines(tmp_path / "scontrol.calls") == []  # no requeue, nothing to update
+
+
+def test_tasks_srun_itself_killed_after_the_failure_are_not_blamed(tmp_path):
+    first = ("echo 'srun: error: node2: task 1: Exited with exit code 1' >&2\n"
+             "echo 'srun: launch/slurm: _step_signal: Terminating StepId=123.0' >&2\n"
+             "echo 'srun: error: node1: task 0: Killed' >&2\nexit 1\n")
+    done, run = run_job(tmp_path, [first, "exit 0\n"], spares=1, nodes="node1 node2 node3")
+    assert done.returncode == 0
+    assert not (run / "bad-nodes").exists()  # an exception is no node's fault
+    assert lines(tmp_path / "srun.argv")[1].split()[1] == "--nodelist=node1,node2"
+
+
+def test_without_spares_a_failed_health_check_excludes_the_node_from_the_requeued_job(
+        tmp_path):
+    fail = f"echo {shlex.quote(json.dumps(HEALTH_FAIL))} >> \"$EVENTS\"\nexit 143\n"
+    done, run = run_job(tmp_path, [fail])
+    assert done.returncode == 77  # 143 from SLURM, read back as the trainer's own outcome
+    assert decisions(run) == [("requeue", 77, "health check failed")]
+    assert lines(tmp_path / "scontrol.calls") == ["requeue 123",
+                                                  "update JobId=123 ExcNodeList=node2"]
+    assert [line.split("\t")[2] for line in lines(run / "bad-nodes")] == [
+        "health check failed: gpu"]
+    assert len(lines(tmp_path / "srun.argv")) == 1
+
+
+def test_a_full_storage_is_no_node_s_fault(tmp_path):
+    full = dict(HEALTH_FAIL, check="storage_space")
+    done, run = run_job(tmp_path, [f"echo {shlex.quote(json.dumps(full))} >> \"$EVENTS\"\n"
+                                   "exit 77\n"])
+    assert done.returncode == 77
+    assert decisions(run) == [("requeue", 77, "health check failed")]
+    assert not (run / "bad-nodes").exists()
+
+
+def test_the_script_blames_exactly_the_node_checks_health_py_names():
+    from pyrecover import health
+    from pyrecover.slurm import blocks
+
+    assert f"check='({'|'.join(health.NODE_CHECKS)})'" in blocks.NODES_BLOCK
+
+
+def test_a_node_is_not_excluded_where_the_partition_would_be_too_small_for_the_job(tmp_path):
+    fail = f"echo {shlex.quote(json.dumps(HEALTH_FAIL))} >> \"$EVENTS\"\nexit 77\n"
+    done, run = run_job(tmp_path, [fail], partition="node1 node2")
+    assert done.returncode == 77
+    assert lines(tmp_path / "scontrol.calls") == ["requeue 123"]
+    assert "not excluding node2 from the requeued job: only 1 other nodes" in (
+        run / "logs" / "123.out").read_text()
+    assert lines(run / "bad-nodes")  # still known: later steps avoid it where they can
+
+
+def test_a_passed_health_check_and_other_steps_records_are_not_taken_as_failures(tmp_path):
+    passed = {"event": "health", "time": 5.0, "ok": True, "ranks": 2, "job_id": "123",
+              "restart_count": 0, "in_job_restart": 0, "host": "h"}
+    other = dict(HEALTH_FAIL, in_job_restart=1)  # a later step's record, not this one's
+    step = (f"echo {shlex.quote(json.dumps(other))} >> \"$EVENTS\"\n"
+            f"echo {shlex.quote(json.dumps(passed))} >> \"$EVENTS\"\nexit 143\n")
+    done, run = run_job(tmp_path, [step])
+    assert done.returncode == 143
+    assert decisions(run) == [("requeue", 143, "crash")]
+    assert not (run / "bad-nodes").exists()
+
+
+def test_in_job_restarts_stop_at_their_limit_and_the_job_requeues(tmp_path):
+    killed = "echo \"srun: error: node$((n + 1)): task 0: Killed\" >&2\nexit 137\n"
+    done, run = run_job(tmp_path, [killed] * 3, spares=1, nodes="node1 node2 node3",
+                        partition="node1 node2 node3 node4 node5 node6")
+    assert done.returncode == 137
+    # node1 killed: restart on node2,node3; node2 killed: too few healthy nodes left.
+    assert decisions(run) == [("restart_in_job", 137, "crash"), ("requeue", 137, "crash")]
+    assert lines(tmp_path / "scontrol.calls") == ["requeue 123",
+                                                  "update JobId=123 ExcNodeList=node1,node2"]
+
+
+def test_status_lists_the_excluded_nodes_and_clears_them(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "events.jsonl").write_text("")
+    (run / "run.yaml").write_text("run: {exp_name: run}\n")
+    (run / "bad-nodes").write_text("node2\t2026-11-24T05:07:17Z\thealth check failed: gpu\n"
+                                   "node5\t2026-11-24T05:09:00Z\ttask Killed\n"
+                                   "node2\t2026-11-24T05:10:00Z\thang in phase forward\n")
+    report = status_mod.read(run)
+    assert report.excluded_nodes == [
+        {"node": "node2", "time": "2026-11-24T05:07:17Z", "reason": "health check failed: gpu"},
+        {"node": "node5", "time": "2026-11-24T05:09:00Z", "reason": "task Killed"}]
+    assert "excluded    node2 since 2026-11-24T05:07:17Z: health check failed: gpu" in \
+        status_mod.render(report)
+    done = pyrecover("status", str(run), "--clear-bad-nodes", "--json")
+    assert done.returncode == 0, done.stderr
+    assert "cleared 2 excluded node(s): node2, node5" in done.stderr
+    assert json.loads(done.stdout)["excluded_nodes"] == []
+    assert not (run / "bad-nodes").exists()
+
+
+def test_clearing_refuses_what_is_not_a_run_directory(tmp_path):
+    done = pyrecover("status", str(tmp_path / "nowhere"), "--clear-bad-nodes")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_rank_that_hangs_outside_a_collective_blames_its_node_and_its_waiting_peers_do_not(
+        tmp_path):
+    def hang(rank, node, phase):
+        return {"event": "hang", "time": 9.0, "rank": rank, "node": node, "phase": phase,
+                "step": 9, "job_id": "123", "restart_count": 0, "in_job_restart": 0}
+
+    step = "".join(f"echo {shlex.quote(json.dumps(h))} >> \"$EVENTS\"\n" for h in (
+        hang(0, "node1", "backward"), hang(1, "node2", "forward"))) + "exit 76\n"
+    done, run = run_job(tmp_path, [step, "exit 0\n"], spares=1, nodes="node1 node2 node3")
+    assert done.returncode == 0
+    assert [line.split("\t")[::2] for line in lines(run / "bad-nodes")] == [
+        ["node2", "hang in phase forward"]]
+    assert decisions(run) == [("restart_in_job", 76, "hang")]

@@ -1,0 +1,99 @@
+"""The health check's parts (pyrecover/health.py), each against the real thing it checks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pyrecover import faults, health
+
+
+def test_a_failure_is_one_line_naming_the_node_and_the_check():
+    line = health.Failure("storage_write", "node7", 3, "took 12.0s (bound 10s)").line()
+    assert "\n" not in line
+    assert line == ("pyrecover: health check failed on node node7 (rank 3): storage_write: "
+                    "took 12.0s (bound 10s)")
+
+
+def test_the_first_failing_check_is_reported_and_the_later_ones_do_not_run():
+    ran = []
+
+    def check(name, result):
+        return lambda: ran.append(name) or result
+
+    checks = {"gpu": check("gpu", None), "memory": check("memory", "too little"),
+              "storage_space": check("storage_space", "never reached")}
+    failure = health.local_checks(checks, "node2", 1)
+    assert failure == health.Failure("memory", "node2", 1, "too little")
+    assert ran == ["gpu", "memory"]
+    assert health.local_checks({"gpu": check("gpu", None)}, "node2", 1) is None
+
+
+def test_an_injected_fault_fails_its_check_only_on_the_named_nodes(monkeypatch):
+    monkeypatch.setenv("PYRECOVER_HEALTH_FAIL", "node2,node3")
+    assert faults.health_fault("node1") is None
+    assert faults.health_fault("node3") == "storage_write"
+    monkeypatch.setenv("PYRECOVER_HEALTH_FAIL_CHECK", "gpu")
+    assert faults.health_fault("node2") == "gpu"
+    failure = health.local_checks({"gpu": lambda: None}, "node2", 0, faults.health_fault("node2"))
+    assert failure is not None and failure.check == "gpu" and "injected" in failure.detail
+
+
+def test_the_gpu_check_is_skipped_on_the_cpu_path():
+    assert health.check_gpu("cpu", 0, 4) is None
+
+
+def test_memory_is_compared_with_what_the_state_needs():
+    assert health.check_memory(2**30, available=2**31) is None
+    said = health.check_memory(2**31, available=2**30)
+    assert said == "1.00 GiB host memory available, the configured state needs 2.00 GiB"
+    assert health.mem_available() is None or health.mem_available() > 0
+
+
+def test_memory_mode_needs_room_for_its_snapshots_and_replicas():
+    plain = health.state_bytes(1000, "dcp", 2, 4)
+    assert plain == 4 * 1000 * health.BYTES_PER_PARAM
+    assert health.state_bytes(1000, "memory", 2, 4) == plain + 3 * 1000 * 12
+
+
+def test_storage_space_is_the_filesystem_s_free_space(tmp_path: Path):
+    assert health.check_storage_space(tmp_path, 1) is None
+    said = health.check_storage_space(tmp_path, 2**62)
+    assert said is not None and "free under" in said and str(tmp_path) in said
+
+
+def test_the_storage_write_leaves_nothing_behind_and_reports_a_folder_it_cannot_write(
+        tmp_path: Path):
+    assert health.check_storage_write(tmp_path, "rank0") is None
+    assert list(tmp_path.iterdir()) == []
+    said = health.check_storage_write(tmp_path / "gone", "rank0")
+    assert said is not None and said.startswith("cannot write and fsync a file in")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_storage_fails_the_write_check(tmp_path: Path):
+    tmp_path.chmod(0o500)
+    try:
+        assert health.check_storage_write(tmp_path, "rank0") is not None
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_a_write_slower_than_its_bound_fails(tmp_path: Path):
+    said = health.check_storage_write(tmp_path, "rank0", bound_s=-1.0)
+    assert said is not None and "bound" in said
+
+
+def test_without_a_process_group_the_collective_returns_the_value():
+    assert health.first_collective(1.0, 0.25) == 0.25
+
+
+def test_the_parameter_estimate_is_close_to_the_model_s_own_count():
+    from pyrecover.model import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=320, block_size=64, n_layer=2, n_head=2, n_embd=64)
+    real = GPT(cfg).num_params()
+    guess = health.approx_params(2, 64, 320, 64)
+    assert abs(guess - real) / real < 0.1
