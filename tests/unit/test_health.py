@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
-
-import pytest
 
 from pyrecover import faults, health
 
@@ -72,13 +72,17 @@ def test_the_storage_write_leaves_nothing_behind_and_reports_a_folder_it_cannot_
     assert said is not None and said.startswith("cannot write and fsync a file in")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_a_read_only_storage_fails_the_write_check(tmp_path: Path):
-    tmp_path.chmod(0o500)
-    try:
-        assert health.check_storage_write(tmp_path, "rank0") is not None
-    finally:
-        tmp_path.chmod(0o700)
+def test_a_storage_that_refuses_the_write_fails_the_write_check(tmp_path: Path):
+    """A storage that takes no byte (a full quota), made with RLIMIT_FSIZE so that it holds
+    for root too (CI runs as root, and root writes into read-only folders)."""
+    code = ("import pathlib, sys; from pyrecover import health; "
+            "print(health.check_storage_write(pathlib.Path(sys.argv[1]), 'rank0'))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("cannot write and fsync a file in"), done.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
 def test_a_write_slower_than_its_bound_fails(tmp_path: Path):
