@@ -147,6 +147,18 @@ def _is_number(value: Any) -> bool:
         return False
 
 
+def slurm_job(path: str | Path) -> str | None:
+    """slurm_job is how to name the run's newest SLURM job to SLURM (ARRAYID_TASKID for a
+    sweep's trial), or None when the run was never started by a job."""
+    run = RunDir(Path(path))
+    problem = run.problem()
+    if problem:
+        raise StatusError(problem)
+    events, _ = _well_formed(read_jsonl(run.events), needs_time=True)
+    job_id = next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
+    return _slurm_name(events, job_id) if job_id else None
+
+
 def _slurm_name(events: list[dict[str, Any]], job_id: str) -> str:
     """_slurm_name is how to ask SLURM about the job: ARRAYID_TASKID for an array task, whose
     SLURM_JOB_ID may be the whole array's id."""
@@ -187,6 +199,8 @@ def _state(events: list[dict[str, Any]]) -> str:
             return "crashed"
         if kind == "no_requeue":
             return "ended: " + str(e.get("reason", ""))
+        if kind == "cancel":
+            return "cancelled"
         if kind in ("start", "resume"):
             return "running or killed"
     return "not started"

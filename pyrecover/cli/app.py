@@ -17,7 +17,7 @@ from pyrecover.cli.errors import EXIT_USER_ERROR
 from pyrecover.cli.image import image_app
 from pyrecover.cli.launch import launch
 from pyrecover.cli.plot import plot
-from pyrecover.cli.status import status
+from pyrecover.cli.status import cancel, status
 from pyrecover.cli.sweep import sweep_app
 from pyrecover.cli.train import demo, train
 from pyrecover.config import ConfigError
@@ -39,6 +39,7 @@ app.command()(demo)
 app.command()(launch)
 app.command()(plot)
 app.command()(status)
+app.command()(cancel)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -7,6 +7,10 @@ from typing import Annotated
 
 import typer
 
+# SLURM states of a job that is waiting or running (squeue's long names).
+LIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
+               "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT")
+
 
 def status(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")],
@@ -34,3 +38,33 @@ def status(
 
     report = status_mod.read(run_dir, squeue=squeue_state, sacct=job_times)
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_mod.render(report))
+
+
+def cancel(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")],
+) -> None:
+    """End a run's SLURM job for good: it saves a checkpoint and is not requeued.
+
+    A plain `scancel` is taken for a preemption (the same SIGTERM): the job saves and
+    requeues itself. This makes the job non-requeueable first (`scontrol update
+    Requeue=0`), then cancels it; the trainer still stops cleanly at the next step and
+    writes its checkpoint, so `pyrecover launch` of the same run later resumes from there.
+    """
+    from pyrecover import status as status_mod
+    from pyrecover.rundir import RunDir
+    from pyrecover.slurm.query import cancel_job, squeue_state
+
+    job = status_mod.slurm_job(run_dir)
+    if job is None:
+        raise status_mod.StatusError(f"{run_dir} has no SLURM job to cancel (it was never "
+                                     "started by one); stop a local run with Ctrl-C")
+    state = squeue_state(job)
+    if state is None or state not in LIVE_STATES:
+        raise status_mod.StatusError(f"job {job} of {run_dir} is not queued or running ("
+                                     f"{state or 'SLURM does not list it'}); nothing to cancel")
+    RunDir(run_dir).event("cancel", job_id=job, slurm_state=state)
+    said = cancel_job(job)
+    if said:
+        raise status_mod.StatusError(f"could not cancel job {job}: {said}")
+    typer.echo(f"cancelled job {job} ({state}): it saves a checkpoint at its next step and is "
+               "not requeued; `pyrecover status` shows when it has ended", err=True)

@@ -75,6 +75,9 @@ reason_for() {
         *) echo crash ;;
     esac
 }
+# cancelled: the job was made non-requeueable (`pyrecover cancel` does that before scancel,
+# whose SIGTERM the trainer takes as a stop: it saves, and the job must then end, not requeue).
+cancelled() { scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -q ' Requeue=0 '; }
 # after_training ends the job for a resolved exit code: done, or requeued, or given up.
 after_training() {
     local code=$1 restart=${SLURM_RESTART_COUNT:-0} reason exclude
@@ -83,6 +86,10 @@ after_training() {
         0) exit 0 ;;
         2) record no_requeue "$code" "config or data error"; exit 2 ;;
     esac
+    if cancelled; then
+        record no_requeue "$code" "cancelled; the job may not requeue"
+        exit "$code"
+    fi
     if [ "$restart" -ge "$MAX_RESTARTS" ]; then
         record no_requeue "$code" "$reason; max restarts ($MAX_RESTARTS) reached"
         exit "$code"
@@ -187,6 +194,7 @@ after_step() {
     case $code in
         0 | 2 | 75) after_training "$code" ;;
     esac
+    cancelled && after_training "$code"
     while IFS=$'\t' read -r node why; do
         exclude_node "$node" "$why"
     done < <(suspects)

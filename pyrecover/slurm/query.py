@@ -111,12 +111,17 @@ def signal_job(job_id: str, signal: str) -> None:
                    timeout=30)
 
 
-def cancel_job(job_id: str) -> None:
+def cancel_job(job_id: str) -> str | None:
     """cancel_job ends the job for good: a pyrecover job script takes scancel's SIGTERM for a
     preemption and requeues itself, so the job is made non-requeueable first (`scontrol
-    update Requeue=0`). A job that already ended is no error."""
+    update Requeue=0`). Returns scancel's complaint, or None once it took the job (a job
+    that already ended is no error to callers that ignore the answer)."""
+    said = None
     for argv in (["scontrol", "update", f"JobId={job_id}", "Requeue=0"], ["scancel", job_id]):
         try:
-            subprocess.run(argv, capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+            said = None if done.returncode == 0 else (done.stderr.strip() or
+                                                      f"{argv[0]} exited {done.returncode}")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            said = f"{argv[0]}: {exc}"
+    return said

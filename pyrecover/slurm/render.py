@@ -281,7 +281,7 @@ def task_path(spec: JobSpec, name: str) -> Word:
 # task (seen on SLURM 22.05). An array task names itself ARRAYID_TASKID instead.
 _ARRAY_TASK = '"${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"'
 _ARRAY_WORDS = ('squeue -h -j "$SLURM_JOB_ID"', 'scontrol requeue "$SLURM_JOB_ID"',
-                'scontrol update JobId="$SLURM_JOB_ID"')
+                'scontrol update JobId="$SLURM_JOB_ID"', 'scontrol show job -o "$SLURM_JOB_ID"')
 
 
 def _array_requeue(block: str) -> str:

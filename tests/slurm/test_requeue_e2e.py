@@ -323,3 +323,30 @@ def test_without_a_warning_signal_the_trainer_stops_on_its_deadline_and_complete
     assert report["restarts_by_cause"] == {"time limit": len(stops)}
     assert report["steps_lost"] == 0
     assert_same_model(local_slurm, run_dir, reference_model)
+
+
+def test_pyrecover_cancel_ends_the_job_for_good_after_it_saves_its_stop_checkpoint(
+        local_slurm, jobs, corpus, tmp_path):
+    """A plain scancel is a preemption to the job script (it requeues); `pyrecover cancel`
+    makes the job non-requeueable first: the trainer still stops and saves, and the job
+    ends, with no requeue."""
+    job_id, run_dir = launch(local_slurm, jobs, tmp_path, "cancel", corpus,
+                             env={"PYRECOVER_STEP_DELAY": "0.5"})
+    wait_running_at_step(local_slurm, job_id, run_dir, 3)
+    argv = [sys.executable, "-m", "pyrecover", "cancel", str(run_dir)]
+    done = subprocess.run(argv, env=launch_env(local_slurm), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"cancelled job {job_id} (RUNNING)" in done.stderr
+    info = wait_end(local_slurm, job_id, run_dir, timeout=300)
+
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), explain(run_dir, job_id)
+    every = events(run_dir)
+    assert not [e for e in every if e["event"] in ("requeue", "resume")], explain(run_dir, job_id)
+    [stop] = [e for e in every if e["event"] == "stop"]
+    assert stop["reason"] == "SIGTERM" and stop["step"] < MAX_STEPS
+    assert status(local_slurm, run_dir)["last_checkpoint"]["step"] == stop["step"]
+    again = subprocess.run(argv, env=launch_env(local_slurm), capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 2 and "nothing to cancel" in again.stderr, again.stderr
+    assert again.stderr.count("\n") == 1  # one line, no traceback

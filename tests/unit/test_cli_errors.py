@@ -47,3 +47,17 @@ def test_data_prepare_without_sources_is_a_clear_error(tmp_path):
     done = pyrecover("data", "prepare", str(tmp_path / "none"), str(tmp_path / "o.parquet"))
     assert done.returncode == 2
     assert "source folder" in done.stderr and "does not exist" in done.stderr
+
+
+def test_cancel_of_a_run_no_slurm_job_started_or_of_no_run_says_so_in_one_line(tmp_path):
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(tmp_path / "local")
+    run.create()
+    run.event("start", step=0)  # a local run: no job id
+    for target, said in ((run.root, "has no SLURM job to cancel"),
+                         (tmp_path / "nope", "does not exist")):
+        done = pyrecover("cancel", str(target))
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("error: ") and said in done.stderr, done.stderr
+        assert len(done.stderr.splitlines()) == 1
