@@ -272,6 +272,13 @@ class LocalSlurm:
         out = self.run("sbatch", "--parsable", *sbatch_args, input=script, cwd=cwd)
         return int(out.stdout.strip().split(";")[0])
 
+    def cancel(self, job_id: int | str) -> None:
+        """Cancel a job for good, as `pyrecover cancel` does: a pyrecover job script takes a
+        plain scancel's SIGTERM for a preemption and would requeue itself (and go on using
+        the machine for the rest of the tests), so the job is made non-requeueable first."""
+        self.run("scontrol", "update", f"JobId={job_id}", "Requeue=0", check=False)
+        self.run("scancel", str(job_id), check=False)
+
     def job_info(self, job_id: int | str) -> dict[str, str]:
         """The job's record from `scontrol show job -o`, as a dict of its fields."""
         out = self.run("scontrol", "show", "job", "-o", str(job_id))

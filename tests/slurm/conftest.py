@@ -49,7 +49,7 @@ def jobs(local_slurm: LocalSlurm) -> Iterator[list[int]]:
     ids: list[int] = []
     yield ids
     for job_id in ids:
-        local_slurm.run("scancel", str(job_id), check=False)
+        local_slurm.cancel(str(job_id))
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def jobs3(slurm3: LocalSlurm) -> Iterator[list[int]]:
     ids: list[int] = []
     yield ids
     for job_id in ids:
-        slurm3.run("scancel", str(job_id), check=False)
+        slurm3.cancel(str(job_id))
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def jobs(local_slurm):
     ids: list[int] = []
     yield ids
     for job_id in ids:
-        local_slurm.run("scancel", str(job_id), check=False)
+        local_slurm.cancel(str(job_id))
 
 
 def test_a_stopped_and_resumed_job_records_every_phase_in_order_and_its_ledger_adds_up(

@@ -89,7 +89,7 @@ def test_a_grid_sweep_runs_as_one_array_and_a_preempted_trial_requeues_alone(
                 "finish" in kinds(sweep_dir / f"trial-{i}") for i in range(4))
         wait_for(all_ended, 600, "every trial finished", lambda: explain(sweep_dir))
     finally:
-        local_slurm.run("scancel", str(array), check=False)
+        local_slurm.cancel(str(array))
 
     for i, task in enumerate(tasks):
         info = local_slurm.job_info(task)

@@ -94,7 +94,7 @@ def test_an_online_sweep_is_registered_with_wandb_and_every_trial_run_carries_it
         wait_for(lambda: all(local_slurm.job_state(t) in TERMINAL_STATES for t in tasks), 600,
                  "both trials ended", lambda: explain(sweep_dir))
     finally:
-        local_slurm.run("scancel", array, check=False)
+        local_slurm.cancel(array)
 
     for i in range(2):
         trial = sweep_dir / f"trial-{i}"
