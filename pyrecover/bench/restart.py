@@ -80,6 +80,8 @@ def bench_restart(storage: Path, cluster: Path | None, config: Path | None,
                          f"(got {', '.join(kinds) or 'none'}, {repeat})")
     if state_gb is not None and not 0 < state_gb <= 64:
         raise BenchError(f"--state-gb must be in (0, 64] (got {state_gb:g})")
+    if not timeout > 0:  # nan too: every wait would end at once, after a job was submitted
+        raise BenchError(f"--timeout must be a number of seconds > 0 (got {timeout:g})")
     storage = storage.resolve()
     storage.mkdir(parents=True, exist_ok=True)
     name = f"bench-restart-{uuid.uuid4().hex[:8]}"
