@@ -80,6 +80,8 @@ def bench_restart(storage: Path, cluster: Path | None, config: Path | None,
                          f"(got {', '.join(kinds) or 'none'}, {repeat})")
     if state_gb is not None and not 0 < state_gb <= 64:
         raise BenchError(f"--state-gb must be in (0, 64] (got {state_gb:g})")
+    if not timeout > 0:  # nan too: every wait would end at once, after a job was submitted
+        raise BenchError(f"--timeout must be a number of seconds > 0 (got {timeout:g})")
     storage = storage.resolve()
     storage.mkdir(parents=True, exist_ok=True)
     name = f"bench-restart-{uuid.uuid4().hex[:8]}"
@@ -88,13 +90,18 @@ def bench_restart(storage: Path, cluster: Path | None, config: Path | None,
     sets = [*(model_for_state(state_gb) if state_gb else []), *sets]
     env = {**os.environ, "PYRECOVER_KILL_ON_FILE": str(run.root / KILL_FILE),
            "PYRECOVER_KILL_RANK": "last", "PYRECOVER_KILL_TARGET": "self"}
-    done = subprocess.run(launch_argv(name, storage, cluster, config, sets, launch_args,
-                                      len(plan)), env=env, capture_output=True, text=True,
-                          timeout=120)
+    try:
+        done = subprocess.run(launch_argv(name, storage, cluster, config, sets, launch_args,
+                                          len(plan)), env=env, capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired:
+        raise BenchError("pyrecover launch did not answer in 120 s (is SLURM's controller "
+                         "up? `sinfo` tells); check `squeue --me` for a job it may have "
+                         "submitted") from None
     found = re.search(r"^submitted job (\d+)$", done.stdout, re.M)
     if done.returncode != 0 or not found:
-        raise BenchError("pyrecover launch failed: " + (done.stderr.strip().splitlines()
-                                                         or ["no output"])[-1])
+        said = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BenchError("pyrecover launch failed: " + said.removeprefix("error: "))
     job = found.group(1)
     note(f"job {job}, run directory {run.root}")
     cycles = []

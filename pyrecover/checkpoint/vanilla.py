@@ -65,7 +65,7 @@ def gather_sharded(parts) -> tuple[dict, dict] | None:
     )
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model = get_model_state_dict(parts.model, options=opts)
+    model = _tie(parts, get_model_state_dict(parts.model, options=opts))
     named = get_optimizer_state_dict(parts.model, parts.optimizer, options=opts)
     if not named:
         return {}, {}
@@ -73,6 +73,21 @@ def gather_sharded(parts) -> tuple[dict, dict] | None:
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in named["param_groups"]]
     return model, {"state": {index[n]: v for n, v in named["state"].items()},
                    "param_groups": groups}
+
+
+def _tie(parts, model: dict[str, Any]) -> dict[str, Any]:
+    """_tie makes the gathered entries of one shared parameter (the head tied to the token
+    embedding) one tensor again, as in DDP's `state_dict()`: gathered with cpu_offload each
+    name got its own copy, and the file held the largest weight twice."""
+    first: dict[int, str] = {}
+    for name, p in parts.model.named_parameters(remove_duplicate=False):
+        if name not in model:
+            continue
+        if id(p) in first:
+            model[name] = model[first[id(p)]]
+        else:
+            first[id(p)] = name
+    return model
 
 
 def load_sharded(parts, state: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ DISTRIBUTIONS = ("categorical", "constant", "uniform", "log_uniform_values", "in
                  "q_uniform")
 METRICS = ("loss", "grad_norm", "tokens_per_s", "step_time", "mfu")
 """What metrics.jsonl records per logged step that a sweep can rank by."""
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # always fullmatch: `$` passes "x\n"
 _TOP_KEYS = ("name", "method", "metric", "parameters", "run_cap", "max_parallel", "seed",
              "description", "program", "command", "project", "entity")
 Scalar = str | int | float | bool
@@ -86,7 +86,7 @@ def parse(raw: Any, default_name: str, source: str = "sweep") -> Sweep:
     if unknown:
         raise SweepError(f"{source}: unknown key {unknown[0]!r}; known: {', '.join(_TOP_KEYS)}")
     name = str(raw.get("name") or default_name)
-    if not _NAME.match(name) or ".." in name:
+    if not _NAME.fullmatch(name) or ".." in name:
         raise SweepError(f"{source}: name={name!r} is not allowed: letters, digits, '.', '_' "
                          "and '-' (it names the sweep's folder)")
     method = raw.get("method")

@@ -215,3 +215,19 @@ def test_memory_mode_snapshots_each_ranks_shards_and_a_killed_rank_resumes_bit_f
     assert (moved["saved_world_size"], moved["world_size"], moved["parallel"]) == (4, 2, "ddp")
     assert_same_batches(losses(tmp_path / "ddp2"), losses(tmp_path / "ref"), after=moved["step"])
     assert_close_model(export(tmp_path / "ddp2"), ref_model)
+
+
+def test_an_fsdp_vanilla_file_keeps_the_head_tied_to_the_embedding_as_ddp_writes_it(tmp_path,
+                                                                                    corpus):
+    """The gathered state ties the head to the token embedding as DDP's state_dict does: one
+    tensor in the file, not two copies of the largest weight (a GPT-2's is 154 MB)."""
+    extra = ("checkpoint.mode=vanilla", "train.max_steps=10")
+    for parallel in ("ddp", "fsdp"):
+        done = train(tmp_path, corpus, parallel, 2, f"train.parallel={parallel}", *extra)
+        assert done.returncode == 0, done.stderr
+    files = {p: tmp_path / p / "checkpoints" / "step-10" / "state.pt" for p in ("ddp", "fsdp")}
+    for parallel, path in files.items():
+        model = torch.load(path, weights_only=True)["model"]
+        assert model["head.weight"].untyped_storage().data_ptr() == \
+            model["wte.weight"].untyped_storage().data_ptr(), parallel
+    assert files["fsdp"].stat().st_size == pytest.approx(files["ddp"].stat().st_size, rel=0.01)

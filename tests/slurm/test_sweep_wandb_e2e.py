@@ -116,3 +116,8 @@ def test_an_online_sweep_is_registered_with_wandb_and_every_trial_run_carries_it
     starts = offline_runs(trial)
     assert len(starts) == 2
     assert all(r.name == f"run-{run_id}.wandb" and carries_sweep(r) for r in starts)
+
+    # The key reached the trials through the environment only: no file of the sweep holds it
+    # (the job script, sweep.yaml, each run.yaml, logs, wandb's offline files).
+    holding = [p for p in sweep_dir.rglob("*") if p.is_file() and b"k" * 40 in p.read_bytes()]
+    assert not holding

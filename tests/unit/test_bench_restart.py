@@ -39,6 +39,8 @@ def test_state_gb_gives_a_model_whose_weights_and_adamw_state_come_to_about_that
     (["--interrupt", "nope"], "--interrupt must be one of signal, crash"),
     (["--repeat", "0"], "--repeat >= 1"),
     (["--state-gb", "-1"], "--state-gb must be in (0, 64]"),
+    (["--timeout", "0"], "--timeout must be a number of seconds > 0"),
+    (["--timeout", "nan"], "--timeout must be a number of seconds > 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_anything_is_submitted(tmp_path, args,
                                                                        message):
@@ -47,3 +49,13 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_is_submitted(tmp_path,
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert not (tmp_path / "store").exists()
+
+
+def test_a_launch_that_fails_is_one_line_with_launchs_own_reason(tmp_path):
+    # No cluster profile anywhere (HOME is empty): launch refuses before submitting.
+    done = pyrecover("bench", "restart", "--dir", str(tmp_path / "store"),
+                     env={"HOME": str(tmp_path)}, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: pyrecover launch failed: no cluster "
+                                                   "profile"), lines

@@ -100,6 +100,7 @@ def test_log_uniform_draws_spread_evenly_over_the_decades():
     ({"metric": {"name": "val_loss"}}, "metric.name='val_loss' is not allowed"),
     ({"metric": {"name": "loss", "goal": "lowest"}}, "metric.goal='lowest'"),
     ({"name": "a/b"}, "name='a/b' is not allowed"),
+    ({"name": "ab\n"}, "name='ab\\n' is not allowed"),  # `$` alone lets a newline end it
     ({"early_terminate": {}}, "unknown key 'early_terminate'"),
 ])
 def test_a_bad_sweep_file_is_refused_naming_the_key(change, message):
