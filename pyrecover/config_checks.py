@@ -85,8 +85,8 @@ def validate(cfg: Config) -> None:
         _bad("checkpoint.mtbf_hours", c.mtbf_hours, "a number of hours > 0")
     _positive("checkpoint.snapshot_interval", c.snapshot_interval)
     _positive("checkpoint.replicas", c.replicas)
-    if not c.vanilla_max_gb > 0:
-        _bad("checkpoint.vanilla_max_gb", c.vanilla_max_gb, "a number of GB > 0")
+    if not c.gather_max_gb > 0:
+        _bad("checkpoint.gather_max_gb", c.gather_max_gb, "a number of GB > 0")
     if c.keep < 2:
         _bad("checkpoint.keep", c.keep, "at least 2, so a failed save never leaves no checkpoint")
     _choice("tracking.wandb", cfg.tracking.wandb, WANDB_MODES)

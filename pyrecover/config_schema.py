@@ -122,9 +122,10 @@ class CheckpointConfig:
     """memory: steps between in-memory snapshots (a crash loses at most this many steps)."""
     replicas: int = 2
     """memory: copies of each rank's slice, on distinct ranks (on other nodes when possible)."""
-    vanilla_max_gb: float = 8.0
-    """vanilla with train.parallel=fsdp: the most GB of model and optimizer state gathered onto
-    rank 0 for the single file (the slow path); a larger state is refused: use dcp."""
+    gather_max_gb: float = 8.0
+    """train.parallel=fsdp: the most GB of model and optimizer state a mode may put together
+    whole (vanilla on rank 0 for its single file, memory on every rank when it restores); a
+    larger state is refused at start: use dcp, which never gathers."""
 
 
 @dataclass

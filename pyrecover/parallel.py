@@ -100,15 +100,18 @@ def state_bytes(model: torch.nn.Module, optimizer_copies: int = 2) -> int:
 
 
 def check_gather(model: torch.nn.Module, mode: str, limit_gb: float) -> None:
-    """check_gather refuses vanilla checkpoints of a sharded model whose state is larger than
-    `checkpoint.vanilla_max_gb`: vanilla gathers everything onto rank 0 (the slow path)."""
-    if mode != "vanilla" or not is_sharded(model):
+    """check_gather refuses, for a sharded model whose state is larger than
+    `checkpoint.gather_max_gb`, the modes that put it together whole: vanilla gathers it onto
+    rank 0 (the slow path), memory's restore onto every rank (an 8-GPU node would need 8
+    times the state in host memory)."""
+    where = {"vanilla": "onto rank 0", "memory": "onto every rank when it restores"}
+    if mode not in where or not is_sharded(model):
         return
     need = state_bytes(model)
     if need > limit_gb * 1e9:
         from pyrecover.config import ConfigError
 
         raise ConfigError(
-            f"checkpoint.mode=vanilla would gather {need / 1e9:.3g} GB of model and optimizer "
-            f"state onto rank 0 (checkpoint.vanilla_max_gb={limit_gb:g}); use "
+            f"checkpoint.mode={mode} would gather {need / 1e9:.3g} GB of model and optimizer "
+            f"state {where[mode]} (checkpoint.gather_max_gb={limit_gb:g}); use "
             f"checkpoint.mode=dcp, where each rank writes its own shards")

@@ -222,7 +222,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     sharded = t.parallel == "fsdp" and env.world_size > 1
     if sharded:  # before the optimizer, which must hold the shards (parallel.py)
         parallel.shard(model, device, t.precision, compile_blocks=compiled)
-        parallel.check_gather(model, cfg.checkpoint.mode, cfg.checkpoint.vanilla_max_gb)
+        parallel.check_gather(model, cfg.checkpoint.mode, cfg.checkpoint.gather_max_gb)
     elif compiled:
         # In place: the module keeps its parameter names, so checkpoints and exports never see
         # `_orig_mod.` and a compiled run resumes an eager checkpoint and the reverse.

@@ -7,7 +7,8 @@ file's inode, size, modification and change times (nanoseconds), read after the 
 restart of that job on the same node set (a requeue that lands on the same nodes, an in-job
 restart) whose files still show exactly those stats skips the second checksum pass over them.
 Anything that writes to a file, truncates it, replaces it or even sets its times back moves
-its change time (the kernel sets ctime; no system call sets it to a chosen value), so such a
+its change time (the kernel sets ctime; no system call sets it to a chosen value; where the
+kernel stamps times once per tick, the record is made only once that tick has passed), so such a
 file is checked in full, as is everything written by another job, on other nodes or outside
 SLURM. What this does not catch is what no stat can see: a storage medium flipping bits
 under an unchanged file within one job's life. `pyrecover ckpt verify` and a resume in any
@@ -17,6 +18,7 @@ other job still read every byte.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,33 @@ def record(folder: Path, names: list[str], environ: Mapping[str, str] = os.envir
     job = _job(environ)
     if job is None:
         return {}
-    return {KEY: {**job, "files": {n: signature(folder / n) for n in names}}}
+    files = {n: signature(folder / n) for n in names}
+    if files and not _clock_moved_past(folder, max(sig[3] for sig in files.values())):
+        return {}  # no record: the restart checks every byte, as without one
+    return {KEY: {**job, "files": files}}
+
+
+def _clock_moved_past(folder: Path, newest_ctime_ns: int, limit_s: float = 0.2) -> bool:
+    """_clock_moved_past returns once a change made in `folder` now gets a later change time
+    than `newest_ctime_ns` (False if that does not happen within `limit_s`).
+
+    Before Linux 6.13 (most clusters' kernels) file times advance once per timer tick (1-10
+    ms): a write in the same tick as the stats just recorded would leave them as they were.
+    Waiting out that tick (a probe file, removed again) makes every later write visible."""
+    probe = folder / ".trust-clock"
+    deadline = time.monotonic() + limit_s
+    try:
+        while True:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+            if probe.lstat().st_ctime_ns > newest_ctime_ns:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def trusted(folder: Path, manifest: Mapping[str, Any],

@@ -8,7 +8,7 @@ one private copy of the file per rank.
 
 With `train.parallel: fsdp` the shards are gathered onto rank 0 to write the same single file
 (the slow path: the whole state passes through one rank's memory, and sizes above
-`checkpoint.vanilla_max_gb` are refused at start; dcp writes each rank's own shards instead).
+`checkpoint.gather_max_gb` are refused at start; dcp writes each rank's own shards instead).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def gather_sharded(parts) -> tuple[dict, dict] | None:
     `state_dict()`s would hold it (the optimizer's state numbered, not named), so the file is
     the same whichever way the run was parallel; None where the model is not sharded.
     Collective: every rank calls it; the others get empty dicts. The slow path: all of it
-    passes through rank 0's memory (`checkpoint.vanilla_max_gb` bounds it)."""
+    passes through rank 0's memory (`checkpoint.gather_max_gb` bounds it)."""
     from pyrecover import parallel
 
     if not parallel.is_sharded(parts.model):

@@ -168,11 +168,15 @@ def assert_each_rank_wrote_only_its_shards(folder: Path, world: int) -> None:
     assert writers == {str(r) for r in range(world)}  # every rank wrote its own shards
 
 
-def test_vanilla_refuses_to_gather_a_state_above_the_limit(tmp_path, corpus):
-    done = train(tmp_path, corpus, "run", 2, FSDP, "checkpoint.vanilla_max_gb=0.0001")
+@pytest.mark.parametrize("mode, where", [("vanilla", "onto rank 0"),
+                                         ("memory", "onto every rank when it restores")])
+def test_a_mode_that_gathers_refuses_a_state_above_the_limit(tmp_path, corpus, mode, where):
+    done = train(tmp_path, corpus, "run", 2, FSDP, f"checkpoint.mode={mode}",
+                 "checkpoint.gather_max_gb=0.0001")
     assert done.returncode == 2, done.stderr
-    assert re.search(r"checkpoint.mode=vanilla would gather 0\.00\d+ GB of model and optimizer "
-                     r"state onto rank 0 \(checkpoint.vanilla_max_gb=0.0001\)", done.stderr)
+    assert re.search(rf"checkpoint.mode={mode} would gather 0\.00\d+ GB of model and "
+                     rf"optimizer state {where} \(checkpoint.gather_max_gb=0.0001\)",
+                     done.stderr), done.stderr
     assert "use checkpoint.mode=dcp" in done.stderr
     assert "Traceback" not in done.stderr
 

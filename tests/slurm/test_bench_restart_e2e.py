@@ -46,8 +46,9 @@ def test_a_signal_and_a_crash_are_timed_phase_by_phase_and_the_phases_add_up_to_
         assert all(r["gap"] >= 0 for r in rows), rows
         # The phases span the interruption to the first resumed step...
         assert abs(sum(r["gap"] for r in rows) - cycle["total_s"]) < 0.01, cycle
-        # ... and the bench's own clock, which saw that step in the events it polls, agrees.
-        assert 0 <= cycle["observed_s"] - cycle["total_s"] <= 3.0, cycle
+        # ... and the bench's own clock, which saw that step in the events it polls, agrees:
+        # never less, more only by its polling and a busy machine's scheduling (generous).
+        assert 0 <= cycle["observed_s"] - cycle["total_s"] <= 10.0, cycle
         # SLURM held the job between the attempts: inside the exit -> next process gap
         # (SLURM's times are whole seconds), and the rest is what is left of the total.
         start_gap = next(r["gap"] for r in rows if r["phase"] == "process_start")

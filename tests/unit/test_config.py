@@ -34,8 +34,8 @@ def test_fsdp_settings_are_checked_in_one_line():
     with pytest.raises(ConfigError, match="train.parallel='zero3' is not allowed: expected one "
                                           "of ddp, fsdp"):
         config.load(None, ["train.parallel=zero3"])
-    with pytest.raises(ConfigError, match="checkpoint.vanilla_max_gb"):
-        config.load(None, ["checkpoint.vanilla_max_gb=0"])
+    with pytest.raises(ConfigError, match="checkpoint.gather_max_gb"):
+        config.load(None, ["checkpoint.gather_max_gb=0"])
 
 
 def test_demo_yaml_spells_out_the_embedded_defaults():

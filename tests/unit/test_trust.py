@@ -79,3 +79,22 @@ def test_a_checkpoint_written_outside_slurm_carries_no_record(tmp_path, monkeypa
     folder = commit(tmp_path, monkeypatch, environ={})
     assert "written_by" not in store.read_manifest(folder)
     assert store.verify(folder, environ=JOB).checked == "checksums"
+
+
+def test_no_record_is_made_until_a_later_write_would_show_in_the_change_time(tmp_path,
+                                                                          monkeypatch):
+    """Kernels before 6.13 stamp file times once per tick: a write in the tick of the record
+    would leave the stats unchanged. The record waits for a later stamp; where none comes
+    (here: recorded times from the future), there is no record and a restart reads every
+    byte. The folder is left as it was either way."""
+    from pyrecover.checkpoint import trust
+
+    (tmp_path / "state.pt").write_bytes(b"x" * 100)
+    made = trust.record(tmp_path, ["state.pt"], JOB)
+    assert made[trust.KEY]["files"]["state.pt"] == trust.signature(tmp_path / "state.pt")
+    future = tmp_path.stat().st_ctime_ns + 3600 * 10**9
+    assert trust._clock_moved_past(tmp_path, future, limit_s=0.05) is False
+    real = trust.signature
+    monkeypatch.setattr(trust, "signature", lambda path: [*real(path)[:3], future])
+    assert trust.record(tmp_path, ["state.pt"], JOB) == {}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]
