@@ -175,11 +175,14 @@ def interrupt(waiter: Waiter, kind: str, index: int) -> dict[str, Any]:
     resumed, step = waiter.until(lambda: _stepping(run, index + 1), "the first resumed step")
     seen = time.time()
     runs = attempts(run.read_events())
-    restarts = max(int(e.get("restart_count", 0)) for e in runs[resumed])
-    record = waiter.until(lambda: _restarted(waiter.job, restarts), "SLURM's record of the "
-                          "restart")
-    delay = _sacct_delay(waiter.job, restarts)
-    delay = query.requeue_delay(record) if delay is None else delay
+    restarts = _restart_count(runs[resumed])
+    if restarts == _restart_count(runs[index]):
+        delay: float | None = 0.0  # restarted inside the allocation (spare nodes): no requeue
+    else:
+        record = waiter.until(lambda: _restarted(waiter.job, restarts), "SLURM's record of "
+                              "the restart")
+        delay = _sacct_delay(waiter.job, restarts)
+        delay = query.requeue_delay(record) if delay is None else delay
     rows = [{"phase": f"{kind}_sent", "time": sent}]
     rows += [r for r in last_interruption(runs[index] + runs[resumed])
              if r["phase"] != "last_record"]
@@ -192,6 +195,11 @@ def interrupt(waiter: Waiter, kind: str, index: int) -> dict[str, Any]:
             "rows": rows, "total_s": round(total, 3),
             "observed_s": round(seen - sent, 3), "requeue_delay_s": delay,
             "rest_s": None if delay is None else round(total - delay, 3)}
+
+
+def _restart_count(attempt: list[dict[str, Any]]) -> int:
+    """_restart_count is SLURM's restart count (requeues) of an attempt's records."""
+    return max((int(e.get("restart_count", 0)) for e in attempt), default=0)
 
 
 def _stepping(run: RunDir, index: int) -> tuple[int, float] | None:

@@ -145,6 +145,9 @@ def restart(
     gpus_per_node: Annotated[int | None, typer.Option(
         help="Tasks per node (launch --gpus-per-node).")] = None,
     launcher: Annotated[str | None, typer.Option(help="launch --launcher.")] = None,
+    spare_nodes: Annotated[int | None, typer.Option(
+        help="launch --spare-nodes: a crash then restarts inside the allocation, with no "
+        "requeue (compare with the same bench without it).")] = None,
     time_limit: Annotated[str | None, typer.Option(
         "--time", help="The job's time limit (launch --time); long enough for every cycle.")]
     = None,
@@ -172,7 +175,8 @@ def restart(
 
     launch_args: list[str] = []
     for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
-                        ("--launcher", launcher), ("--time", time_limit)):
+                        ("--launcher", launcher), ("--spare-nodes", spare_nodes),
+                        ("--time", time_limit)):
         launch_args += [flag, str(value)] if value is not None else []
     try:
         report = bench_restart.bench_restart(

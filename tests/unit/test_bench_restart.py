@@ -59,3 +59,24 @@ def test_a_launch_that_fails_is_one_line_with_launchs_own_reason(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: pyrecover launch failed: no cluster "
                                                    "profile"), lines
+
+
+def test_a_restart_inside_the_allocation_counts_no_requeue_delay(tmp_path):
+    """With --spare-nodes a crash restarts in the same job: the next attempt carries the same
+    SLURM restart count, so the whole gap is pyrecover's own (no SLURM record is awaited)."""
+    import time
+
+    from pyrecover.bench import restart
+    from pyrecover.rundir import RunDir, append_jsonl
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    soon = time.time() + 5  # the resumed attempt's records, as the bench will find them
+    for attempt, (begin, first) in enumerate([(soon - 60, soon - 50), (soon, soon + 3)]):
+        for phase, at in (("process_start", begin), ("first_step", first)):
+            append_jsonl(run.events, {"event": "phase", "time": at, "phase": phase, "job_id": "7",
+                              "restart_count": 0, "in_job_restart": attempt})
+    cycle = restart.interrupt(restart.Waiter("7", run, timeout=30), "crash", 0)
+    assert cycle["requeue_delay_s"] == 0.0
+    assert cycle["rest_s"] == cycle["total_s"] > 0
+    assert (tmp_path / "run" / restart.KILL_FILE).exists()  # the crash was asked for
