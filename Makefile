@@ -85,13 +85,16 @@ bench: venv
 # afterwards. Set RESTART_ARGS="--state-gb 1" for a 1 GB state. On a real cluster run
 # `pyrecover bench restart` itself with that cluster's profile (README "Restart").
 RESTART_ARGS ?=
+# LOCAL_NODES=3 RESTART_ARGS="--spare-nodes 1 --interrupt crash": the restart inside the
+# allocation, on a cluster with a node to spare.
+LOCAL_NODES ?= 2
 bench-restart: venv system-deps
 	@mkdir -p $(BENCH_DIR)
 	@[ -f $(BENCH_CORPUS) ] || $(VENV)/bin/pyrecover data prepare --max-mb 5 \
 	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" $(BENCH_CORPUS)
 	@cluster="$$(mktemp -d /tmp/pyrecover-slurm.XXXXXX)"; \
 	trap '$(PY) tests/localslurm.py stop "'"$$cluster"'"; rm -rf "'"$$cluster"'"' EXIT; \
-	eval "$$($(PY) tests/localslurm.py start "$$cluster" --nodes 2)" || exit 1; \
+	eval "$$($(PY) tests/localslurm.py start "$$cluster" --nodes $(LOCAL_NODES))" || exit 1; \
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/pyrecover bench restart --dir $(BENCH_DIR) \
 	  --cluster launch/clusters/local.yaml --config launch/experiments/tiny.yaml \
 	  --set data.path=$(CURDIR)/$(BENCH_CORPUS) --nodes 2 --gpus-per-node 1 --launcher none \

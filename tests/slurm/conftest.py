@@ -27,12 +27,10 @@ def cannot_run(reason: str) -> None:
     pytest.skip(f"local SLURM cluster unavailable: {reason}")
 
 
-@pytest.fixture(scope="session")
-def local_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
-    """A started LocalSlurm; `local_slurm.env` points sbatch/squeue/scontrol at it."""
-    cluster = LocalSlurm(
-        tmp_path_factory.mktemp("slurm"), nodes=2, cpus_per_node=4, gpus_per_node=4
-    )
+def started_cluster(root: Path, nodes: int) -> Iterator[LocalSlurm]:
+    """A started LocalSlurm of `nodes` nodes x 4 CPUs x 4 fake GPUs, stopped afterwards (a
+    fixture's body)."""
+    cluster = LocalSlurm(root, nodes=nodes, cpus_per_node=4, gpus_per_node=4)
     try:
         cluster.start()
     except Exception as exc:  # any reason at all: report it, do not crash the session
@@ -43,13 +41,25 @@ def local_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm
         cluster.stop()
 
 
-@pytest.fixture
-def jobs(local_slurm: LocalSlurm) -> Iterator[list[int]]:
-    """Job ids to cancel when the test ends, so a failed test leaves nothing running."""
+def cancelled_after(cluster: LocalSlurm) -> Iterator[list[int]]:
+    """Job ids to cancel (for good) when the test ends, so a failed test leaves nothing
+    running (a fixture's body)."""
     ids: list[int] = []
     yield ids
     for job_id in ids:
-        local_slurm.cancel(str(job_id))
+        cluster.cancel(str(job_id))
+
+
+@pytest.fixture(scope="session")
+def local_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
+    """A started LocalSlurm; `local_slurm.env` points sbatch/squeue/scontrol at it."""
+    yield from started_cluster(tmp_path_factory.mktemp("slurm"), nodes=2)
+
+
+@pytest.fixture
+def jobs(local_slurm: LocalSlurm) -> Iterator[list[int]]:
+    """Job ids to cancel when the test ends, so a failed test leaves nothing running."""
+    yield from cancelled_after(local_slurm)
 
 
 @pytest.fixture(scope="module")

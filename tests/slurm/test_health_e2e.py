@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cannot_run
+from conftest import cancelled_after, started_cluster
 from localslurm import LocalSlurm
 from test_requeue_e2e import (
     INTERVAL,
@@ -41,24 +41,12 @@ pytestmark = pytest.mark.slurm
 @pytest.fixture(scope="module")
 def slurm3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
     """A 3-node cluster (node1..node3 x 4 CPUs x 4 fake GPUs) for this module."""
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm3"), nodes=3, cpus_per_node=4,
-                         gpus_per_node=4)
-    try:
-        cluster.start()
-    except Exception as exc:
-        cannot_run(f"{type(exc).__name__}: {exc}")
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from started_cluster(tmp_path_factory.mktemp("slurm3"), nodes=3)
 
 
 @pytest.fixture
 def jobs3(slurm3: LocalSlurm) -> Iterator[list[int]]:
-    ids: list[int] = []
-    yield ids
-    for job_id in ids:
-        slurm3.cancel(str(job_id))
+    yield from cancelled_after(slurm3)
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,17 @@ parameters:
 PREEMPTED = 1
 
 
+def sweep_launch_argv(sweep_file: Path, storage: Path, corpus: Path, sets) -> list[str]:
+    """`pyrecover sweep launch` of `sweep_file` on the tiny config, one task per trial."""
+    argv = [sys.executable, "-m", "pyrecover", "sweep", "launch", str(sweep_file),
+            "--config", str(TINY), "--cluster", str(LOCAL), "--nodes", "1",
+            "--gpus-per-node", "1", "--launcher", "none",
+            "--set", f"run.storage={storage}", "--set", f"data.path={corpus}"]
+    for item in sets:
+        argv += ["--set", item]
+    return argv
+
+
 def explain(sweep_dir: Path) -> str:
     parts = []
     for trial in sorted(sweep_dir.glob("trial-*")):
@@ -56,12 +67,7 @@ def test_a_grid_sweep_runs_as_one_array_and_a_preempted_trial_requeues_alone(
         local_slurm: LocalSlurm, corpus: Path, tmp_path: Path):
     (tmp_path / "sweep.yaml").write_text(SWEEP)
     storage = tmp_path / "storage"
-    argv = [sys.executable, "-m", "pyrecover", "sweep", "launch", str(tmp_path / "sweep.yaml"),
-            "--config", str(TINY), "--cluster", str(LOCAL), "--nodes", "1",
-            "--gpus-per-node", "1", "--launcher", "none",
-            "--set", f"run.storage={storage}", "--set", f"data.path={corpus}"]
-    for item in SETS:
-        argv += ["--set", item]
+    argv = sweep_launch_argv(tmp_path / "sweep.yaml", storage, corpus, SETS)
     env = launch_env(local_slurm, {"PYRECOVER_STEP_DELAY": "0.5"})
     done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=60)

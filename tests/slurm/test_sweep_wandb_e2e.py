@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 from localslurm import TERMINAL_STATES, LocalSlurm
-from test_requeue_e2e import LOCAL, TINY, kinds, launch_env, wait_for
-from test_sweep_e2e import explain
+from test_requeue_e2e import kinds, launch_env, wait_for
+from test_sweep_e2e import explain, sweep_launch_argv
 
 from pyrecover.rundir import read_jsonl
 
@@ -61,12 +61,7 @@ def test_an_online_sweep_is_registered_with_wandb_and_every_trial_run_carries_it
                                        "WANDB_BASE_URL": f"http://127.0.0.1:{port}"})
         env.pop("WANDB_MODE", None)
         storage = tmp_path / "storage"
-        argv = [sys.executable, "-m", "pyrecover", "sweep", "launch", str(tmp_path / "sweep.yaml"),
-                "--config", str(TINY), "--cluster", str(LOCAL), "--nodes", "1",
-                "--gpus-per-node", "1", "--launcher", "none",
-                "--set", f"run.storage={storage}", "--set", f"data.path={corpus}"]
-        for item in SETS:
-            argv += ["--set", item]
+        argv = sweep_launch_argv(tmp_path / "sweep.yaml", storage, corpus, SETS)
         done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 0, done.stderr
