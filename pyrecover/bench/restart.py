@@ -111,6 +111,8 @@ def bench_restart(storage: Path, cluster: Path | None, config: Path | None,
         for i, kind in enumerate(plan):
             waiter.until(lambda a=current: _steps_after_first(run, a) >= 2,
                          f"two steps of attempt {current + 1}")
+            if kind == "crash":  # else the next attempt starts afresh: there is no restore
+                waiter.until(lambda: _has_checkpoint(run), "a committed checkpoint")
             note(f"{kind} {i // len(kinds) + 1}/{repeat}")
             cycles.append(interrupt(waiter, kind, current))
             c = cycles[-1]
@@ -195,6 +197,13 @@ def interrupt(waiter: Waiter, kind: str, index: int) -> dict[str, Any]:
             "rows": rows, "total_s": round(total, 3),
             "observed_s": round(seen - sent, 3), "requeue_delay_s": delay,
             "rest_s": None if delay is None else round(total - delay, 3)}
+
+
+def _has_checkpoint(run: RunDir) -> bool:
+    """_has_checkpoint: the run has committed a checkpoint (sizes checked, not checksums)."""
+    from pyrecover.checkpoint import store
+
+    return any(ckpt is not None for _, _, ckpt, _ in store.scan(run.checkpoints, False))
 
 
 def _restart_count(attempt: list[dict[str, Any]]) -> int:
