@@ -1,32 +1,16 @@
-"""What shortens a trainer's start: torch._dynamo imported beside the start-up's waits, and
-the garbage collector off while torch is imported (see pyrecover/__main__.py)."""
+"""What shortens a trainer's start: the garbage collector off while torch is imported (see
+pyrecover/__main__.py).
+
+torch._dynamo (which torch's first Optimizer imports, 1.7-4 s here) was once imported in a
+background thread to overlap the start-up's waits. Python's per-module import locks made
+that unsafe: a main thread importing a module torch._dynamo also imports, while the thread
+held torch._dynamo's lock, failed with `_DeadlockError` (seen once in a full test run, in a
+compiled run's start). Measured on the 2-core VM it saved next to nothing (the time moved to
+the rendezvous), so it is gone."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import importlib
-import threading
-
-
-def import_in_background(name: str) -> threading.Thread:
-    """import_in_background starts importing module `name` in a daemon thread.
-
-    torch.optim's Optimizer imports torch._dynamo on first use (add_param_group and step are
-    wrapped by torch._disable_dynamo, which imports it lazily), 1.7 s of every start on an
-    idle 2-core VM and up to 4 s on a busy one. Started at the top of `train.main`, it runs
-    while the main thread waits without the GIL: reading the corpus, the process group's
-    rendezvous with the other ranks, CUDA's start, building the model. The optimizer's own
-    import then waits on the module lock for what is left. A failure is left for that import
-    to raise.
-    """
-    def load() -> None:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
-
-    thread = threading.Thread(target=load, name=f"pyrecover-import-{name}", daemon=True)
-    thread.start()
-    return thread
 
 
 def end_startup_imports() -> None:
