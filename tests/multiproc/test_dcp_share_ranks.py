@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import socket
 import traceback
 import warnings
 from datetime import timedelta
@@ -57,18 +56,11 @@ def _rank(rank: int, port: int, root: str, errors) -> None:
         dist.teardown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_each_rank_stages_half_the_state_and_the_checkpoint_holds_all_of_it(tmp_path):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path),
-                                             errors))
-             for port in [_free_port()] for r in range(2)]
+    port = dist.free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), errors)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
