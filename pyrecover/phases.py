@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pyrecover.rundir import RunDir
@@ -74,10 +75,11 @@ class Phases:
         for phase, at, fields in pending:
             run.event("phase", phase=phase, time=round(at, 3), **fields)
 
-    def once(self, phase: str) -> None:
-        """once marks `phase` the first time it is called."""
-        if phase not in self.seen:
-            self.mark(phase)
+    def once(self, phase: str, fields: Callable[[], dict[str, Any]] | None = None) -> None:
+        """once marks `phase` the first time it is called on rank 0, with the `fields` it
+        returns then (called that once only)."""
+        if self.rank == 0 and phase not in self.seen:
+            self.mark(phase, **(fields() if fields is not None else {}))
 
 
 def attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -97,8 +99,16 @@ def attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def _phase_rows(attempt: list[dict[str, Any]], names: tuple[str, ...]) -> list[dict[str, Any]]:
-    return [{"phase": e["phase"], "time": float(e["time"])} for e in attempt
-            if e.get("event") == "phase" and e.get("phase") in names]
+    rows = []
+    for e in attempt:
+        if e.get("event") == "phase" and e.get("phase") in names:
+            row = {"phase": e["phase"], "time": float(e["time"])}
+            cache = e.get("compile_cache")
+            if isinstance(cache, dict) and all(type(cache.get(k)) is int
+                                               for k in ("hits", "misses")):
+                row["compile_cache"] = {k: cache[k] for k in ("hits", "misses")}
+            rows.append(row)
+    return rows
 
 
 def last_interruption(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

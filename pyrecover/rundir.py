@@ -2,6 +2,7 @@
 
     <storage>/<exp_name>/
       run.yaml  job.sbatch  events.jsonl  metrics.jsonl  logs/  checkpoints/step-<N>/  wandb/
+      compile-cache/  (torch.compile's kernels, for restarts on other nodes)
 
 Appends to the JSONL files are single `write` calls of one line each, so a reader never sees
 half a record from a live writer, and a killed writer leaves at most one torn last line,
@@ -69,6 +70,11 @@ class RunDir:
     @property
     def wandb(self) -> Path:
         return self.root / "wandb"
+
+    @property
+    def compile_cache(self) -> Path:
+        """torch.compile's kernels, kept with the run so a restart on any node finds them."""
+        return self.root / "compile-cache"
 
     @property
     def lock_file(self) -> Path:

@@ -343,5 +343,9 @@ def _interruption_lines(rows: list[dict[str, Any]]) -> list[str]:
     out = ["last interruption (seconds: since the phase before, since the first)"]
     for row in rows:
         clock = time.strftime("%H:%M:%S", time.localtime(row["time"]))
-        out.append(f"  {row['phase']:<18} {clock}  +{row['gap']:7.3f}  {row['time'] - first:8.3f}")
+        cache = row.get("compile_cache")
+        note = (f"  (compile cache: {cache['hits']} hits, {cache['misses']} misses)"
+                if cache else "")
+        out.append(f"  {row['phase']:<18} {clock}  +{row['gap']:7.3f}  "
+                   f"{row['time'] - first:8.3f}{note}")
     return out

@@ -10,7 +10,6 @@ import contextlib
 import gc
 import logging
 import os
-import shutil
 import socket
 import sys
 import time
@@ -21,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pyrecover import (
     batch,
+    compiling,
     dist,
     flops,
     health,
@@ -217,7 +217,9 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     if device.type == "cuda":  # TF32 for what is not under bf16 autocast
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    compiled = compile_enabled(cfg, device, log)
+    compiled = compiling.compile_enabled(cfg, device, log)
+    if compiled:  # every attempt after the first finds its kernels there (compiling.py)
+        compiling.use_cache(run.compile_cache)
     sharded = t.parallel == "fsdp" and env.world_size > 1
     if sharded:  # before the optimizer, which must hold the shards (parallel.py)
         parallel.shard(model, device, t.precision, compile_blocks=compiled)
@@ -301,7 +303,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                     cfg.run.straggler_interval, cfg.run.straggler_factor,
                     cfg.run.straggler_windows, env.world_size,
                     dist.gather_objects(node_name(), env.world_size)),
-                on_step=lambda step: phases.once("first_step"))
+                on_step=lambda step: phases.once("first_step", lambda: first_step_fields(
+                    compiled, run)))
     if state.step >= t.max_steps:
         log.info("nothing to do: step %d already reached train.max_steps=%d", state.step,
                  t.max_steps)
@@ -316,29 +319,16 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         log.info("finished at step %d; run directory %s", state.step, run.root)
 
 
-def compile_enabled(cfg: Config, device: torch.device, logger=None) -> bool:
-    """compile_enabled: `train.compile`, where `auto` means on CUDA only (on a CPU the compile
-    takes longer than the short runs made there gain), and only where a C compiler exists:
-    Inductor's kernels need one at run time (the CUDA runtime images have none)."""
-    wanted = cfg.train.compile == "true" or (cfg.train.compile == "auto"
-                                             and device.type == "cuda")
-    if not wanted or c_compiler() is not None:
-        return wanted
-    if cfg.train.compile == "true":
-        raise ConfigError("train.compile=true needs a C compiler (cc, gcc or clang) on PATH "
-                          "for torch.compile's kernels; install one or set train.compile=auto")
-    if logger is not None:
-        logger.warning("train.compile=auto: no C compiler on PATH, so the model runs without "
-                       "torch.compile (slower); install gcc to compile it")
-    return False
-
-
-def c_compiler() -> str | None:
-    """c_compiler is the C compiler torch.compile would find ($CC, cc, gcc, clang), or None."""
-    for name in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
+def first_step_fields(compiled: bool, run: RunDir) -> dict:
+    """first_step_fields: what the `first_step` phase records beside its time; for a compiled
+    model, how much of the compile the cache saved (said in the log too)."""
+    if not compiled:
+        return {}
+    counts = compiling.cache_counts()
+    log.info("first step done; compile cache %s: %d graphs from the cache, %d compiled",
+             os.environ.get(compiling.CACHE_ENV, run.compile_cache), counts["hits"],
+             counts["misses"])
+    return {"compile_cache": counts}
 
 
 def train_state_of(saved: dict) -> TrainState:

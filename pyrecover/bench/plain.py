@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pyrecover import compiling
 from pyrecover import config as config_mod
 from pyrecover.config import Config
 
@@ -36,7 +37,7 @@ def plain_tokens_per_s(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(t.seed)
     model = GPT(GPTConfig(**config_mod.to_dict(cfg)["model"])).to(device)
-    compiled = train_mod.compile_enabled(cfg, device)
+    compiled = compiling.compile_enabled(cfg, device)
     if compiled:
         model.compile()
     optimizer = build_optimizer(model, cfg, device)

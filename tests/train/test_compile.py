@@ -34,3 +34,27 @@ def test_a_compiled_run_resumes_an_eager_checkpoint_and_the_reverse(tmp_path, co
     assert "(step 8," in done.stderr
     losses = [m["loss"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
     assert len(losses) == 12 and all(x == x for x in losses)  # finite, every step logged
+
+
+def test_a_restart_on_a_new_node_finds_the_compiled_kernels_in_the_run_directory(
+        tmp_path, corpus):
+    """A requeued job lands on another node, whose /tmp (Inductor's default cache) never saw
+    this run: each attempt gets a fresh TMPDIR, and the second must still compile nothing."""
+    run = tmp_path / "run"
+
+    def attempt(steps: int, node: str):
+        (tmp_path / node).mkdir()
+        env = {"TMPDIR": str(tmp_path / node), "TORCHINDUCTOR_CACHE_DIR": ""}
+        done = pyrecover("train", *tiny_args(tmp_path, corpus, "run", "train.compile=true",
+                                             f"train.max_steps={steps}"), env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [e for e in read_jsonl(run / "events.jsonl")
+                if e.get("phase") == "first_step"][-1]["compile_cache"]
+
+    first = attempt(2, "node1")
+    assert first["hits"] == 0 and first["misses"] > 0
+    assert (run / "compile-cache" / "fxgraph").is_dir()
+    again = attempt(4, "node2")
+    assert again == {"hits": first["misses"], "misses": 0}
+    shown = pyrecover("status", str(run))
+    assert f"(compile cache: {first['misses']} hits, 0 misses)" in shown.stdout

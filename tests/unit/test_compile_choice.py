@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 
 from pyrecover import config
-from pyrecover.train import compile_enabled
+from pyrecover.compiling import compile_enabled
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
@@ -32,3 +33,16 @@ def test_without_a_c_compiler_auto_trains_eager_and_says_so(monkeypatch, caplog)
     assert "no C compiler" in caplog.text
     with pytest.raises(config.ConfigError, match="train.compile=true needs a C compiler"):
         compile_enabled(config.load(None, ["train.compile=true"]), CUDA)
+
+
+def test_the_compile_cache_is_the_runs_unless_the_user_chose_one(tmp_path):
+    from pyrecover.compiling import CACHE_ENV, use_cache
+
+    environ: dict[str, str] = {}
+    assert use_cache(tmp_path / "run" / "compile-cache", environ) == tmp_path / "run" / \
+        "compile-cache"
+    assert environ[CACHE_ENV] == str(tmp_path / "run" / "compile-cache")
+    mine = {CACHE_ENV: "/scratch/me/inductor"}
+    assert use_cache(tmp_path / "run" / "compile-cache", mine) == tmp_path.root / Path(
+        "scratch/me/inductor")
+    assert mine == {CACHE_ENV: "/scratch/me/inductor"}
