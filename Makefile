@@ -55,7 +55,8 @@ gpu-test: image
 
 # Every GPU path on a machine with an NVIDIA GPU and a CUDA torch already installed (no
 # container, SLURM, network, wandb or spython): tests/gpu, bench train on gpt-125m (every mode,
-# memory with a snapshot every step, the plain compiled loop), bench ckpt at 2 GB. One report:
+# memory with a snapshot every step, the plain compiled loop), bench ckpt at 2 GB, bench compile
+# (a restart's first step with the run's compile cache vs an empty one). One report:
 # runs/gpu-check/report.txt and report.json. Uses that machine's python3 and its torch.
 GPU_PYTHON ?= python3
 gpu-check:

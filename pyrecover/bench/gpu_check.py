@@ -2,7 +2,8 @@
 
 On any Linux machine with an NVIDIA GPU and a CUDA torch (no container, SLURM or network):
 runs `tests/gpu`, then `bench train` on an experiment (every mode, plus memory mode with a
-snapshot every step, and the plain compiled loop as the baseline), then `bench ckpt`, and
+snapshot every step, and the plain compiled loop as the baseline), then `bench ckpt`, then
+`bench compile` (a restart's first step with the run's compile cache and without), and
 writes `report.json` and `report.txt` with the issue's bounds checked side by side. Each
 step is the real command in a fresh process, so one that fails is reported and the next
 still runs. `make gpu-check` calls it with the defaults.
@@ -128,6 +129,12 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
                                             "checkpoint.snapshot_interval=1"]), True))
     plan.append((Step("ckpt", [*python_argv(), "bench", "ckpt", "--dir", str(out / "ckpt"),
                                "--size-gb", str(size_gb), "--json"]), True))
+    (out / "compile").mkdir(exist_ok=True)
+    compile_argv = [*python_argv(), "bench", "compile", "--dir", str(out / "compile"),
+                    "--config", str(config), "--repeat", "1", "--json"]
+    for item in ([] if own_data else [f"data.path={corpus}"]) + overrides:
+        compile_argv += ["--set", item]
+    plan.append((Step("compile", compile_argv), True))
     done: dict[str, Step] = {}
     for step, json_out in plan:
         note(f"{step.name}: {' '.join(step.argv[2:])}")
@@ -167,6 +174,11 @@ def format_report(report: dict[str, Any]) -> str:
         value = "-" if b["value"] is None else f"{b['value']:.3f}"
         verdict = {True: "met", False: "NOT met", None: "not measured"}[b["met"]]
         lines.append(f"{b['figure']:<58} {value:>7} {b['bound']:>8}  {verdict}")
+    compiled = (report["steps"].get("compile") or {}).get("report")
+    if compiled:
+        lines.append(f"{'first step of a restart, run compile cache vs empty (s/s)':<58} "
+                     f"{compiled['cached_vs_uncached']:>7.3f} {'':>8}  "
+                     f"({compiled['cached_s']:.1f}s vs {compiled['uncached_s']:.1f}s)")
     for name in ("train", "memory-every-step"):
         step = report["steps"].get(name, {})
         if step.get("report"):

@@ -1,5 +1,5 @@
-"""`pyrecover bench ckpt|train|memory|restart|gpu-check`: checkpoint speed on this storage, its
-cost to training, the time an interruption costs."""
+"""`pyrecover bench ckpt|train|memory|restart|compile|gpu-check`: checkpoint speed on this
+storage, its cost to training, the time an interruption and a recompile cost."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pyrecover.cli.errors import user_error
 
 bench_app = typer.Typer(help="Measure checkpoints against the storage's limits, training "
                         "throughput against a plain loop, an interruption to the first resumed "
-                        "step (restart), and every GPU path (gpu-check).",
+                        "step (restart), torch.compile's cost to a restart (compile), and every "
+                        "GPU path (gpu-check).",
                         no_args_is_help=True)
 
 ModeOpt = Annotated[list[str] | None, typer.Option(
@@ -185,6 +186,37 @@ def restart(
     except common.BenchError as exc:
         raise user_error(exc) from None
     typer.echo(common.to_json(report) if as_json else bench_restart.format_restart(report))
+
+
+@bench_app.command("compile")
+def compile_(
+    directory: Annotated[Path, typer.Option(
+        "--dir", help="Storage for the run (as run.storage would be); a temporary folder "
+        "inside it is removed afterwards.")],
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="Experiment YAML; default: the embedded CPU demo.")] = None,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", help="Override one config key, e.g. --set data.path=corpus.parquet.")]
+    = None,
+    repeat: Annotated[int, typer.Option(help="Restarts of each kind (median shown).")] = 2,
+    as_json: JsonOpt = False,
+) -> None:
+    """torch.compile's cost to a restart on a new node: the first step after a restart with
+    the run's compile cache vs an empty one, as a ratio.
+
+    Every attempt is `pyrecover train` with train.compile=true in a fresh process and TMPDIR,
+    one step each; compiling needs a C compiler (and on a GPU, Triton).
+    """
+    from pyrecover.bench import common
+    from pyrecover.bench import compile as bench_compile
+    from pyrecover.config import ConfigError
+
+    try:
+        report = bench_compile.bench_compile(directory, config, overrides or [], repeat,
+                                             note=_note)
+    except (common.BenchError, ConfigError) as exc:
+        raise user_error(exc) from None
+    typer.echo(common.to_json(report) if as_json else bench_compile.format_compile(report))
 
 
 @bench_app.command("gpu-check")

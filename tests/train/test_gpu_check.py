@@ -16,14 +16,19 @@ def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert {n: s["returncode"] for n, s in report["steps"].items()} == {
-        "train": 0, "memory-every-step": 0, "ckpt": 0}
+        "train": 0, "memory-every-step": 0, "ckpt": 0, "compile": 0}
     assert len(report["bounds"]) == 4
     assert all(isinstance(b["value"], float) and b["met"] in (True, False)
                for b in report["bounds"]), report["bounds"]
     rows = {r["mode"]: r for r in report["steps"]["train"]["report"]["rows"]}
     assert rows["plain"]["vs_plain"] == 1.0 and rows["none"]["vs_plain"] > 0
+    compiled = report["steps"]["compile"]["report"]  # the compile cache, measured on restarts
+    assert {r["attempt"]: (r["hits"] > 0, r["misses"] > 0) for r in compiled["rows"]} == {
+        "first start": (False, True), "restart, run's cache": (True, False),
+        "restart, empty cache": (False, True)}
     text = (out / "report.txt").read_text()
     assert "vs the plain compiled loop" in text and (out / "train.log").is_file()
+    assert "run compile cache vs empty" in text
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
