@@ -222,9 +222,8 @@ def setup(env: DistEnv, device_kind: str, timeout_s: float = 600.0):
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        # Share the cores between the local ranks instead of oversubscribing them.
-        cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(max(1, cores // max(env.local_world_size, 1)))
+        torch.set_num_threads(cpu_threads(os.environ, len(os.sched_getaffinity(0)),
+                                          env.local_world_size))
     if env.is_distributed:
         tdist.init_process_group(
             # CPU tensors (stop flags, checkpoint agreement, object gathers) go over gloo
@@ -237,6 +236,20 @@ def setup(env: DistEnv, device_kind: str, timeout_s: float = 600.0):
             device_id=device if device_kind == "cuda" else None,
         )
     return device
+
+
+def cpu_threads(environ: Mapping[str, str], cores: int, local_world_size: int) -> int:
+    """cpu_threads is each CPU rank's intra-op thread count: `OMP_NUM_THREADS` where it is set
+    (a positive integer), else this node's cores shared between its ranks.
+
+    On a CPU the thread count decides how reductions are split, so it is part of what makes
+    two runs bitwise equal (measured: 1 vs 2 threads per rank changed the gradient norm's
+    last bits from step 5 of the tiny run). Pin it to compare runs launched differently, or
+    to resume bit for bit on nodes with other core counts."""
+    text = environ.get("OMP_NUM_THREADS", "").strip()
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    return max(1, cores // max(local_world_size, 1))
 
 
 def teardown() -> None:

@@ -33,6 +33,10 @@ SETS = ("model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.block_siz
         f"train.max_steps={MAX_STEPS}", "train.global_batch_size=8",
         "train.micro_batch_size=2", "train.log_interval=1", f"checkpoint.interval={INTERVAL}")
 WORLD = ("--nodes", "2", "--gpus-per-node", "1", "--launcher", "none")
+# The jobs' tasks and the local reference runs compute with the same CPU threads per rank
+# (dist.cpu_threads): a task alone on its node would take every core, a reference's rank
+# half of them, and their reductions would differ in the last bits (seen on an Intel Xeon VM).
+SAME_THREADS = {"OMP_NUM_THREADS": "1"}
 
 
 # ------------------------------------------------------------------------------ fixtures
@@ -54,6 +58,7 @@ def reference_run(corpus: Path, storage: Path, nproc: int) -> dict[str, torch.Te
     for item in SETS:
         argv += ["--set", item]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    env.update(SAME_THREADS)
     done = subprocess.run(argv, env=env, cwd=storage, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -68,6 +73,7 @@ def launch_env(cluster: LocalSlurm, extra: dict[str, str] | None = None) -> dict
     SLURM_CONF, and the PYRECOVER_* fault and timing knobs of the test."""
     env = {k: v for k, v in cluster.client_env().items() if not k.startswith("PYRECOVER_")}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    env.update(SAME_THREADS)
     env.update(extra or {})
     return env
 

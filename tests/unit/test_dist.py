@@ -6,6 +6,7 @@ import pytest
 
 from pyrecover.dist import (
     DistError,
+    cpu_threads,
     detect,
     device_index,
     exit_status,
@@ -145,3 +146,12 @@ def test_spawning_under_several_tasks_per_node_is_refused_with_what_to_do():
 @pytest.mark.parametrize("code, status", [(0, 0), (75, 75), (1, 1), (-9, 137), (-15, 143)])
 def test_a_workers_death_by_signal_reads_as_the_shell_shows_it(code, status):
     assert exit_status(code) == status
+
+
+@pytest.mark.parametrize("environ,cores,local,expected", [
+    ({}, 16, 4, 4), ({}, 2, 4, 1), ({}, 2, 1, 2),
+    ({"OMP_NUM_THREADS": "3"}, 16, 4, 3),  # set by the user or torchrun: it wins
+    ({"OMP_NUM_THREADS": "0"}, 16, 4, 4), ({"OMP_NUM_THREADS": "many"}, 16, 4, 4)])
+def test_cpu_ranks_share_the_nodes_cores_unless_omp_num_threads_pins_them(environ, cores, local,
+                                                                          expected):
+    assert cpu_threads(environ, cores, local) == expected
