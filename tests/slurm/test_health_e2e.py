@@ -5,6 +5,8 @@ node, `--launcher none`), against one uninterrupted local run of the same config
   (srun's report), starts a new step at once on node1 and node3 inside the same allocation,
   resumes from the newest checkpoint, finishes without a requeue, with the same model bit
   for bit; `pyrecover status` names node2;
+- the same in memory mode, killed between two snapshots: the new step resumes from the
+  survivor's in-memory snapshot (the newest step), not from the disk checkpoint;
 - without spares, node2 fails its health check (fault hook): the job requeues with node2 in
   the pending job's excluded nodes (read back from scontrol) and completes elsewhere.
 
@@ -88,6 +90,35 @@ def test_with_a_spare_node_a_killed_task_restarts_inside_the_allocation_bitwise(
     assert report["state"] == "finished"
     assert_same_model(slurm3, run_dir, reference_model_2)
     print(f"\ncrash to first resumed step, restart inside the allocation: "
+          f"{phases.failure_to_first_step(every):.1f}s")
+
+
+def test_in_memory_mode_the_restart_inside_the_allocation_resumes_from_the_survivors_snapshot(
+        slurm3, jobs3, corpus, reference_model_2, tmp_path):
+    """No disk checkpoint since step 5: the survivor's in-memory snapshot (its own slice and
+    the dead rank's replica) is the newest state, and the new step inside the allocation
+    starts from it, bitwise on course."""
+    job_id, run_dir = launch(
+        slurm3, jobs3, tmp_path, "spare-memory", corpus, "--spare-nodes", "1",
+        "--set", "checkpoint.mode=memory", "--set", "checkpoint.snapshot_interval=1",
+        env={"PYRECOVER_KILL_AT_STEP": "8", "PYRECOVER_KILL_RANK": "1",
+             "PYRECOVER_KILL_POINT": "snapshot", "PYRECOVER_KILL_TARGET": "self",
+             "PYRECOVER_KILL_ONCE": str(tmp_path / "killed-once")})
+    info = wait_end(slurm3, job_id, run_dir, timeout=300)
+
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), explain(run_dir, job_id)
+    assert info["Restarts"] == "0", explain(run_dir, job_id)
+    assert nodes_of_steps(run_dir, job_id) == ["node1,node2", "node1,node3"], \
+        explain(run_dir, job_id)
+    every = events(run_dir)
+    # Killed at step 8's snapshot: step 7's was complete on the survivor (faults.py).
+    assert [e["step"] for e in every if e["event"] == "snapshot_recovered"] == [7], \
+        explain(run_dir, job_id)
+    [resume] = [e for e in every if e["event"] == "resume"]
+    assert (resume["step"], resume["mode"], resume["in_job_restart"]) == (7, "memory", 1)
+    assert [e["step"] for e in every if e["event"] == "finish"] == [MAX_STEPS]
+    assert_same_model(slurm3, run_dir, reference_model_2)
+    print(f"\ncrash to first resumed step, memory mode inside the allocation: "
           f"{phases.failure_to_first_step(every):.1f}s")
 
 
