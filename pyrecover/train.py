@@ -24,6 +24,7 @@ from pyrecover import (
     dist,
     flops,
     health,
+    heartbeat,
     parallel,
     preempt,
     progress,
@@ -119,8 +120,12 @@ def main(cfg: Config, run_dir: Path) -> None:
         if managers:
             managers[0].persist_after_failure()
 
-    dog = watchdog.Watchdog(rule, env.rank, node_name(), on_hang=lambda hang:
-                            watchdog.handle(hang, run.event, persist, device),
+    # A rank that stops altogether cannot report its hang: its heartbeat names it instead.
+    beats = heartbeat.start(env.master_addr, env.master_port, env.rank, env.world_size,
+                            node_name()) if env.is_distributed else None
+    dog = watchdog.Watchdog(rule, env.rank, node_name(), on_hang=lambda hang: watchdog.handle(
+                            hang, run.event, persist, device, silent=beats and beats.silent,
+                            leaving=beats and beats.stop),
                             progress=lambda: watchdog.io_bytes() +
                             watchdog.saving_bytes(run.checkpoints)).start()
     lock = RunLock(run)
@@ -159,6 +164,8 @@ def main(cfg: Config, run_dir: Path) -> None:
         # under a live DDP aborted a rank now and then ("terminate called without an active
         # exception", about 1 job in 7 on the local SLURM cluster; 0 in 36 with this).
         managers.clear()
+        if beats is not None:
+            beats.stop()
         gc.collect()
         try:
             dist.teardown()

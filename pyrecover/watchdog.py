@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("pyrecover")
 
@@ -291,25 +292,42 @@ def persist_once(persist: Callable[[], None]) -> None:
 
 def handle(hang: Hang, event: Callable[..., object], persist: Callable[[], None],
            device=None, exit_code: int | None = None,
-           exit: Callable[[int], object] = os._exit) -> None:
+           exit: Callable[[int], object] = os._exit, silent: Callable[[], Any] | None = None,
+           leaving: Callable[[], None] | None = None) -> None:
     """handle reports a hang (log with every stack, `hang` event), persists, and exits.
 
     `event(kind, **fields)` records into events.jsonl; `persist()` saves what memory mode
-    holds. Runs in the watchdog thread while the main thread is stuck.
+    holds; `silent()` names the peers whose heartbeat stopped (heartbeat.py: a stopped rank
+    cannot report itself), and `leaving()` tells the peers this rank is exiting. Runs in the
+    watchdog thread while the main thread is stuck.
     """
     from pyrecover.preempt import EXIT_HANG
 
     dumped = stacks()
     cuda = cuda_answer(device)
+    quiet = silent() if silent is not None else None
+    named: dict[str, Any] = {}
+    if quiet is not None and quiet.ranks:
+        named = {"silent_ranks": quiet.ranks, "silent_nodes": quiet.nodes}
+        if quiet.node is not None:
+            named["suspect_node"] = quiet.node
     log.error("HANG on rank %d (%s): phase %r of step %d has run %.1fs, over its %.1fs limit; "
-              "CUDA %s. Stacks of every thread:\n%s", hang.rank, hang.node, hang.phase,
-              hang.step, hang.seconds, hang.limit, cuda, "\n".join(dumped))
+              "CUDA %s; %s. Stacks of every thread:\n%s", hang.rank, hang.node, hang.phase,
+              hang.step, hang.seconds, hang.limit, cuda,
+              f"silent ranks {quiet.ranks} on {quiet.nodes}" if named else
+              "no peer went silent", "\n".join(dumped))
     text = "\n".join(dumped)
     try:
         event("hang", rank=hang.rank, node=hang.node, phase=hang.phase, step=hang.step,
-              seconds=hang.seconds, limit=hang.limit, cuda=cuda, stacks=text[:STACK_CHARS])
+              seconds=hang.seconds, limit=hang.limit, cuda=cuda, **named,
+              stacks=text[:STACK_CHARS])
     except OSError as exc:
         log.error("could not record the hang event: %s", exc)
+    if leaving is not None:
+        try:
+            leaving()
+        except Exception as exc:
+            log.debug("rank %d: could not say it is leaving: %s", hang.rank, exc)
     try:
         persist_once(persist)
     except Exception as exc:  # exiting matters more than this

@@ -113,10 +113,14 @@ bad_nodes() { cut -f1 "$BAD_NODES" 2>/dev/null | sort -u; }
 allocation() { scontrol show hostnames "$SLURM_JOB_NODELIST"; }
 healthy_count() { allocation | grep -cvxF -f <(bad_nodes); }
 # step_nodes prints NODES nodes of the allocation, comma-separated: healthy ones first, a
-# known bad one only where too few healthy ones are left.
+# known bad one only where too few healthy ones are left; listed in the allocation's order,
+# which is how srun places the ranks (it ignores --nodelist's order), so the first is rank
+# 0's node: the rendezvous host.
 step_nodes() {
-    { allocation | grep -vxF -f <(bad_nodes); allocation | grep -xF -f <(bad_nodes); } |
-        head -n "$NODES" | paste -sd, -
+    local chosen
+    chosen=$({ allocation | grep -vxF -f <(bad_nodes); allocation | grep -xF -f <(bad_nodes); } |
+        head -n "$NODES")
+    allocation | grep -xF -f <(printf '%s\n' "$chosen") | paste -sd, -
 }
 start_step() {
     STEP_NODES=$(step_nodes)
@@ -137,6 +141,10 @@ suspects() {
     # name the culprit.
     grep -E "^\{\"event\": \"hang\".*$(this_step)" "$EVENTS" 2>/dev/null |
         sed -nE "s/.*$node, \"phase\": \"(data|forward|optimizer)\".*/\1\thang in phase \2/p"
+    # A rank that stopped altogether (SIGSTOP, a frozen node) cannot report; the peers that
+    # report the hang name it when its heartbeat stopped (pyrecover/heartbeat.py).
+    grep -E "^\{\"event\": \"hang\".*$(this_step)" "$EVENTS" 2>/dev/null |
+        sed -nE 's/.*"suspect_node": "([A-Za-z0-9._-]+)", "stacks": ".*/\1\tsilent in a hang/p'
     # srun names the first task a signal killed ("srun: error: node2: task 1: Killed"), before
     # it ends the step's other tasks itself (SIGKILL too, reported after "Terminating").
     local signal='(Killed|Segmentation fault|Bus error|Aborted|Illegal instruction)'

@@ -1,6 +1,7 @@
 """A task stopped mid-run on the real local SLURM cluster (2 nodes x 2 tasks, memory mode,
-a snapshot every step): the other ranks' watchdogs report the hang, persist, the job
-requeues with reason `hang`, resumes from the survivors' snapshot and completes with the
+a snapshot every step): the other ranks' watchdogs report the hang and name the stopped rank
+from its heartbeat, so the job script excludes its node, persist, the job requeues with reason
+`hang`, resumes from the survivors' snapshot and completes with the
 model of an uninterrupted run, bit for bit.
 
 The stop is `SIGSTOP` from the fault hook (PYRECOVER_HANG_HOW=stop): no signal, no error,
@@ -66,6 +67,13 @@ def test_a_stopped_task_is_reported_as_a_hang_requeued_and_the_job_completes_bit
     assert [e["rank"] for e in hangs if e["rank"] == 1] in ([], [1])
     assert {e["step"] for e in hangs} == {9} and all(e["seconds"] > HANG_TIMEOUT for e in hangs)
     assert {e["node"] for e in found} <= {"node1", "node2"}
+    # Rank 1 cannot say it stopped; the peers that report name it from its heartbeat
+    # (heartbeat.py). A peer whose store went away with rank 0 names no one.
+    named = [e for e in found if "silent_ranks" in e]
+    assert named and all(e["silent_ranks"] == [1] and e["suspect_node"] == "node1"
+                         for e in named), explain(run_dir, job_id)
+    assert [line.split("\t")[::2] for line in (run_dir / "bad-nodes").read_text().splitlines()
+            ] == [["node1", "silent in a hang"]], explain(run_dir, job_id)
     [requeue] = [e for e in every if e["event"] == "requeue"]
     assert (requeue["exit_code"], requeue["reason"]) == (76, "hang"), explain(run_dir, job_id)
     [resume] = [e for e in every if e["event"] == "resume"]

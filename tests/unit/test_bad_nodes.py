@@ -23,14 +23,18 @@ HEALTH_FAIL = {"event": "health", "time": 5.0, "ok": False, "rank": 1, "node": "
 
 
 def run_job(tmp_path: Path, steps: list[str], spares: int = 0, nodes: str = "node1 node2",
-            partition: str = "node1 node2 node3") -> tuple[subprocess.CompletedProcess, Path]:
+            partition: str = "node1 node2 node3", bad_nodes: str = ""
+            ) -> tuple[subprocess.CompletedProcess, Path]:
     """Run the rendered script (2 training nodes, `spares` more) where the allocation is
-    `nodes`; the k-th srun runs `steps[k]` (bash, with $EVENTS set) for its effect and exit
-    code. stderr goes to the job's log as under SLURM. Returns (the run, the run dir)."""
+    `nodes` and the run's bad-nodes file holds `bad_nodes`; the k-th srun runs `steps[k]`
+    (bash, with $EVENTS set) for its effect and exit code. stderr goes to the job's log as
+    under SLURM. Returns (the run, the run dir)."""
     spec = spec_for("none", sets=[*TINY_SETS, f"run.storage={tmp_path / 'store'}"],
                     spare_nodes=spares)
     run = spec.run.root
     (run / "logs").mkdir(parents=True)
+    if bad_nodes:
+        (run / "bad-nodes").write_text(bad_nodes)
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir()
     for k, body in enumerate(steps):
@@ -194,3 +198,37 @@ def test_a_rank_that_hangs_outside_a_collective_blames_its_node_and_its_waiting_
     assert [line.split("\t")[::2] for line in lines(run / "bad-nodes")] == [
         ["node2", "hang in phase forward"]]
     assert decisions(run) == [("restart_in_job", 76, "hang")]
+
+
+def test_a_rank_that_stopped_is_blamed_through_the_heartbeat_its_reporting_peers_read(tmp_path):
+    """A SIGSTOPped rank reports nothing; its peers, waiting in a collective, name the node
+    whose heartbeat stopped (watchdog.handle's `suspect_node`); the stack text they dump
+    cannot pass for that field."""
+    def hang(rank, node, **named):
+        return {"event": "hang", "time": 9.0, "rank": rank, "node": node,
+                "phase": "allreduce", "step": 9, "seconds": 6.0, "limit": 5.0, "cuda": "n/a",
+                **named, "stacks": 'x = {"suspect_node": "node9", "stacks": ""}',
+                "job_id": "123", "restart_count": 0, "in_job_restart": 0}
+
+    reports = (hang(0, "node1", silent_ranks=[1], silent_nodes=["node2"], suspect_node="node2"),
+               hang(2, "node3"))  # a later reporter that saw no silent peer names no one
+    step = "".join(f"echo {shlex.quote(json.dumps(h))} >> \"$EVENTS\"\n"
+                   for h in reports) + "exit 76\n"
+    done, run = run_job(tmp_path, [step, "exit 0\n"], spares=1, nodes="node1 node2 node3")
+    assert done.returncode == 0
+    assert [line.split("\t")[::2] for line in lines(run / "bad-nodes")] == [
+        ["node2", "silent in a hang"]]
+    assert decisions(run) == [("restart_in_job", 76, "hang")]
+
+
+def test_a_step_that_must_keep_a_bad_node_lists_its_nodes_in_the_allocations_order(tmp_path):
+    """srun places rank 0 on the step's first node in the allocation's order, whatever order
+    --nodelist gives; the rendezvous (MASTER_ADDR) must be that node, or the other ranks wait
+    for a store nobody hosts. Here node1 is bad but the partition has no other node to
+    spare, so the requeued job got node1 again and must use it."""
+    step = f"echo \"$MASTER_ADDR\" > {shlex.quote(str(tmp_path / 'master'))}\nexit 0\n"
+    done, run = run_job(tmp_path, [step], nodes="node1 node2",
+                        bad_nodes="node1\t2026-11-25T08:00:00Z\tsilent in a hang\n")
+    assert done.returncode == 0
+    assert lines(tmp_path / "srun.argv")[0].split()[1] == "--nodelist=node1,node2"
+    assert lines(tmp_path / "master") == ["node1"]

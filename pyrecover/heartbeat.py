@@ -1,0 +1,152 @@
+"""Heartbeats: each rank's sign of life in the process group's key-value store, so that the
+ranks that find a job hung can name the rank that stopped living.
+
+A rank that hangs inside its own work reports itself (watchdog.py). A rank that stops
+altogether (SIGSTOP, a node that freezes, a thread holding the GIL for good) cannot: its
+peers only see their collective never finish, which blames no one. So a thread on every
+rank bumps a counter under `pyrecover/beat/<rank>` in the TCP store that the process group's
+rendezvous already runs (`MASTER_ADDR:MASTER_PORT`, a second client connection) every
+`BEAT_S`; a stopped process's thread stops with it. When a rank's watchdog fires, `silent`
+reads every counter twice, `WINDOW_BEATS` of its own beats apart (2 s): the ranks whose
+counter did not move are silent.
+Counters rather than times, so clocks that differ between nodes do not matter. A rank that
+exits (a hang report, an error) first writes `exit`, so a peer that checks after it left
+does not take it for silent. Where the store does not answer (its host, rank 0 or the
+torchrun agent, is itself stopped or gone) nothing is named.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+log = logging.getLogger("pyrecover")
+
+BEAT_S = 0.5
+WINDOW_BEATS = 4  # a peer whose counter did not move while ours moved this often is silent
+EXITED = b"exit"
+
+
+def key(rank: int) -> str:
+    return f"pyrecover/beat/{rank}"
+
+
+def node_key(rank: int) -> str:
+    return f"pyrecover/node/{rank}"
+
+
+@dataclass(frozen=True)
+class Silence:
+    """The ranks whose heartbeat stopped, and their nodes (in the same order)."""
+
+    ranks: list[int]
+    nodes: list[str]
+
+    @property
+    def node(self) -> str | None:
+        """The one node every silent rank is on, if there is one: the node to blame."""
+        return self.nodes[0] if self.nodes and len(set(self.nodes)) == 1 else None
+
+
+def connect(addr: str, port: int, timeout_s: float = 5.0) -> Any | None:
+    """connect opens a client of the rendezvous store at addr:port (after the process group
+    is up); None where it cannot, and then the rank simply has no heartbeat."""
+    try:
+        from torch.distributed import TCPStore
+
+        return TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                        wait_for_workers=False)
+    except Exception as exc:  # no heartbeat is no reason to stop training
+        log.warning("no heartbeat: the store at %s:%d did not answer (%s)", addr, port, exc)
+        return None
+
+
+def start(addr: str, port: int, rank: int, world_size: int, node: str) -> Heartbeat | None:
+    """start beats for this rank of a distributed job (None where the store cannot be
+    reached: the job trains on without)."""
+    store = connect(addr, port)
+    if store is None:
+        return None
+    try:
+        return Heartbeat(store, rank, world_size, node).start()
+    except Exception as exc:
+        log.warning("no heartbeat: %s", exc)
+        return None
+
+
+class Heartbeat:
+    """Heartbeat beats for one rank in a thread (`start`), and finds silent peers (`silent`)."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, node: str,
+                 every_s: float = BEAT_S) -> None:
+        self.store, self.rank, self.world_size, self.node = store, rank, world_size, node
+        self.every_s = every_s
+        self._count = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Heartbeat:
+        self.store.set(node_key(self.rank), self.node)
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="pyrecover-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        self._count += 1
+        self.store.set(key(self.rank), str(self._count))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self._beat()
+            except Exception:  # the store's host left: the job is ending anyway
+                return
+
+    def stop(self) -> None:
+        """stop ends the beats and writes `exit`, so peers never take this rank for silent."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.every_s + 5)
+        try:
+            self.store.set(key(self.rank), EXITED)
+        except Exception as exc:
+            log.debug("rank %d: could not write its heartbeat's exit: %s", self.rank, exc)
+
+    def silent(self, beats: int = WINDOW_BEATS, max_wait_s: float = 30.0,
+               sleep: Callable[[float], None] = time.sleep) -> Silence | None:
+        """silent names the other ranks whose counter did not move while this rank's own
+        moved `beats` times (not those that exited); None where the store does not answer.
+
+        The window is counted in this rank's own beats, not seconds: a machine too loaded to
+        run the others' heartbeat threads for a while, or a paused VM, holds this rank's
+        thread back as well, so a live peer is not taken for silent."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            before = self._read(others)
+            mine, waited = self._count, 0.0
+            while self._count < mine + beats and waited < max_wait_s:
+                sleep(self.every_s / 4)
+                waited += self.every_s / 4
+            after = self._read(others)
+            quiet = [r for r in others if after[r] == before[r] and after[r] != EXITED]
+            nodes = [self.store.get(node_key(r)).decode(errors="replace") for r in quiet]
+        except Exception as exc:
+            log.warning("rank %d: the heartbeat store did not answer (%s); no silent rank "
+                        "named", self.rank, exc)
+            return None
+        return Silence(quiet, nodes)
+
+    def _read(self, ranks: list[int]) -> dict[int, bytes]:
+        # A rank without a heartbeat (its store client failed) has no key: a get would block.
+        keys = [key(r) for r in ranks if self.store.check([key(r)])]
+        values = self.store.multi_get(keys) if hasattr(self.store, "multi_get") else [
+            self.store.get(k) for k in keys]
+        found = {int(k.rsplit("/", 1)[1]): bytes(v) for k, v in zip(keys, values, strict=True)}
+        return {r: found.get(r, EXITED) for r in ranks}
