@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import TINY, pyrecover
+from helpers import REPO, TINY, pyrecover
 from test_sweep import base_config
 
 from pyrecover import config as config_mod
@@ -76,6 +76,21 @@ def test_wandb_gets_a_bayes_sweep_without_the_local_controller(tmp_path):
     path = tmp_path / "bo.yaml"
     path.write_text(yaml.safe_dump({**BAYES, "max_parallel": 2}))
     assert wandb_sweep.sweep_config(path, "bo") == BAYES
+
+
+def test_the_example_bayes_sweep_passes_the_launchs_checks_on_the_tiny_experiment():
+    sweep = spec.load(REPO / "launch" / "sweeps" / "tiny-bayes.yaml")
+    assert (sweep.method, sweep.run_cap, sweep.metric) == ("bayes", 8, "loss")
+    bayes.check_launch(sweep, trials.base_for(sweep, config_mod.load(TINY)), 1)
+
+
+def test_a_relaunch_with_an_experiment_that_computes_otherwise_is_refused(tmp_path):
+    sweep, sweep_dir = launched(tmp_path)
+    base = bayes.load_base(sweep_dir)
+    bayes.keep_base(sweep_dir, base)  # the same: accepted
+    base.model.n_layer += 1
+    with pytest.raises(SweepError, match=r"launched with another experiment \(model.n_layer"):
+        bayes.keep_base(sweep_dir, base)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -223,9 +238,16 @@ def test_launch_registers_the_sweep_and_each_trial_asks_wandbs_agent_protocol_on
         env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
                "WANDB_MODE": "online", "WANDB_API_KEY": KEY,
                "WANDB_BASE_URL": f"http://127.0.0.1:{port}"}
-        done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--launcher",
-                         "none", "--set", f"run.storage={tmp_path / 'st'}",
-                         "--set", "tracking.wandb=online", cwd=tmp_path, env=env)
+        argv = ["sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
+                "--set", f"run.storage={tmp_path / 'st'}", "--set", "tracking.wandb=online"]
+        dry = pyrecover(*argv, "--dry-run", cwd=tmp_path, env=env)
+        assert dry.returncode == 0, dry.stderr
+        assert "# --dry-run: nothing written or submitted. 2 trials (bayes, through wandb):\n" \
+               "#   trial-0 .. trial-1: values from wandb's bayes controller at each trial's " \
+               "first start\n# pyrecover would register the sweep with wandb" in dry.stdout
+        assert "sweep values --world-size 4" in dry.stdout
+        assert not (tmp_path / "st").exists() and not requests.exists()
+        done = pyrecover(*argv, cwd=tmp_path, env=env)
         assert done.returncode == 0, done.stderr
         assert "submitted job array 77 (2 trials):\n#   trial-0 .. trial-1: values from " \
                "wandb's bayes controller at each trial's first start" in done.stdout
