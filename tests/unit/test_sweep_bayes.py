@@ -14,11 +14,15 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import REPO, TINY, pyrecover
+from test_render import HOSTILE, run_step, shellcheck
 from test_sweep import base_config
 
 from pyrecover import config as config_mod
-from pyrecover.rundir import read_jsonl
+from pyrecover.rundir import RunDir, read_jsonl
+from pyrecover.slurm import profile
+from pyrecover.slurm.render import render
 from pyrecover.sweep import SweepError, agent, bayes, record, spec, trials, wandb_sweep
+from pyrecover.sweep import render as sweep_render
 from pyrecover.sweep import status as sweep_status
 
 STANDIN = Path(__file__).resolve().parents[1] / "wandb_standin.py"
@@ -217,6 +221,39 @@ def test_status_shows_a_trial_without_values_as_such(tmp_path):
     assert "values: from wandb's bayes controller at each trial's first start" in text
 
 
+# --------------------------------------------------------------------- the job script
+
+@pytest.mark.parametrize("code, trains, requeued", [(0, True, False), (2, False, False),
+                                                    (1, False, True)])
+def test_each_task_gets_its_values_before_its_first_step_and_a_refusal_never_requeues(
+        tmp_path, code, trains, requeued):
+    """The `python` the script runs `sweep values` with is a stand-in exiting `code`; srun
+    and scontrol are run_step's stand-ins."""
+    storage = tmp_path / f"storage {HOSTILE}"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/bash\nprintf '%s\\0' \"$@\" > {tmp_path}/values.argv\n"
+                      f"exit {code}\n")
+    python.chmod(0o755)
+    sweep = spec.parse(BAYES, "bo")
+    prof = profile.ClusterProfile(nodes=2, gpus_per_node=2, launcher="none")
+    profile.validate(prof)
+    base = trials.base_for(sweep, base_config(str(storage)))
+    script = render(sweep_render.array_spec(base, prof, str(python), 3, None, bayes=True))
+    trial = storage / "bo" / "trial-2"
+    trial.mkdir(parents=True)
+    argv, stderr, exit_code = run_step(script, tmp_path, env={
+        "SLURM_ARRAY_JOB_ID": "120", "SLURM_ARRAY_TASK_ID": "2"})
+    values = (tmp_path / "values.argv").read_text().split("\0")[:-1]
+    assert values == ["-m", "pyrecover", "sweep", "values", "--world-size", "4", f"{trial}/"]
+    assert (bool(argv), exit_code) == (trains, 0 if trains else code), stderr
+    assert (tmp_path / "scontrol.requeue").exists() == requeued
+    if not trains:
+        (event,) = RunDir(trial).read_events()
+        assert event["event"] == ("requeue" if requeued else "no_requeue")
+    assert not list(tmp_path.rglob("pwned"))
+    shellcheck(script, tmp_path, "SC2016")
+
+
 # ------------------------------------------------ the whole path, through wandb's own client
 
 def test_launch_registers_the_sweep_and_each_trial_asks_wandbs_agent_protocol_once(tmp_path):
@@ -284,3 +321,23 @@ def test_launch_registers_the_sweep_and_each_trial_asks_wandbs_agent_protocol_on
     assert KEY not in "".join(p.read_text() for p in sweep_dir.rglob("*") if p.is_file())
     report = json.loads(pyrecover("sweep", "status", str(sweep_dir), "--json").stdout)
     assert {t["index"]: t["state"] for t in report["trials"]}[1] == sweep_status.NO_VALUES
+
+
+def test_wandb_that_cannot_be_asked_is_one_line_exit_1_and_nothing_is_recorded(tmp_path):
+    """The stand-in refuses the key (401), as wandb answers a wrong one: the job requeues the
+    trial (exit 1) while restarts remain, and its next start asks again."""
+    _, sweep_dir = launched(tmp_path)
+    server = subprocess.Popen([sys.executable, str(STANDIN), str(tmp_path / "r.jsonl"), "-"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        done = pyrecover("sweep", "values", str(sweep_dir / "trial-0"), env={
+            "HOME": str(tmp_path), "WANDB_MODE": "online", "WANDB_API_KEY": KEY,
+            "WANDB_BASE_URL": f"http://127.0.0.1:{port}"})
+    finally:
+        server.kill()
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: wandb did not hand out a run of sweep sw1 (")
+    assert "user is not logged in" in lines[0]
+    assert not (sweep_dir / "trial-0" / "run.yaml").exists()
