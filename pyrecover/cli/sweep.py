@@ -59,7 +59,8 @@ def launch(
 
     Trial i runs in <run.storage>/<sweep name>/trial-<i>/ as an ordinary run: it stops,
     requeues (as its own array task) and resumes by itself. The trials are recorded in
-    sweep.yaml; launching the same sweep again resubmits them, and each resumes.
+    sweep.yaml; launching the same sweep again resubmits them, and each resumes. A bayes
+    trial's values come from wandb's controller when it first starts (sweep values).
     """
     from pyrecover import config as config_mod
     from pyrecover.experiment import prepare_run_dir
