@@ -102,8 +102,10 @@ def _allowed(p: spec.Param, value: Any) -> bool:
                    for v in p.values)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
-    if not math.isfinite(value) or not p.low - 1e-9 * abs(p.low) <= value <= \
-            p.high + 1e-9 * abs(p.high):
+    # q_uniform rounds to a multiple of q, which may lie up to q/2 past min or max
+    slack = p.q / 2 if p.distribution == "q_uniform" else 0.0
+    low, high = p.low - slack - 1e-9 * abs(p.low), p.high + slack + 1e-9 * abs(p.high)
+    if not math.isfinite(value) or not low <= value <= high:
         return False
     return p.distribution != "int_uniform" or float(value).is_integer()
 

@@ -38,7 +38,7 @@ class Record:
     goal: str
     seed: int
     trials: list[dict[str, Any]]
-    """[{index, dir, params}] in trial order."""
+    """[{index, dir, params}] in trial order; params None: a bayes trial's (in its run.yaml)."""
     wandb: dict[str, Any] | None = None
     """{sweep_id, url} of the sweep registered with wandb at the first launch, else None."""
     parameters: dict[str, Any] | None = None

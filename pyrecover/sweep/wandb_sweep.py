@@ -49,6 +49,10 @@ def sweep_config(path: str | Path, name: str) -> dict[str, Any]:
     raw = yaml.safe_load(Path(path).read_text())
     config = {k: v for k, v in raw.items() if k not in OURS}
     config["name"] = name
+    for param in (config.get("parameters") or {}).values():
+        for key in ("min", "max", "q"):  # YAML 1.1 reads 1e-3 as a string; wandb wants numbers
+            if isinstance(param.get(key), str):
+                param[key] = float(param[key])
     if raw.get("method") != "bayes":
         config["controller"] = dict(LOCAL_CONTROLLER)
     return config

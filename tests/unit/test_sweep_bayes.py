@@ -82,6 +82,16 @@ def test_wandb_gets_a_bayes_sweep_without_the_local_controller(tmp_path):
     assert wandb_sweep.sweep_config(path, "bo") == BAYES
 
 
+def test_wandb_gets_numbers_where_yaml_1_1_reads_1e_3_as_a_string(tmp_path):
+    path = tmp_path / "bo.yaml"
+    path.write_text("method: bayes\nmetric: {name: loss}\nrun_cap: 2\nparameters:\n"
+                    "  train.lr: {distribution: log_uniform_values, min: 1e-4, max: 1e-2}\n"
+                    "  train.seed: {values: [1, 2]}\n")
+    sent = wandb_sweep.sweep_config(path, "bo")["parameters"]
+    assert sent == {"train.lr": {"distribution": "log_uniform_values", "min": 1e-4,
+                                 "max": 1e-2}, "train.seed": {"values": [1, 2]}}
+
+
 def test_the_example_bayes_sweep_passes_the_launchs_checks_on_the_tiny_experiment():
     sweep = spec.load(REPO / "launch" / "sweeps" / "tiny-bayes.yaml")
     assert (sweep.method, sweep.run_cap, sweep.metric) == ("bayes", 8, "loss")
@@ -341,3 +351,11 @@ def test_wandb_that_cannot_be_asked_is_one_line_exit_1_and_nothing_is_recorded(t
     assert lines[0].startswith("error: wandb did not hand out a run of sweep sw1 (")
     assert "user is not logged in" in lines[0]
     assert not (sweep_dir / "trial-0" / "run.yaml").exists()
+
+
+def test_a_q_uniform_value_rounded_past_max_by_less_than_half_q_is_allowed():
+    sweep = spec.parse({**BAYES, "parameters": {"train.grad_clip": {
+        "distribution": "q_uniform", "min": 0.5, "max": 2.2, "q": 0.25}}}, "bo")
+    assert bayes.check_values(sweep, args(train__grad_clip=2.25)) == {"train.grad_clip": 2.25}
+    with pytest.raises(SweepError, match="train.grad_clip=2.5, outside"):
+        bayes.check_values(sweep, args(train__grad_clip=2.5))
