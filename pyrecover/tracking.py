@@ -37,6 +37,7 @@ from pyrecover.rundir import RunDir, read_jsonl
 log = logging.getLogger("pyrecover")
 
 RUN_ID_FILE = "run-id"
+SWEEP_PARAMS = "sweep-params.yaml"  # a bayes trial's values from wandb (pyrecover.sweep.bayes)
 # Events that explain a restart; a restart with none of them before it was a hard kill
 # (SIGKILL, node failure, OOM killer): nothing got the chance to write anything. `requeue`
 # follows a stop or a crash, so it names the cause only when nothing else did.
@@ -337,12 +338,10 @@ def start(cfg: Config, run: RunDir, rank: int, system: Mapping[str, Any] | None 
     wb = _init_wandb(cfg, run, mode, system or {})
     if wb is None:
         return Tracker()
-    try:
+    with contextlib.suppress(Exception):  # a summary is a nicety; never a reason to stop
         wb.summary["restarts"] = len(history)
         wb.summary["interruptions"] = history
         wb.summary["ledger"] = ledger(events, list(read_jsonl(run.metrics))).to_dict()
-    except Exception:  # a summary is a nicety; never a reason to stop
-        pass
     where = f"{run.wandb} (offline; upload with: wandb sync {run.wandb})" if mode == "offline" \
         else wb.url or "wandb"
     log.info("wandb run %s %s: %s", wb.id, "resumed" if history else "started", where)
@@ -351,6 +350,8 @@ def start(cfg: Config, run: RunDir, rank: int, system: Mapping[str, Any] | None 
 
 def _init_wandb(cfg: Config, run: RunDir, mode: str, system: Mapping[str, Any]) -> Any:
     os.environ.setdefault("WANDB_SILENT", "true")
+    if (run.wandb / SWEEP_PARAMS).is_file():  # the run's config, as wandb's agent gives it
+        os.environ["WANDB_SWEEP_PARAM_PATH"] = str(run.wandb / SWEEP_PARAMS)
     try:
         import wandb
     except ImportError as exc:

@@ -72,9 +72,10 @@ def main() -> None:
 
         from pyrecover.checkpoint.manager import SaveFailed
         from pyrecover.rundir import StorageError
+        from pyrecover.sweep.agent import AgentUnavailable
 
         # A fault, not a bug here: no traceback.
-        if isinstance(exc, (PeerLost, SaveFailed, StorageError)):
+        if isinstance(exc, (PeerLost, SaveFailed, StorageError, AgentUnavailable)):
             typer.echo(f"error: {exc}", err=True)
             sys.exit(1)
         raise

@@ -1,4 +1,4 @@
-"""`pyrecover sweep launch|status`: a grid or random search as one SLURM job array.
+"""`pyrecover sweep launch|status|values`: a grid, random or bayes search as one job array.
 
 Parse, call, print. Every trial's config is built and checked before anything is written; a
 user mistake is one `error:` line and exit code 2. Imports no torch.
@@ -14,9 +14,10 @@ from typing import Annotated
 
 import typer
 
-sweep_app = typer.Typer(help="Grid and random searches: one SLURM job array, a run per trial.",
-                        no_args_is_help=True)
+sweep_app = typer.Typer(help="Grid, random and bayes searches: one SLURM job array, a run per "
+                        "trial.", no_args_is_help=True)
 P = "cluster profile"
+FROM_WANDB = "values from wandb's bayes controller at each trial's first start"
 
 
 @sweep_app.command("launch")
@@ -58,14 +59,15 @@ def launch(
 
     Trial i runs in <run.storage>/<sweep name>/trial-<i>/ as an ordinary run: it stops,
     requeues (as its own array task) and resumes by itself. The trials are recorded in
-    sweep.yaml; launching the same sweep again resubmits them, and each resumes.
+    sweep.yaml; launching the same sweep again resubmits them, and each resumes. A bayes
+    trial's values come from wandb's controller when it first starts (sweep values).
     """
     from pyrecover import config as config_mod
     from pyrecover.experiment import prepare_run_dir
     from pyrecover.rundir import RunDir
     from pyrecover.slurm import LaunchError, profile, submit
     from pyrecover.slurm.render import absolute_paths
-    from pyrecover.sweep import record, render, spec, trials, wandb_sweep
+    from pyrecover.sweep import bayes, record, render, spec, trials, wandb_sweep
 
     cwd = os.getcwd()
     sweep = spec.load(sweep_file)
@@ -80,23 +82,37 @@ def launch(
     profile.validate(prof)
     if max_parallel is not None and max_parallel < 1:
         raise LaunchError(f"--max-parallel={max_parallel} is not allowed: expected >= 1")
-    chosen = trials.choose(sweep)
-    cfgs = trials.configs(sweep, cfg, chosen, prof.nodes * prof.gpus_per_node)
-    keys = [p.key for p in sweep.params]
-    rec = record.make(sweep, [trials.resolved(c, keys) for c in cfgs])
-    job = render.array_spec(cfg, prof, sys.executable, len(cfgs),
-                            max_parallel or sweep.max_parallel)
+    is_bayes = sweep.method == "bayes"
+    world = prof.nodes * prof.gpus_per_node
+    if is_bayes:  # wandb's controller chooses each trial's values when it starts
+        wandb_sweep.require_online(cfg.tracking.wandb, os.environ)
+        bayes.check_launch(sweep, cfg, world)
+        count, cfgs = sweep.run_cap or 0, []
+        rec = record.make(sweep, [None] * count)
+        table = f"#   trial-0 .. trial-{count - 1}: {FROM_WANDB}"
+    else:
+        cfgs = trials.configs(sweep, cfg, trials.choose(sweep), world)
+        keys = [p.key for p in sweep.params]
+        rec = record.make(sweep, [trials.resolved(c, keys) for c in cfgs])
+        count = len(cfgs)
+        table = "\n".join(f"#   {t['dir']}: {trials.describe(t['params'])}"
+                          for t in rec.trials)
+    job = render.array_spec(cfg, prof, sys.executable, count,
+                            max_parallel or sweep.max_parallel, is_bayes)
     script = render.script(job)
     argv = submit.sbatch_argv(job.run.job_script)
-    table = "\n".join(f"#   {t['dir']}: {trials.describe(t['params'])}" for t in rec.trials)
 
     if dry_run:
         typer.echo(script, nl=False)
-        how = "grid" if sweep.method == "grid" else f"random, seed {sweep.seed}"
-        typer.echo(f"# --dry-run: nothing written or submitted. {len(cfgs)} trials ({how}):")
+        how = {"grid": "grid", "bayes": "bayes, through wandb"}.get(sweep.method,
+                                                                      f"random, seed {sweep.seed}")
+        typer.echo(f"# --dry-run: nothing written or submitted. {count} trials ({how}):")
         typer.echo(table)
-        typer.echo(f"# pyrecover would write sweep.yaml, job.sbatch and trial-*/run.yaml to"
-                   f"\n#   {job.run_dir}\n# and run:\n#   {shlex.join(argv)}")
+        files = "sweep.yaml, base.yaml, job.sbatch and trial-*/" if is_bayes else \
+            "sweep.yaml, job.sbatch and trial-*/run.yaml"
+        typer.echo(f"# pyrecover would register the sweep with wandb, write {files} to"
+                   if is_bayes else f"# pyrecover would write {files} to")
+        typer.echo(f"#   {job.run_dir}\n# and run:\n#   {shlex.join(argv)}")
         return
     if job.image is not None and not Path(job.image).is_file():
         raise LaunchError(f"image {job.image!r} does not exist: build it with `make image`, "
@@ -104,14 +120,19 @@ def launch(
     submit.require_sbatch(os.environ)
     sweep_dir = Path(job.run_dir)
     _refuse_a_second_live_array(sweep_dir)
-    rec, cfgs = wandb_sweep.attach(sweep_file, sweep_dir, rec, cfgs, os.environ)
+    rec, cfgs = wandb_sweep.attach(sweep_file, sweep_dir, rec, cfgs or [cfg], os.environ)
     record.write(sweep_dir, rec)
-    for trial_cfg in cfgs:
-        prepare_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()))
+    if is_bayes:  # each trial's run.yaml is written when wandb hands it its values
+        bayes.keep_base(sweep_dir, cfgs[0])
+        for t in rec.trials:
+            RunDir(sweep_dir / t["dir"]).create()  # its logs/ holds the task's output
+    else:
+        for trial_cfg in cfgs:
+            prepare_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()))
     job.run.job_script.write_text(script)
     job_id = submit.submit(argv, cwd=job.run_dir)
     record.add_job(sweep_dir, job_id)
-    typer.echo(f"submitted job array {job_id} ({len(cfgs)} trials):\n{table}")
+    typer.echo(f"submitted job array {job_id} ({count} trials):\n{table}")
     if rec.wandb:
         typer.echo(f"wandb sweep {rec.wandb['sweep_id']}: {rec.wandb['url'] or '(no URL)'}")
     typer.echo(f"sweep directory: {sweep_dir}")
@@ -133,6 +154,34 @@ def status(
     report = sweep_status.read(sweep_dir, squeue=squeue_state)
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else
                sweep_status.render(report))
+
+
+@sweep_app.command("values")
+def values(
+    trial_dir: Annotated[Path, typer.Argument(help="<run.storage>/<sweep name>/trial-<i>.")],
+    world_size: Annotated[int | None, typer.Option(
+        min=1, help="The trial's world size, to check the values against.")] = None,
+) -> None:
+    """A bayes trial's values: asked of wandb's sweep controller at the trial's first start
+    (and recorded in its folder), read back from its run.yaml at every later one.
+
+    The job array runs this before each task's first step; exit 2: a value the config or the
+    sweep refuses (nothing is recorded), exit 1: wandb could not be asked.
+    """
+    import socket
+
+    from pyrecover.config import Config
+    from pyrecover.sweep import agent, bayes
+
+    def ask(sweep_id: str, cfg: Config) -> agent.Run:
+        host = f"{socket.gethostname()}-{trial_dir.resolve().name}"
+        return agent.ask(sweep_id, cfg.tracking.project, cfg.tracking.entity, host)
+
+    got = bayes.take(trial_dir, ask, world_size)
+    how = f"from wandb (run {got.run_id})" if got.asked else \
+        f"as recorded at its first start (run {got.run_id})"
+    typer.echo(f"{trial_dir}: {', '.join(f'{k}={v}' for k, v in got.values.items())}, {how}",
+               err=True)
 
 
 def _refuse_a_second_live_array(sweep_dir: Path) -> None:

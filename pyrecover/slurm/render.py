@@ -47,6 +47,10 @@ class ArrayJob:
     indices: str
     """sbatch's `--array`, e.g. `0-9%4`."""
     prefix: str = "trial-"
+    setup: tuple[str, ...] = ()
+    """pyrecover's arguments of a command each task runs before its first step, with its run
+    directory last (a bayes trial's values). Exit 2 ends the task; another failure requeues
+    it as a crash would."""
 
 
 @dataclass(frozen=True)
@@ -253,6 +257,7 @@ def render(spec: JobSpec) -> str:
         "# from the job id (pyrecover.dist.port_for_job) and the step, so two jobs sharing a",
         "# node rarely collide and a new step never waits for the last one's port.",
         "IN_JOB=0",
+        *_setup_lines(spec),
         "while :; do",
         f"{INDENT}start_step",
         f"{INDENT}MASTER_PORT=$(({PORT_BASE} + (SLURM_JOB_ID + IN_JOB) % {PORT_SPAN}))",
@@ -266,6 +271,18 @@ def render(spec: JobSpec) -> str:
     ])
 
 
+
+
+def _setup_lines(spec: JobSpec) -> list[str]:
+    if spec.array is None or not spec.array.setup:
+        return []
+    words: list[Word] = ["pyrecover", *spec.array.setup, task_path(spec, "")]
+    argv: list[Word] = [spec.python, "-m", *words]
+    if spec.image:  # no GPU needed: no --nv
+        argv = container.exec_argv(spec.image, words, spec.binds, nv=False)  # type: ignore[arg-type]
+    return ["", "# Once per start of the task, before its steps (sweep values: a bayes trial's",
+            "# values, asked of wandb at its first start and read from run.yaml after).",
+            f'{_join(argv)} || after_training "$?"', ""]
 
 
 def task_path(spec: JobSpec, name: str) -> Word:

@@ -1,10 +1,12 @@
-"""Sweeps: a grid or random search over config keys, run as one SLURM job array.
+"""Sweeps: a grid, random or bayes search over config keys, run as one SLURM job array.
 
     spec.py    the sweep file (wandb's sweep format) read and checked: `parse(raw) -> Sweep`
     trials.py  the trials: grid expansion or seeded random draws, each a validated Config
     record.py  the sweep directory: `sweep.yaml` (the trials as drawn) read and written
     render.py  the job array script, through pyrecover.slurm.render
     wandb_sweep.py  the sweep registered with wandb (online only), its id given to each trial
+    bayes.py   a bayes trial's values: asked of wandb once, at its first start, and recorded
+    agent.py   wandb's agent protocol (CreateAgent, Heartbeat) through wandb's own client
     status.py  the trials read back from their run directories, ranked by the metric
 
 Nothing here imports torch.

@@ -2,7 +2,9 @@
 
     <storage>/<sweep name>/
       sweep.yaml       name, method, metric, seed, the wandb sweep (when registered), and
-                       each trial's folder and values
+                       each trial's folder and values (bayes: none; the parameters instead,
+                       and each trial's values in its run.yaml once wandb handed them out)
+      base.yaml        bayes: the experiment every trial starts from (bayes.py)
       job.sbatch       the job array's script
       jobs             the array's job id, one line per submission
       trial-<i>/       one ordinary run directory per trial (run.yaml, events.jsonl, ...)
@@ -21,7 +23,7 @@ from typing import Any
 import yaml
 
 from pyrecover.sweep import SweepError
-from pyrecover.sweep.spec import Sweep
+from pyrecover.sweep.spec import Sweep, raw_param
 from pyrecover.sweep.trials import trial_name
 
 RECORD = "sweep.yaml"
@@ -36,22 +38,29 @@ class Record:
     goal: str
     seed: int
     trials: list[dict[str, Any]]
-    """[{index, dir, params}] in trial order."""
+    """[{index, dir, params}] in trial order; params None: a bayes trial's (in its run.yaml)."""
     wandb: dict[str, Any] | None = None
     """{sweep_id, url} of the sweep registered with wandb at the first launch, else None."""
+    parameters: dict[str, Any] | None = None
+    """bayes: the sweep file's parameters, which each trial's values are checked against."""
 
 
-def make(sweep: Sweep, params: list[dict[str, Any]]) -> Record:
+def make(sweep: Sweep, params: list[dict[str, Any] | None]) -> Record:
+    """make is the record of `sweep`'s trials; a bayes trial's params are None (unknown)."""
+    parameters = {p.key: raw_param(p) for p in sweep.params} if sweep.method == "bayes" \
+        else None
     return Record(name=sweep.name, method=sweep.method, metric=sweep.metric, goal=sweep.goal,
                   seed=sweep.seed, trials=[{"index": i, "dir": trial_name(i), "params": p}
-                                           for i, p in enumerate(params)])
+                                           for i, p in enumerate(params)],
+                  parameters=parameters)
 
 
 def to_yaml(record: Record) -> str:
     wandb = {"wandb": record.wandb} if record.wandb else {}
+    parameters = {"parameters": record.parameters} if record.parameters else {}
     return yaml.safe_dump({"name": record.name, "method": record.method,
                            "metric": {"name": record.metric, "goal": record.goal},
-                           "seed": record.seed, **wandb, "trials": record.trials},
+                           "seed": record.seed, **wandb, **parameters, "trials": record.trials},
                           sort_keys=False)
 
 
@@ -65,7 +74,8 @@ def read(sweep_dir: str | Path) -> Record:
         raw = yaml.safe_load(path.read_text())
         return Record(name=raw["name"], method=raw["method"], metric=raw["metric"]["name"],
                       goal=raw["metric"]["goal"], seed=int(raw["seed"]),
-                      trials=list(raw["trials"]), wandb=_wandb(raw.get("wandb")))
+                      trials=list(raw["trials"]), wandb=_wandb(raw.get("wandb")),
+                      parameters=_parameters(raw.get("parameters")))
     except (yaml.YAMLError, KeyError, TypeError, ValueError):
         raise SweepError(f"{path} is damaged: not the record `sweep launch` wrote") from None
 
@@ -78,12 +88,19 @@ def _wandb(raw: Any) -> dict[str, Any] | None:
     return {"sweep_id": raw["sweep_id"], "url": raw.get("url")}
 
 
+def _parameters(raw: Any) -> dict[str, Any] | None:
+    if raw is not None and not isinstance(raw, dict):
+        raise TypeError("parameters: expected a mapping")
+    return raw
+
+
 def write(sweep_dir: Path, record: Record) -> None:
     """write records the sweep, or checks that a relaunch has the same trials."""
     path = sweep_dir / RECORD
     if path.is_file():
         old = read(sweep_dir)
-        if (old.trials, old.method) != (record.trials, record.method):
+        if (old.trials, old.method, old.parameters) != (record.trials, record.method,
+                                                        record.parameters):
             raise SweepError(f"{sweep_dir} holds sweep {old.name!r} with other trials; give "
                              "this sweep another name (name: in the sweep file)")
         return

@@ -2,7 +2,8 @@
 
 Task i runs trial i: `--config <sweep dir>/trial-$SLURM_ARRAY_TASK_ID/run.yaml`, its log in
 that trial's `logs/`, its events there, and on a stop or a crash it requeues only itself
-(`scontrol requeue ARRAYID_TASKID`), with its own SLURM_RESTART_COUNT. Pure.
+(`scontrol requeue ARRAYID_TASKID`), with its own SLURM_RESTART_COUNT. A bayes task runs
+`pyrecover sweep values <trial dir>` before its first step. Pure.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ def indices(trials: int, max_parallel: int | None) -> str:
 
 
 def array_spec(base: Config, profile: ClusterProfile, python: str, trials: int,
-               max_parallel: int | None) -> JobSpec:
-    """array_spec is the JobSpec of the sweep: `base`'s run dir is the sweep's folder."""
+               max_parallel: int | None, bayes: bool = False) -> JobSpec:
+    """array_spec is the JobSpec of the sweep: `base`'s run dir is the sweep's folder. A
+    bayes task first gets its trial's values (`pyrecover sweep values`, pyrecover.sweep.bayes)."""
     spec = render.job_spec(base, profile, python)
+    setup = ("sweep", "values", "--world-size", str(profile.nodes * profile.gpus_per_node)) \
+        if bayes else ()
     return dataclasses.replace(spec, array=ArrayJob(indices(trials, max_parallel),
-                                                    TRIAL_PREFIX))
+                                                    TRIAL_PREFIX, setup))
 
 
 def script(spec: JobSpec) -> str:

@@ -1,9 +1,9 @@
 """The sweep file: wandb's sweep format, read and checked before anything else happens.
 
     name: lr-search            # optional; default: the file's name without .yaml
-    method: grid               # grid | random
-    metric: {name: loss, goal: minimize}
-    run_cap: 8                 # random: how many trials (required); grid: at most this many
+    method: grid               # grid | random | bayes (bayes: tracking.wandb online)
+    metric: {name: loss, goal: minimize}   # bayes: required
+    run_cap: 8                 # random, bayes: how many trials (required); grid: at most this many
     max_parallel: 2            # pyrecover: tasks running at once (--array=0-N%M)
     seed: 0                    # pyrecover: seeds the random draws (default 0)
     parameters:
@@ -12,7 +12,8 @@
       train.warmup_steps: {distribution: int_uniform, min: 0, max: 20}
 
 Pure: `parse(raw, default_name)` takes the loaded YAML and raises SweepError naming the bad
-key. Whether a parameter is a config key, and its values possible, is trials.py's check.
+key. Whether a parameter is a config key, and its values possible, is trials.py's check;
+whether a bayes sweep can reach wandb, wandb_sweep.py's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import yaml
 
 from pyrecover.sweep import SweepError
 
-METHODS = ("grid", "random")
+METHODS = ("grid", "random", "bayes")
 GOALS = ("minimize", "maximize")
 DISTRIBUTIONS = ("categorical", "constant", "uniform", "log_uniform_values", "int_uniform",
                  "q_uniform")
@@ -90,12 +91,12 @@ def parse(raw: Any, default_name: str, source: str = "sweep") -> Sweep:
         raise SweepError(f"{source}: name={name!r} is not allowed: letters, digits, '.', '_' "
                          "and '-' (it names the sweep's folder)")
     method = raw.get("method")
-    if method == "bayes":
-        raise SweepError(f"{source}: method=bayes needs wandb's agent to choose each trial's "
-                         "values from the results so far, and a job array fixes every trial "
-                         "at launch; use grid or random")
     if method not in METHODS:
-        raise SweepError(f"{source}: method={method!r} is not allowed: expected grid or random")
+        raise SweepError(f"{source}: method={method!r} is not allowed: expected grid, random "
+                         "or bayes")
+    if method == "bayes" and raw.get("metric") is None:
+        raise SweepError(f"{source}: method=bayes needs metric: {{name: loss, goal: minimize}}, "
+                         "what wandb's controller optimizes")
     metric, goal = _metric(raw.get("metric"), source)
     params = raw.get("parameters")
     if not isinstance(params, dict) or not params:
@@ -103,8 +104,8 @@ def parse(raw: Any, default_name: str, source: str = "sweep") -> Sweep:
                          "{values: [...]}, {value: ...} or {distribution: ..., min, max}")
     parsed = tuple(_param(str(k), v, source) for k, v in params.items())
     run_cap = _count(raw, "run_cap", source)
-    if method == "random" and run_cap is None:
-        raise SweepError(f"{source}: method=random needs run_cap, the number of trials")
+    if method in ("random", "bayes") and run_cap is None:
+        raise SweepError(f"{source}: method={method} needs run_cap, the number of trials")
     if method == "grid":
         loose = next((p for p in parsed if p.distribution not in ("categorical", "constant")),
                      None)
@@ -116,6 +117,18 @@ def parse(raw: Any, default_name: str, source: str = "sweep") -> Sweep:
         raise SweepError(f"{source}: seed={seed!r} is not allowed: expected an integer >= 0")
     return Sweep(name=name, method=method, metric=metric, goal=goal, params=parsed,
                  run_cap=run_cap, max_parallel=_count(raw, "max_parallel", source), seed=seed)
+
+
+def raw_param(p: Param) -> dict[str, Any]:
+    """raw_param writes `p` back in the sweep file's format (parse reads it to an equal Param)."""
+    if p.distribution == "categorical":
+        return {"values": list(p.values)}
+    if p.distribution == "constant":
+        return {"value": p.values[0]}
+    ints = p.distribution == "int_uniform"
+    out: dict[str, Any] = {"distribution": p.distribution, "min": int(p.low) if ints else p.low,
+                           "max": int(p.high) if ints else p.high}
+    return {**out, "q": p.q} if p.distribution == "q_uniform" else out
 
 
 def _metric(raw: Any, source: str) -> tuple[str, str]:

@@ -1,7 +1,8 @@
 """`pyrecover sweep status SWEEP_DIR`: every trial read back from its run directory, ranked.
 
 Trials are ranked by the last logged value of the sweep's metric (the final loss of a finished
-trial), best first; trials that logged nothing yet come last. Nothing here writes.
+trial), best first; trials that logged nothing yet come last. A bayes trial's values are read
+from its run.yaml; before its first start it has none ("no values yet"). Nothing here writes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from typing import Any
 
 from pyrecover import status as run_status
 from pyrecover.rundir import RunDir, read_jsonl
-from pyrecover.sweep import record
+from pyrecover.sweep import bayes, record
+
+NO_VALUES = "no values yet"
+"""A bayes trial's state before wandb handed it its values (at its first start)."""
 
 
 @dataclass
@@ -52,7 +56,9 @@ def read(sweep_dir: str | Path, squeue: Callable[[str], str | None] | None = Non
     rec = record.read(sweep_dir)
     root = Path(sweep_dir)
     array = record.last_job(root)
-    trials = [_trial(root / t["dir"], int(t["index"]), dict(t["params"]), rec,
+    keys = list(rec.parameters or {})
+    trials = [_trial(root / t["dir"], int(t["index"]), t["params"] if t["params"] is not None
+                     else bayes.recorded(root / t["dir"], keys), rec,
                      # ARRAYID_TASKID: one task's SLURM_JOB_ID may be the whole array's id
                      squeue(f"{array}_{t['index']}") if squeue and array else None)
               for t in rec.trials]
@@ -64,9 +70,12 @@ def read(sweep_dir: str | Path, squeue: Callable[[str], str | None] | None = Non
                        metric=rec.metric, goal=rec.goal, trials=trials, best=best)
 
 
-def _trial(path: Path, index: int, params: dict[str, Any], rec: record.Record,
+def _trial(path: Path, index: int, params: dict[str, Any] | None, rec: record.Record,
            slurm_state: str | None) -> Trial:
     run = RunDir(path)
+    if params is None:  # bayes: wandb hands the values out at the trial's first start
+        return Trial(index, str(path), {}, NO_VALUES, slurm_state, 0, None, 0, None, None)
+    params = dict(params)
     values = [float(m[rec.metric]) for m in read_jsonl(run.metrics) if rec.metric in m]
     if run.problem() is not None:  # written at launch; gone only if someone removed it
         return Trial(index, str(path), params, "missing", slurm_state, 0, None, 0, None, None)
@@ -102,6 +111,9 @@ def render(s: SweepStatus) -> str:
     lines = [f"sweep {s.name} ({s.method}, {s.goal} {s.metric}): {s.sweep_dir}",
              *("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                for r in [head, *rows])]
+    if s.method == "bayes":
+        lines.append("values: from wandb's bayes controller at each trial's first start "
+                     f"('-' and {NO_VALUES!r}: not started yet)")
     if s.best is None:
         lines.append(f"best: none yet (no trial has logged {s.metric})")
     else:

@@ -65,36 +65,45 @@ def configs(sweep: Sweep, base: Config, chosen: list[dict[str, Scalar]],
             world_size: int | None = None) -> list[Config]:
     """configs builds and validates each trial's Config; raises SweepError for the first bad
     trial, naming it and the config's complaint. `base` has absolute paths."""
+    check_owned(sweep)
+    return [trial_config(sweep.name, base, index, values, world_size)
+            for index, values in enumerate(chosen)]
+
+
+def check_owned(sweep: Sweep) -> None:
     owned = next((p.key for p in sweep.params if p.key in OWNED), None)
     if owned is not None:
         raise SweepError(f"parameters.{owned}: the sweep sets it (each trial runs in "
                          f"<run.storage>/{sweep.name}/{TRIAL_PREFIX}<i>)")
-    sweep_dir = str(base.run_dir().parent / sweep.name)
-    out = []
-    for index, values in enumerate(chosen):
-        raw = config_mod.to_dict(base)
-        raw["run"].update(storage=sweep_dir, exp_name=trial_name(index))
-        tracking = raw["tracking"]
-        tracking["group"] = tracking["group"] or sweep.name
-        tracking["name"] = tracking["name"] or f"{sweep.name}-{trial_name(index)}"
-        what = f"trial {index} ({describe(values)})"
-        for key, value in values.items():
-            section, _, leaf = key.partition(".")
-            if not leaf or "." in leaf or not isinstance(raw.get(section), dict):
-                raise SweepError(f"parameters.{key}: not a config key; expected section.key "
-                                 f"with section one of {', '.join(raw)}")
-            if leaf not in raw[section]:
-                raise SweepError(f"parameters.{key}: unknown config key; known under "
-                                 f"{section}: {', '.join(raw[section])}")
-            raw[section][leaf] = value
-        try:
-            cfg = config_mod.from_dict(raw, f"sweep {sweep.name}")
-            if world_size is not None:
-                config_mod.check_world_size(cfg, world_size)
-        except ConfigError as exc:
-            raise SweepError(f"{what}: {exc}") from None
-        out.append(cfg)
-    return out
+
+
+def trial_config(name: str, base: Config, index: int, values: dict[str, Any],
+                 world_size: int | None = None, what: str | None = None) -> Config:
+    """trial_config is trial `index` of sweep `name`: `base` (run dir: the sweep's folder) in
+    the trial's folder, with `values` set; raises SweepError naming `what` (default: the
+    trial and its values) and the config's complaint."""
+    raw = config_mod.to_dict(base)
+    raw["run"].update(storage=str(base.run_dir().parent / name), exp_name=trial_name(index))
+    tracking = raw["tracking"]
+    tracking["group"] = tracking["group"] or name
+    tracking["name"] = tracking["name"] or f"{name}-{trial_name(index)}"
+    what = what or f"trial {index} ({describe(values)})"
+    for key, value in values.items():
+        section, _, leaf = key.partition(".")
+        if not leaf or "." in leaf or not isinstance(raw.get(section), dict):
+            raise SweepError(f"parameters.{key}: not a config key; expected section.key "
+                             f"with section one of {', '.join(raw)}")
+        if leaf not in raw[section]:
+            raise SweepError(f"parameters.{key}: unknown config key; known under "
+                             f"{section}: {', '.join(raw[section])}")
+        raw[section][leaf] = value
+    try:
+        cfg = config_mod.from_dict(raw, f"sweep {name}")
+        if world_size is not None:
+            config_mod.check_world_size(cfg, world_size)
+    except ConfigError as exc:
+        raise SweepError(f"{what}: {exc}") from None
+    return cfg
 
 
 def resolved(cfg: Config, keys: list[str]) -> dict[str, Any]:

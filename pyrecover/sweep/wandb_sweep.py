@@ -1,14 +1,16 @@
 """The sweep registered with wandb, so its sweep page lists the trials' runs.
 
-pyrecover stays the controller: the trials and their values are fixed at launch and run as a
-SLURM job array. The sweep is registered once, at the first launch, through wandb's own client
-(`wandb.sweep`, two GraphQL calls: Viewer and UpsertSweep) with `controller: {type: local}`,
-which tells the server that no wandb agent is to be handed runs. Each trial's config gets the
-sweep's id (`tracking.sweep_id`), and its wandb run, whose id is kept across requeues, carries
-it; a run logged offline carries it too, and `wandb sync` attaches it to the sweep.
+Grid and random: pyrecover stays the controller: the trials and their values are fixed at
+launch and run as a SLURM job array. The sweep is registered once, at the first launch,
+through wandb's own client (`wandb.sweep`, two GraphQL calls: Viewer and UpsertSweep) with
+`controller: {type: local}`, which tells the server that no wandb agent is to be handed runs.
+Bayes: registered without it, so wandb's controller hands each trial its run (bayes.py).
+Each trial's config gets the sweep's id (`tracking.sweep_id`), and its wandb run, whose id is
+kept across requeues, carries it; a run logged offline carries it too, and `wandb sync`
+attaches it to the sweep.
 
 Only when `tracking.wandb` resolves to online (a key, and a server that answers): a sweep
-launched offline is not registered.
+launched offline is not registered, and a bayes sweep is refused (`require_online`).
 """
 
 from __future__ import annotations
@@ -42,12 +44,36 @@ class Registered:
 
 def sweep_config(path: str | Path, name: str) -> dict[str, Any]:
     """sweep_config is what is sent to wandb: the sweep file as written (already checked by
-    spec.load), less pyrecover's own keys, with its name and the local controller."""
+    spec.load), less pyrecover's own keys, with its name and, but for bayes, the local
+    controller."""
     raw = yaml.safe_load(Path(path).read_text())
     config = {k: v for k, v in raw.items() if k not in OURS}
     config["name"] = name
-    config["controller"] = dict(LOCAL_CONTROLLER)
+    for param in (config.get("parameters") or {}).values():
+        for key in ("min", "max", "q"):  # YAML 1.1 reads 1e-3 as a string; wandb wants numbers
+            if isinstance(param.get(key), str):
+                param[key] = float(param[key])
+    if raw.get("method") != "bayes":
+        config["controller"] = dict(LOCAL_CONTROLLER)
     return config
+
+
+def require_online(setting: str, environ: Mapping[str, str]) -> None:
+    """require_online refuses a bayes sweep in one line unless tracking.wandb resolves to
+    online with an API key: wandb's controller chooses every trial's values."""
+    url = environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    mode = tracking.resolve_mode(setting, environ, reachable=lambda _: True)  # asked below
+    if not tracking.api_key_configured(environ):
+        why = "no API key"
+    elif mode != "online":
+        why = f"tracking.wandb={setting} resolves to {mode}"
+    elif not tracking.server_reachable(url):
+        why = f"{url} does not answer"
+    else:
+        return
+    raise SweepError(f"method=bayes needs tracking.wandb online with an API key ({why}): "
+                     "wandb's controller chooses each trial's values; set WANDB_API_KEY (or "
+                     "`wandb login`) and tracking.wandb=online, or use grid or random")
 
 
 def register(config: dict[str, Any], project: str, entity: str | None) -> Registered:

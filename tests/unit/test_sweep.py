@@ -77,7 +77,9 @@ def test_log_uniform_draws_spread_evenly_over_the_decades():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"method": "bayes"}, "method=bayes needs wandb's agent to choose each trial's values"),
+    ({"method": "bayes", "run_cap": 2}, "method=bayes needs metric: {name: loss, goal: "
+                                        "minimize}, what wandb's controller optimizes"),
+    ({"method": "bayes", "metric": {"name": "loss"}}, "method=bayes needs run_cap"),
     ({"method": "hyperband"}, "method='hyperband' is not allowed"),
     ({"method": "random"}, "method=random needs run_cap"),
     ({"parameters": {}}, "parameters must map config keys"),
