@@ -72,8 +72,11 @@ def test_a_stopped_task_is_reported_as_a_hang_requeued_and_the_job_completes_bit
     named = [e for e in found if "silent_ranks" in e]
     assert named and all(e["silent_ranks"] == [1] and e["suspect_node"] == "node1"
                          for e in named), explain(run_dir, job_id)
-    assert [line.split("\t")[::2] for line in (run_dir / "bad-nodes").read_text().splitlines()
-            ] == [["node1", "silent in a hang"]], explain(run_dir, job_id)
+    # node1 is excluded on the peers' word, or on rank 1's own report where SIGCONT (SLURM's,
+    # before it ends the step) woke it in time to make one: the first reason is kept.
+    bad = [line.split("\t")[::2] for line in (run_dir / "bad-nodes").read_text().splitlines()]
+    assert len(bad) == 1 and bad[0] in (["node1", "silent in a hang"],
+                                        ["node1", "hang in phase forward"]), bad
     [requeue] = [e for e in every if e["event"] == "requeue"]
     assert (requeue["exit_code"], requeue["reason"]) == (76, "hang"), explain(run_dir, job_id)
     [resume] = [e for e in every if e["event"] == "resume"]
