@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from localslurm import TERMINAL_STATES, LocalSlurm
+from localslurm import LocalSlurm
 from test_requeue_e2e import events, kinds, last_step, launch_env, wait_for
-from test_sweep_e2e import explain, sweep_launch_argv
+from test_sweep_e2e import explain, preempt_and_finish, sweep_launch_argv
 from test_sweep_wandb_e2e import carries_sweep, offline_runs
 
 from pyrecover import config as config_mod
@@ -88,13 +88,7 @@ def test_a_bayes_sweep_gets_each_trials_values_from_wandb_once_and_a_requeue_reu
                  and local_slurm.job_state(tasks[PREEMPTED]) == "RUNNING", 300,
                  "trial 1 at step 2",
                  lambda: explain(sweep_dir))
-        step = f"{local_slurm.job_info(tasks[PREEMPTED])['JobId']}.0"
-        local_slurm.run("scancel", "--signal=USR2", step)
-
-        def all_ended() -> bool:
-            return all(local_slurm.job_state(t) in TERMINAL_STATES for t in tasks) and all(
-                "finish" in kinds(sweep_dir / f"trial-{i}") for i in range(2))
-        wait_for(all_ended, 600, "both trials finished", lambda: explain(sweep_dir))
+        preempt_and_finish(local_slurm, tasks, PREEMPTED, sweep_dir)
     finally:
         server.kill()
         if array is not None:

@@ -85,15 +85,7 @@ def test_a_grid_sweep_runs_as_one_array_and_a_preempted_trial_requeues_alone(
                  lambda: explain(sweep_dir))
         queued = local_slurm.run("squeue", "-h", "-r", "-j", str(array), "-o", "%i %T").stdout
         assert sum(" RUNNING" in line for line in queued.splitlines()) <= 2, queued
-        # Signal the task's step: on SLURM 22.05, `scancel --signal` of an array task gets
-        # "Job can not be altered now" back and retries (signalling again) until it ends.
-        step = f"{local_slurm.job_info(tasks[PREEMPTED])['JobId']}.0"
-        local_slurm.run("scancel", "--signal=USR2", step)
-
-        def all_ended() -> bool:
-            return all(local_slurm.job_state(t) in TERMINAL_STATES for t in tasks) and all(
-                "finish" in kinds(sweep_dir / f"trial-{i}") for i in range(4))
-        wait_for(all_ended, 600, "every trial finished", lambda: explain(sweep_dir))
+        preempt_and_finish(local_slurm, tasks, PREEMPTED, sweep_dir)
     finally:
         local_slurm.cancel(str(array))
 
@@ -146,3 +138,19 @@ def test_a_grid_sweep_runs_as_one_array_and_a_preempted_trial_requeues_alone(
     model, expected = export_model(preempted, clean), export_model(reference, clean)
     assert model.keys() == expected.keys()
     assert all(torch.equal(model[k], expected[k]) for k in model)
+
+
+def preempt_and_finish(cluster: LocalSlurm, tasks: list[str], preempted: int,
+                       sweep_dir: Path) -> None:
+    """preempt_and_finish sends USR2 to trial `preempted`'s training step, then waits until
+    every array task has ended and every trial recorded its finish.
+
+    The step is signalled, not the task: on SLURM 22.05, `scancel --signal` of an array task
+    gets "Job can not be altered now" back and retries (signalling again) until it ends."""
+    step = f"{cluster.job_info(tasks[preempted])['JobId']}.0"
+    cluster.run("scancel", "--signal=USR2", step)
+
+    def all_ended() -> bool:
+        return all(cluster.job_state(t) in TERMINAL_STATES for t in tasks) and all(
+            "finish" in kinds(sweep_dir / f"trial-{i}") for i in range(len(tasks)))
+    wait_for(all_ended, 600, "every trial finished", lambda: explain(sweep_dir))
