@@ -173,6 +173,29 @@ def test_a_cuda_run_compiles_by_default_and_logs_its_mfu(tmp_path, corpus):
     assert all(0 <= m["mfu"] < 1 for m in metrics), metrics
 
 
+@needs_gpus(1)
+def test_a_compiled_cuda_restart_on_a_new_node_loads_its_kernels_from_the_run(tmp_path,
+                                                                               corpus):
+    """Each attempt gets a fresh TMPDIR (Inductor's default cache is the node's /tmp): the
+    restart must find its graphs and Triton kernels in the run's compile-cache."""
+    run = tmp_path / "compiled"
+
+    def attempt(steps: int, node: str) -> dict:
+        (tmp_path / node).mkdir()
+        done = pyrecover("train", *gpu_args(tmp_path, corpus, "compiled", 1,
+                                            f"train.max_steps={steps}", "train.compile=true"),
+                         env={"TMPDIR": str(tmp_path / node), "TORCHINDUCTOR_CACHE_DIR": ""},
+                         timeout=TIMEOUT)
+        check(done)
+        return [e for e in read_jsonl(run / "events.jsonl")
+                if e.get("phase") == "first_step"][-1]["compile_cache"]
+
+    first = attempt(5, "node1")
+    assert first["hits"] == 0 and first["misses"] > 0
+    assert any((run / "compile-cache" / "triton").rglob("*.cubin")), "no Triton kernel cached"
+    assert attempt(10, "node2") == {"hits": first["misses"], "misses": 0}
+
+
 @pytest.mark.skipif(GPUS != 1, reason=f"needs exactly 1 CUDA GPU, torch sees {GPUS}")
 def test_more_processes_than_gpus_is_one_clear_line(tmp_path, corpus):
     done = pyrecover("train", "--nproc", "2", *gpu_args(tmp_path, corpus, "dup", 2),
