@@ -58,6 +58,17 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main() -> None:
     try:
+        _main()
+    except SystemExit as done:
+        from pyrecover import dist
+
+        if dist.joined_a_group():  # a trainer: its group is left, its checkpoint saved
+            dist.exit_now(done.code)
+        raise
+
+
+def _main() -> None:
+    try:
         app()
     except Exception as exc:
         if isinstance(exc, _user_errors()):
