@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -46,6 +42,7 @@ class DistEnv:
         return self.rank == 0
 
 
+SPAWNED = "PYRECOVER_SPAWNED"  # set for workers of `pyrecover train --nproc N` (spawn.py)
 PORT_BASE, PORT_SPAN = 10000, 20000  # unprivileged and below Linux's ephemeral range
 
 
@@ -306,96 +303,3 @@ def gather_objects(obj: Any, world_size: int) -> list[Any]:
 
 def _bracket(addr: str) -> str:
     return f"[{addr}]" if ":" in addr else addr
-
-
-# --- local workers (`pyrecover train --nproc N`) -------------------------------------------
-
-
-def free_port() -> int:
-    """free_port asks the kernel for a TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-SPAWNED = "PYRECOVER_SPAWNED"  # set for workers of `pyrecover train --nproc N`
-
-
-def worker_envs(parent: DistEnv, nproc: int) -> list[dict[str, str]]:
-    """worker_envs are the torchrun-style variables of the `nproc` workers that process
-    `parent` starts: alone (`single`), or as one `srun` task per node (`slurm`), where
-    worker i of node n is rank n x nproc + i and node 0's address hosts the rendezvous."""
-    if parent.launcher == "slurm" and parent.local_world_size != 1:
-        raise DistError(f"--nproc {nproc} under srun needs one task per node (srun "
-                        f"--ntasks-per-node=1), but this node runs {parent.local_world_size}")
-    if parent.launcher not in ("single", "slurm"):
-        raise DistError(f"--nproc {nproc}: this process is already a worker of {parent.launcher}")
-    nodes = parent.world_size
-    return [{"RANK": str(parent.node_rank * nproc + i), "WORLD_SIZE": str(nodes * nproc),
-             "LOCAL_RANK": str(i), "LOCAL_WORLD_SIZE": str(nproc),
-             "GROUP_RANK": str(parent.node_rank), "MASTER_ADDR": parent.master_addr,
-             "MASTER_PORT": str(parent.master_port), SPAWNED: "1"} for i in range(nproc)]
-
-
-def exit_status(code: int) -> int:
-    """exit_status is a child's return code as a shell shows it: a signal's death -N is 128+N."""
-    return 128 - code if code < 0 else code
-
-
-def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
-                grace_s: float = 60.0, parent: DistEnv | None = None) -> int:
-    """spawn_local runs `argv` as `nproc` workers of this process (`parent`, default: alone
-    on this machine) with torchrun-style variables from `worker_envs`.
-
-    Waits for all of them. When one fails, the others get `grace_s` seconds to notice (their
-    next collective fails) and exit by themselves, which lets memory mode persist what the
-    survivors hold; then they are terminated (then killed). The first failure's exit code is
-    returned (128+N for a death by signal N), so the caller exits like the job did.
-    """
-    if parent is None:
-        parent = DistEnv("single", 0, 1, 0, 1, 0, "127.0.0.1", free_port())
-    procs = [subprocess.Popen(list(argv), env={**environ, **worker})
-             for worker in worker_envs(parent, nproc)]
-
-    def forward(signum, _frame):
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
-                                                  signal.SIGINT)}
-    try:
-        failed, deadline = 0, None
-        # Poll every worker each round (`any` would stop at the first live one): the failure
-        # that came first is the one reported, e.g. a hung rank's 76 before its peers' 1.
-        while None in [p.poll() for p in procs]:
-            bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if bad and not failed:
-                failed, deadline = bad[0], time.monotonic() + grace_s
-            if deadline is not None and time.monotonic() > deadline:
-                _stop_all(procs)
-            time.sleep(0.05)
-        codes = [p.returncode for p in procs]
-        return exit_status(failed or next((c for c in codes if c != 0), 0))
-    finally:
-        _stop_all(procs)
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-
-def _stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in live:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def python_argv() -> list[str]:
-    """python_argv is the command that runs this package's CLI with the current interpreter."""
-    return [sys.executable, "-m", "pyrecover"]

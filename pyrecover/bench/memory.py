@@ -116,7 +116,7 @@ def _train_runs(config: Path | None, overrides: Sequence[str], steps: int, warmu
                 repeat: int, interval: int, work: Path, note: Note) -> dict[str, Any]:
     """_train_runs trains `warmup + steps` steps with `--nproc 2`, per mode and repeat."""
     from pyrecover import config as config_mod
-    from pyrecover import dist
+    from pyrecover import spawn
 
     cfg, base = _train_config(config, overrides, steps, warmup)
     total = warmup + steps
@@ -130,7 +130,7 @@ def _train_runs(config: Path | None, overrides: Sequence[str], steps: int, warmu
             note(f"repeat {r + 1}/{repeat}: pyrecover train --nproc 2, {total} steps, "
                  + (f"a snapshot every {interval} step(s)" if extra else "no checkpoint"))
             run_dir = work / f"train-{name}-{r}"
-            argv = dist.python_argv() + ["train", "--nproc", str(WORLD_SIZE),
+            argv = spawn.python_argv() + ["train", "--nproc", str(WORLD_SIZE),
                                          "--run-dir", str(run_dir)]
             if config is not None:
                 argv += ["--config", str(config)]

@@ -168,11 +168,11 @@ def _persist(mode, snap, folder: Path, slice_ids: list[int]) -> float:
 def run_ranks(target: int, repeat: int, work: Path, note: Note) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from pyrecover import dist
+    from pyrecover import spawn
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    port = dist.free_port()
+    port = spawn.free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, target, repeat, str(work), out),
                          name=f"pyrecover-bench-rank{r}") for r in range(WORLD_SIZE)]
     for p in procs:

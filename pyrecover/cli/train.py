@@ -31,24 +31,24 @@ def train(
     Run the same command again after any interruption: it picks up where the last committed
     checkpoint left off, with the same data position and random state.
     """
-    from pyrecover import batch, data, dist
+    from pyrecover import batch, data, dist, spawn
     from pyrecover import config as config_mod
 
     cfg = config_mod.load(config, overrides or [])
     target = run_dir if run_dir is not None else cfg.run_dir()
     env = dist.detect(os.environ)
     if nproc > 1 and env.launcher in ("single", "slurm"):  # slurm: one task per node
-        workers = dist.worker_envs(env, nproc)  # refuses a layout it cannot spawn
+        workers = spawn.worker_envs(env, nproc)  # refuses a layout it cannot spawn
         batch.resolve(cfg, int(workers[0]["WORLD_SIZE"]))  # before spawning anything
         config_mod.check_local_gpus(cfg, nproc, dist.visible_gpus())
         data.check_source(cfg.data.path, cfg.data.column)
-        argv = dist.python_argv() + ["train", "--run-dir", str(target)]
+        argv = spawn.python_argv() + ["train", "--run-dir", str(target)]
         if config is not None:
             argv += ["--config", str(config)]
         for item in overrides or []:
             argv += ["--set", item]
         gc.enable()  # off for a trainer's start-up (pyrecover/__main__.py); this one waits
-        code = dist.spawn_local(argv, nproc, os.environ,
+        code = spawn.spawn_local(argv, nproc, os.environ,
                                 parent=None if env.launcher == "single" else env)
         raise typer.Exit(code)
     if nproc > 1:

@@ -192,7 +192,7 @@ def step_lines(spec: JobSpec) -> list[list[Word]]:
         if spec.cpus_per_task is not None:
             srun.append(f"--cpus-per-task={spec.cpus_per_task * spec.gpus_per_node}")
     if spec.launcher == "spawn":
-        # pyrecover.dist.worker_envs: node n's workers are ranks n x gpus_per_node and up.
+        # pyrecover.spawn.worker_envs: node n's workers are ranks n x gpus_per_node and up.
         train.extend(["--nproc", str(spec.gpus_per_node)])
     command: list[list[Word]]
     if spec.launcher == "torchrun":

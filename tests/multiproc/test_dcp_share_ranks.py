@@ -14,7 +14,7 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from pyrecover import dist
+from pyrecover import dist, spawn
 from pyrecover.bench.state import build_state
 from pyrecover.checkpoint import CheckpointManager, share, store
 from pyrecover.model import GPT, GPTConfig
@@ -59,7 +59,7 @@ def _rank(rank: int, port: int, root: str, errors) -> None:
 def test_each_rank_stages_half_the_state_and_the_checkpoint_holds_all_of_it(tmp_path):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = dist.free_port()
+    port = spawn.free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), errors)) for r in range(2)]
     for p in procs:
         p.start()

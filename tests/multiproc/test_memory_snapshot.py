@@ -12,7 +12,7 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from pyrecover import dist
+from pyrecover import dist, spawn
 from pyrecover.bench import state as bench
 from pyrecover.checkpoint import memory, rng
 
@@ -86,7 +86,7 @@ def test_a_snapshot_holds_the_state_of_its_step_and_a_survivor_never_writes_a_pa
         tmp_path):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = dist.free_port()
+    port = spawn.free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), errors)) for r in range(2)]
     for p in procs:
         p.start()

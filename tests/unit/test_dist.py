@@ -9,12 +9,11 @@ from pyrecover.dist import (
     cpu_threads,
     detect,
     device_index,
-    exit_status,
     expand_hostlist,
     expand_tasks_per_node,
     port_for_job,
-    worker_envs,
 )
+from pyrecover.spawn import exit_status, worker_envs
 
 
 @pytest.mark.parametrize("nodelist, hosts", [

@@ -9,7 +9,7 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 
 from pyrecover import heartbeat
-from pyrecover.dist import free_port
+from pyrecover.spawn import free_port
 
 
 def test_a_rank_whose_heartbeat_stops_is_named_silent_and_one_that_exited_is_not():
