@@ -24,7 +24,7 @@ import pytest
 import yaml
 from localslurm import LocalSlurm
 from test_requeue_e2e import events, kinds, last_step, launch_env, wait_for
-from test_sweep_e2e import explain, preempt_and_finish, sweep_launch_argv
+from test_sweep_e2e import explain, preempt_and_finish, sweep_launch_argv, sweep_status
 from test_sweep_wandb_e2e import carries_sweep, offline_runs
 
 from pyrecover import config as config_mod
@@ -128,11 +128,7 @@ def test_a_bayes_sweep_gets_each_trials_values_from_wandb_once_and_a_requeue_reu
             assert info["Restarts"] == "0" and kinds(trial) == ["start", "finish"]
         assert [e["step"] for e in events(trial) if e["event"] == "finish"] == [MAX_STEPS]
 
-    done = subprocess.run([sys.executable, "-m", "pyrecover", "sweep", "status",
-                           str(sweep_dir), "--json"], env=env, capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = sweep_status(sweep_dir, env)
     assert {t["state"] for t in report["trials"]} == {"finished"}
     assert sorted(json.dumps(t["params"], sort_keys=True) for t in report["trials"]) == sorted(
         json.dumps(v, sort_keys=True) for v in handed.values())

@@ -102,11 +102,7 @@ def test_a_grid_sweep_runs_as_one_array_and_a_preempted_trial_requeues_alone(
             assert kinds(trial) == ["start", "finish"], explain(sweep_dir)
         assert [e["step"] for e in events(trial) if e["event"] == "finish"] == [MAX_STEPS]
 
-    done = subprocess.run([sys.executable, "-m", "pyrecover", "sweep", "status",
-                           str(sweep_dir), "--json"], env=env, capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = sweep_status(sweep_dir, env)
     finals = {t["index"]: t["last"] for t in report["trials"]}
     assert [t["index"] for t in report["trials"]] == sorted(finals, key=finals.__getitem__)
     assert report["best"] == report["trials"][0]["index"]
@@ -154,3 +150,12 @@ def preempt_and_finish(cluster: LocalSlurm, tasks: list[str], preempted: int,
         return all(cluster.job_state(t) in TERMINAL_STATES for t in tasks) and all(
             "finish" in kinds(sweep_dir / f"trial-{i}") for i in range(len(tasks)))
     wait_for(all_ended, 600, "every trial finished", lambda: explain(sweep_dir))
+
+
+def sweep_status(sweep_dir: Path, env: dict[str, str]) -> dict:
+    """sweep_status is `pyrecover sweep status SWEEP_DIR --json`, which must succeed."""
+    done = subprocess.run([sys.executable, "-m", "pyrecover", "sweep", "status",
+                           str(sweep_dir), "--json"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
