@@ -18,30 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from pyrecover.datasource import DataError, check_source, first_line
+
 EOD = 256  # end-of-document token for byte-level text
-
-
-class DataError(ValueError):
-    """The corpus cannot be used: missing, unreadable, empty or without the configured column."""
-
-
-def check_source(path: str | Path, column: str) -> pa.Schema:
-    """check_source raises DataError unless `path` is a readable parquet with `column`.
-
-    Reads only the footer, so a launcher can check before it starts any worker.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"data file {str(p)!r} does not exist; build one with "
-                        "`pyrecover data prepare SRC_DIR OUT.parquet`")
-    try:
-        schema = pq.read_schema(p)
-    except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{p}: not a readable parquet file ({_first_line(exc)})") from None
-    if column not in schema.names:
-        raise DataError(f"{p}: no column {column!r} (data.column); it has: "
-                        + ", ".join(schema.names))
-    return schema
 
 
 def load_tokens(path: str | Path, column: str) -> torch.Tensor:
@@ -51,7 +30,7 @@ def load_tokens(path: str | Path, column: str) -> torch.Tensor:
     try:
         col = pq.read_table(p, columns=[column]).column(column).combine_chunks()
     except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{p}: cannot read column {column!r} ({_first_line(exc)})") from None
+        raise DataError(f"{p}: cannot read column {column!r} ({first_line(exc)})") from None
     kind = col.type
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
         tokens = _bytes_tokens(col)
@@ -101,10 +80,6 @@ def _doc_ends(docs: list[bytes]) -> list[int]:
         pos += len(doc) + 1
         ends.append(pos - 1)
     return ends
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 @dataclass

@@ -160,8 +160,17 @@ def expand_tasks_per_node(spec: str) -> list[int]:
     return counts
 
 
-def visible_gpus() -> int:
-    """visible_gpus is how many CUDA devices this process sees (0 without CUDA)."""
+def visible_gpus(dev: str = "/dev") -> int:
+    """visible_gpus is how many CUDA devices this process sees (0 without CUDA).
+
+    Where the kernel has no GPU device (no NVIDIA /dev/nvidiaN, no ROCm /dev/kfd) torch can
+    see none either, and the answer comes without importing torch (about a second of CPU,
+    which a launcher such as `train --nproc` would pay on every start before its workers).
+    """
+    gpu_nodes = [n for n in os.listdir(dev) if re.fullmatch(r"nvidia\d+|kfd", n)] \
+        if os.path.isdir(dev) else ["unknown"]
+    if not gpu_nodes:
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

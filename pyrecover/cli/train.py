@@ -31,7 +31,7 @@ def train(
     Run the same command again after any interruption: it picks up where the last committed
     checkpoint left off, with the same data position and random state.
     """
-    from pyrecover import batch, data, dist, spawn
+    from pyrecover import batch, datasource, dist, spawn
     from pyrecover import config as config_mod
 
     cfg = config_mod.load(config, overrides or [])
@@ -40,8 +40,9 @@ def train(
     if nproc > 1 and env.launcher in ("single", "slurm"):  # slurm: one task per node
         workers = spawn.worker_envs(env, nproc)  # refuses a layout it cannot spawn
         batch.resolve(cfg, int(workers[0]["WORLD_SIZE"]))  # before spawning anything
-        config_mod.check_local_gpus(cfg, nproc, dist.visible_gpus())
-        data.check_source(cfg.data.path, cfg.data.column)
+        if cfg.train.device != "cpu":  # on a GPU machine counting them imports torch
+            config_mod.check_local_gpus(cfg, nproc, dist.visible_gpus())
+        datasource.check_source(cfg.data.path, cfg.data.column)
         argv = spawn.python_argv() + ["train", "--run-dir", str(target)]
         if config is not None:
             argv += ["--config", str(config)]

@@ -20,3 +20,17 @@ def test_a_killed_worker_ends_the_task_with_a_crash_code_and_no_stop(tmp_path, c
     assert done.returncode in (1, 128 + 9), done.stderr[-3000:]
     kinds = [e["event"] for e in read_jsonl(tmp_path / "crash" / "events.jsonl")]
     assert "stop" not in kinds and "finish" not in kinds
+
+
+def test_more_workers_than_gpus_on_cuda_is_one_line_before_any_worker_starts(tmp_path, corpus):
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has a GPU for each of the 2 workers")
+    done = pyrecover("train", "--nproc", "2",
+                     *tiny_args(tmp_path, corpus, "gpus", "train.device=cuda"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+    assert "2 processes on this machine need 2 GPUs" in done.stderr
+    assert "--set train.device=cpu" in done.stderr
+    assert not (tmp_path / "gpus" / "events.jsonl").exists()  # no worker started

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from pyrecover.dist import (
@@ -154,3 +157,20 @@ def test_a_workers_death_by_signal_reads_as_the_shell_shows_it(code, status):
 def test_cpu_ranks_share_the_nodes_cores_unless_omp_num_threads_pins_them(environ, cores, local,
                                                                           expected):
     assert cpu_threads(environ, cores, local) == expected
+
+
+def test_visible_gpus_without_a_gpu_device_answers_without_importing_torch(tmp_path):
+    # A launcher (`train --nproc`) asks before it starts its workers: where the kernel has no
+    # GPU device, torch could see none, and importing it would cost every start a second.
+    probe = ("import sys; from pyrecover import dist; "
+             f"print(dist.visible_gpus({str(tmp_path)!r}), 'torch' in sys.modules)")
+    (tmp_path / "null").touch()
+    (tmp_path / "nvidia-uvm").touch()  # the driver's helpers are no GPU
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert run.stdout.split() == ["0", "False"], run.stderr
+    (tmp_path / "nvidia0").touch()  # a GPU node: torch is asked, and counts what it sees
+    import torch
+
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert run.stdout.split() == [str(seen), "True"], run.stderr
