@@ -74,14 +74,7 @@ def bench_restart(storage: Path, cluster: Path | None, config: Path | None,
                   repeat: int, state_gb: float | None, timeout: float = 600.0,
                   note: Note = quiet) -> dict[str, Any]:
     """bench_restart runs the benchmark (see the module) and returns its report."""
-    bad = [k for k in kinds if k not in KINDS]
-    if bad or not kinds or repeat < 1:
-        raise BenchError(f"--interrupt must be one of {', '.join(KINDS)} and --repeat >= 1 "
-                         f"(got {', '.join(kinds) or 'none'}, {repeat})")
-    if state_gb is not None and not 0 < state_gb <= 64:
-        raise BenchError(f"--state-gb must be in (0, 64] (got {state_gb:g})")
-    if not timeout > 0:  # nan too: every wait would end at once, after a job was submitted
-        raise BenchError(f"--timeout must be a number of seconds > 0 (got {timeout:g})")
+    check_args(kinds, repeat, state_gb, timeout)
     storage = storage.resolve()
     storage.mkdir(parents=True, exist_ok=True)
     name = f"bench-restart-{uuid.uuid4().hex[:8]}"
@@ -131,6 +124,19 @@ def bench_restart(storage: Path, cluster: Path | None, config: Path | None,
     return {"job": job, "run_dir": str(run.root), "world_size": world, "state_gb": state_gb,
             "state_bytes": _state_bytes(run), "cycles": cycles,
             "summary": summarize(cycles, state_gb), "machine": machine(storage)}
+
+
+def check_args(kinds: Sequence[str], repeat: int, state_gb: float | None,
+               timeout: float) -> None:
+    """check_args refuses, in one line, what the benchmark cannot run (before it starts)."""
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds or repeat < 1:
+        raise BenchError(f"--interrupt must be one of {', '.join(KINDS)} and --repeat >= 1 "
+                         f"(got {', '.join(kinds) or 'none'}, {repeat})")
+    if state_gb is not None and not 0 < state_gb <= 64:
+        raise BenchError(f"--state-gb must be in (0, 64] (got {state_gb:g})")
+    if not timeout > 0:  # nan too: every wait would end at once, after a job was submitted
+        raise BenchError(f"--timeout must be a number of seconds > 0 (got {timeout:g})")
 
 
 class Waiter:
@@ -185,15 +191,22 @@ def interrupt(waiter: Waiter, kind: str, index: int) -> dict[str, Any]:
                               "the restart")
         delay = _sacct_delay(waiter.job, restarts)
         delay = query.requeue_delay(record) if delay is None else delay
+    return cycle(kind, sent, seen, step, runs[index] + runs[resumed], resumed - index - 1,
+                 resumed, delay)
+
+
+def cycle(kind: str, sent: float, seen: float, step: float, events: list[dict[str, Any]],
+          failed_starts: int, resumed: int, delay: float | None) -> dict[str, Any]:
+    """cycle is one interruption's report: the phases of `events` (the interrupted attempt's
+    and the resumed one's) from the moment `sent` to the resumed `step`, each with its gap."""
     rows = [{"phase": f"{kind}_sent", "time": sent}]
-    rows += [r for r in last_interruption(runs[index] + runs[resumed])
-             if r["phase"] != "last_record"]
+    rows += [r for r in last_interruption(events) if r["phase"] != "last_record"]
     previous = sent
     for row in rows:
         row["gap"] = round(row["time"] - previous, 3)
         previous = row["time"]
     total = step - sent
-    return {"kind": kind, "attempt": resumed, "failed_starts": resumed - index - 1,
+    return {"kind": kind, "attempt": resumed, "failed_starts": failed_starts,
             "rows": rows, "total_s": round(total, 3),
             "observed_s": round(seen - sent, 3), "requeue_delay_s": delay,
             "rest_s": None if delay is None else round(total - delay, 3)}

@@ -162,6 +162,12 @@ def restart(
         "instead of the config's model.")] = None,
     timeout: Annotated[float, typer.Option(
         help="Seconds to wait for any one event (a start, a resumed step).")] = 600.0,
+    local: Annotated[bool, typer.Option(
+        "--local", help="No SLURM: run `pyrecover train --nproc N` here and restart it at "
+        "once after each interruption (the bench plays the job script), to time everything "
+        "but SLURM's part on a machine without a cluster.")] = False,
+    nproc: Annotated[int | None, typer.Option(
+        help="With --local: trainer processes (the world size); default 2.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Signal or crash to the first resumed step of a real job, phase by phase, minus the
@@ -169,7 +175,8 @@ def restart(
 
     Submits one job with `pyrecover launch`, interrupts it --repeat times per kind, waits on
     its events for each resume, then cancels it. `make bench-restart` runs it on a throwaway
-    local SLURM cluster.
+    local SLURM cluster. With --local there is no job: e.g. `pyrecover bench restart --local
+    --nproc 2 --dir /tmp/b --config launch/experiments/tiny.yaml --set train.device=cpu`.
     """
     from pyrecover.bench import common
     from pyrecover.bench import restart as bench_restart
@@ -179,13 +186,30 @@ def restart(
                         ("--launcher", launcher), ("--spare-nodes", spare_nodes),
                         ("--time", time_limit)):
         launch_args += [flag, str(value)] if value is not None else []
+    job_only = launch_args[::2] + (["--cluster"] if cluster is not None else [])
+    if local and job_only:
+        raise user_error(f"{', '.join(job_only)}: for a SLURM job; --local runs without one "
+                         "(--nproc sets its world size)")
+    if nproc is not None and not local:
+        raise user_error("--nproc is for --local; a job's processes are --nodes x "
+                         "--gpus-per-node")
+    kinds = tuple(interrupt or bench_restart.KINDS)
     try:
-        report = bench_restart.bench_restart(
-            directory, cluster, config, overrides or [], launch_args,
-            tuple(interrupt or bench_restart.KINDS), repeat, state_gb, timeout, note=_note)
+        if local:
+            from pyrecover.bench import restart_local
+
+            report = restart_local.bench_restart_local(
+                directory, config, overrides or [], 2 if nproc is None else nproc, kinds,
+                repeat, state_gb, timeout, note=_note)
+            text = restart_local.format_local
+        else:
+            report = bench_restart.bench_restart(
+                directory, cluster, config, overrides or [], launch_args, kinds, repeat,
+                state_gb, timeout, note=_note)
+            text = bench_restart.format_restart
     except common.BenchError as exc:
         raise user_error(exc) from None
-    typer.echo(common.to_json(report) if as_json else bench_restart.format_restart(report))
+    typer.echo(common.to_json(report) if as_json else text(report))
 
 
 @bench_app.command("compile")
