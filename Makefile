@@ -56,13 +56,19 @@ gpu-test: image
 # Every GPU path on a machine with an NVIDIA GPU and a CUDA torch already installed (no
 # container, SLURM, network, wandb or spython): tests/gpu, bench train on gpt-125m (every mode,
 # memory with a snapshot every step, the plain compiled loop), bench ckpt at 2 GB, bench compile
-# (a restart's first step with the run's compile cache vs an empty one). One report:
-# runs/gpu-check/report.txt and report.json. Uses that machine's python3 and its torch.
+# (a restart's first step with the run's compile cache vs an empty one), bench restart --local
+# (signal and crash to the first resumed step without SLURM: CPU at world sizes 2 and 4, and
+# the GPU). One report: runs/gpu-check/report.txt and report.json. Uses that machine's python3
+# and its torch. Split over several commands (a machine that limits one command's time):
+# make gpu-check GPU_CHECK_ARGS="--only tests --only train", then the other steps; each
+# call keeps the steps of the report already there.
 GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
 gpu-check:
 	$(GPU_PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e . \
 	  || echo "gpu-check: pip could not install the package; running it from the source tree"
-	PYTHONPATH="$(CURDIR)" $(GPU_PYTHON) -m pyrecover bench gpu-check --out runs/gpu-check
+	PYTHONPATH="$(CURDIR)" $(GPU_PYTHON) -m pyrecover bench gpu-check --out runs/gpu-check \
+	  $(GPU_CHECK_ARGS)
 
 # Checkpoint speed on this machine's disk against its raw limit and torch.save/load, then
 # training throughput with each mode vs. none (README "Benchmarks"), on the tiny test model,

@@ -3,10 +3,14 @@
 On any Linux machine with an NVIDIA GPU and a CUDA torch (no container, SLURM or network):
 runs `tests/gpu`, then `bench train` on an experiment (every mode, plus memory mode with a
 snapshot every step, and the plain compiled loop as the baseline), then `bench ckpt`, then
-`bench compile` (a restart's first step with the run's compile cache and without), and
-writes `report.json` and `report.txt` with the issue's bounds checked side by side. Each
-step is the real command in a fresh process, so one that fails is reported and the next
-still runs. `make gpu-check` calls it with the defaults.
+`bench compile` (a restart's first step with the run's compile cache and without), then
+`bench restart --local` (a signal and a crash to the first resumed step without SLURM: the
+tiny model on this machine's CPU cores at world sizes 2 and 4, and the experiment on the
+GPU), and writes `report.json` and `report.txt` with the issues' bounds checked side by
+side. Each step is the real command in a fresh process, so one that fails is reported and
+the next still runs. `--only STEP` runs some of them and keeps the others from an earlier
+report of the same device (a machine that limits one command's time). `make gpu-check`
+calls it with the defaults.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pyrecover.bench.common import num
+
 Note = Callable[[str], None]
 
 # (what, the row it reads, the figure, the bound): the figures that decide the GPU issue.
@@ -32,7 +38,20 @@ BOUNDS: tuple[tuple[str, str, str, str, float], ...] = (
     ("tokens/s, memory with a snapshot every step, vs none", "memory-every-step", "memory",
      ">=", 0.95),
     ("loop blocked per dcp-async save vs torch.save + fsync", "ckpt", "dcp-async", "<=", 0.03),
+    # Issue 13's and 15's bounds on a restart's rest, on this machine's cores with no SLURM
+    # (bench restart --local, train.device=cpu, the tiny model): seconds, not ratios.
+    ("restart after a signal, world size 2 CPU, no SLURM (s)", "restart-cpu", "signal",
+     "<=", 3.0),
+    ("restart after a crash, world size 2 CPU, no SLURM (s)", "restart-cpu", "crash",
+     "<=", 5.0),
+    ("restart after a crash, world size 4 CPU, no SLURM (s)", "restart-cpu-4", "crash",
+     "<=", 5.0),
 )
+# Every step, in the order they run; `--only` picks some (the corpus comes with any that
+# trains). A report from an earlier call on the same device keeps the steps not run again.
+STEPS = ("tests", "train", "memory-every-step", "ckpt", "compile", "restart-cpu",
+         "restart-cpu-4", "restart-gpu")
+TINY = Path(__file__).resolve().parents[2] / "launch" / "experiments" / "tiny.yaml"
 
 
 class GpuCheckError(ValueError):
@@ -75,6 +94,9 @@ def figure(steps: dict[str, Step], source: str, row: str) -> float | None:
     step = steps.get(source)
     if step is None or step.report is None:
         return None
+    if source.startswith("restart"):
+        summary = step.report.get("summary", {}).get(row, {})
+        return (summary.get("figures", {}).get("rest_s") or {}).get("median")
     for r in step.report.get("rows", []):
         if source == "ckpt" and r.get("method") == row and r.get("metric") == "blocked":
             return r.get("vs_torch")
@@ -94,9 +116,16 @@ def verdicts(steps: dict[str, Step]) -> list[dict[str, Any]]:
 
 def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup: int,
               interval: int, size_gb: float, run_tests: bool = True, allow_cpu: bool = False,
-              note: Note = lambda _: None) -> dict[str, Any]:
-    """gpu_check runs every step and writes the report into `out`; returns the report."""
+              note: Note = lambda _: None, only: tuple[str, ...] = (),
+              restart_repeat: int = 2) -> dict[str, Any]:
+    """gpu_check runs every step (or those in `only`) and writes the report into `out`;
+    returns the report."""
     import torch
+
+    unknown = [name for name in only if name not in STEPS]
+    if unknown:
+        raise GpuCheckError(f"--only {unknown[0]!r}: no such step; the steps are "
+                            + ", ".join(STEPS))
 
     if not torch.cuda.is_available() and not allow_cpu:
         raise GpuCheckError(
@@ -112,7 +141,7 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
     if not own_data and not corpus.is_file():
         plan.append((Step("corpus", [*python_argv(), "data", "prepare", "--max-mb", "20",
                                      sysconfig.get_paths()["stdlib"], str(corpus)]), False))
-    if run_tests:
+    if run_tests and (not only or "tests" in only):
         repo = Path(__file__).resolve().parents[2]
         plan.append((Step("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                     str(repo / "tests" / "gpu")]), False))
@@ -135,15 +164,31 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
     for item in ([] if own_data else [f"data.path={corpus}"]) + overrides:
         compile_argv += ["--set", item]
     plan.append((Step("compile", compile_argv), True))
-    done: dict[str, Step] = {}
+    data = ["--set", next((i for i in overrides if i.startswith("data.path=")),
+                          f"data.path={corpus}")]
+    restart = [*python_argv(), "bench", "restart", "--local", "--repeat", str(restart_repeat),
+               "--json", *data]
+    cpu = ["--config", str(TINY), "--set", "train.device=cpu"]
+    plan.append((Step("restart-cpu", [*restart, "--dir", str(storage), "--nproc", "2", *cpu]),
+                 True))
+    plan.append((Step("restart-cpu-4", [*restart, "--dir", str(storage), "--nproc", "4",
+                                        "--interrupt", "crash", *cpu]), True))
+    gpu = [*restart, "--dir", str(storage), "--nproc", "1", "--config", str(config)]
+    for item in [*overrides, "checkpoint.interval=5"]:  # a crash waits for a checkpoint
+        gpu += ["--set", item]
+    plan.append((Step("restart-gpu", gpu), True))
+    if only:
+        plan = [(s, j) for s, j in plan if s.name == "corpus" or s.name in only]
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    done = earlier_steps(out / "report.json", device, note) if only else {}
     for step, json_out in plan:
         note(f"{step.name}: {' '.join(step.argv[2:])}")
         done[step.name] = run_step(step, out, env, json_out)
         status = "ok" if step.returncode == 0 else f"FAILED (exit {step.returncode})"
         note(f"{step.name}: {status} in {step.seconds:.0f}s")
+    done = {name: done[name] for name in ("corpus", *STEPS) if name in done}
     report = {
-        "kind": "gpu-check",
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "kind": "gpu-check", "device": device,
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "cpus": os.cpu_count(), "config": str(config),
         "steps": {s.name: {"argv": s.argv, "returncode": s.returncode,
@@ -154,6 +199,22 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.txt").write_text(format_report(report))
     return report
+
+
+def earlier_steps(path: Path, device: str, note: Note) -> dict[str, Step]:
+    """earlier_steps are the steps of an earlier report on this device (a check split over
+    several calls, e.g. a machine's 10-minute command limit); none from another device."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if earlier.get("device") != device:
+        note(f"{path}: from {earlier.get('device')!r}, not {device!r}; starting a new report")
+        return {}
+    steps = {name: Step(name, s["argv"], s["seconds"], s["returncode"], s["report"], s["tail"])
+             for name, s in earlier.get("steps", {}).items()}
+    note(f"keeping {', '.join(steps) or 'no steps'} from {path}")
+    return steps
 
 
 def tests_summary(tail: str) -> str:
@@ -179,10 +240,22 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{'first step of a restart, run compile cache vs empty (s/s)':<58} "
                      f"{compiled['cached_vs_uncached']:>7.3f} {'':>8}  "
                      f"({compiled['cached_s']:.1f}s vs {compiled['uncached_s']:.1f}s)")
+    restarted = (report["steps"].get("restart-gpu") or {}).get("report")
+    if restarted:
+        for kind, summary in restarted["summary"].items():
+            rest = (summary["figures"].get("rest_s") or {}).get("median")
+            what = f"restart after a {kind}, GPU, world size 1, no SLURM (s)"
+            lines.append(f"{what:<58} {num(rest, 3):>7}")
     for name in ("train", "memory-every-step"):
         step = report["steps"].get(name, {})
         if step.get("report"):
             from pyrecover.bench.train import format_train
 
             lines += ["", f"--- bench train ({name}) ---", format_train(step["report"])]
+    for name in ("restart-cpu", "restart-cpu-4", "restart-gpu"):
+        step = report["steps"].get(name, {})
+        if step.get("report"):
+            from pyrecover.bench.restart_local import format_local
+
+            lines += ["", f"--- bench restart --local ({name}) ---", format_local(step["report"])]
     return "\n".join(lines) + "\n"

@@ -259,9 +259,16 @@ def gpu_check(
     tests: Annotated[bool, typer.Option(help="Run tests/gpu first.")] = True,
     allow_cpu: Annotated[bool, typer.Option(
         help="Run without a GPU (to try the check itself; its figures mean nothing).")] = False,
+    only: Annotated[list[str] | None, typer.Option(
+        "--only", help="Run only this step (repeatable): tests, train, memory-every-step, "
+        "ckpt, compile, restart-cpu, restart-cpu-4, restart-gpu. The report keeps the other "
+        "steps of an earlier report in --out from the same GPU.")] = None,
+    restart_repeat: Annotated[int, typer.Option(
+        help="Interruptions of each kind in the restart steps.")] = 2,
 ) -> None:
     """Every GPU path on this machine in one report: tests/gpu, bench train (all modes, memory
-    with a snapshot every step, the plain compiled loop), bench ckpt; bounds checked.
+    with a snapshot every step, the plain compiled loop), bench ckpt, bench compile, bench
+    restart --local (CPU at world sizes 2 and 4, and the GPU); bounds checked.
 
     Needs only a CUDA build of torch and this package (`pip install --no-deps -e .`); no
     container, SLURM, network, wandb or spython. `make gpu-check` runs it.
@@ -270,7 +277,8 @@ def gpu_check(
 
     try:
         report = check.gpu_check(out, config, overrides or [], steps, warmup, interval, size_gb,
-                                 tests, allow_cpu, note=_note)
+                                 tests, allow_cpu, note=_note, only=tuple(only or ()),
+                                 restart_repeat=restart_repeat)
     except check.GpuCheckError as exc:
         raise user_error(exc) from None
     typer.echo(check.format_report(report), nl=False)

@@ -12,12 +12,14 @@ def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus)
     out = tmp_path / "check"
     done = pyrecover("bench", "gpu-check", "--out", str(out), "--config", str(TINY),
                      "--set", f"data.path={corpus}", "--steps", "3", "--warmup", "1",
-                     "--interval", "2", "--size-gb", "0.01", "--no-tests", "--allow-cpu")
+                     "--interval", "2", "--size-gb", "0.01", "--no-tests", "--allow-cpu",
+                     "--restart-repeat", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert {n: s["returncode"] for n, s in report["steps"].items()} == {
-        "train": 0, "memory-every-step": 0, "ckpt": 0, "compile": 0}
-    assert len(report["bounds"]) == 4
+        "train": 0, "memory-every-step": 0, "ckpt": 0, "compile": 0, "restart-cpu": 0,
+        "restart-cpu-4": 0, "restart-gpu": 0}
+    assert len(report["bounds"]) == 7
     assert all(isinstance(b["value"], float) and b["met"] in (True, False)
                for b in report["bounds"]), report["bounds"]
     rows = {r["mode"]: r for r in report["steps"]["train"]["report"]["rows"]}
@@ -29,6 +31,24 @@ def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus)
     text = (out / "report.txt").read_text()
     assert "vs the plain compiled loop" in text and (out / "train.log").is_file()
     assert "run compile cache vs empty" in text
+    # The restarts: world sizes 2 and 4 on the CPU, and the experiment on the device.
+    worlds = {n: report["steps"][n]["report"]["world_size"]
+              for n in ("restart-cpu", "restart-cpu-4", "restart-gpu")}
+    assert worlds == {"restart-cpu": 2, "restart-cpu-4": 4, "restart-gpu": 1}
+    assert "restart after a crash, GPU, world size 1" in text
+    assert "--- bench restart --local (restart-cpu-4) ---" in text
+
+    # A check split over calls: one step again keeps the others of the same device.
+    again = pyrecover("bench", "gpu-check", "--out", str(out), "--config", str(TINY),
+                      "--set", f"data.path={corpus}", "--allow-cpu", "--only", "ckpt",
+                      "--size-gb", "0.01")
+    assert again.returncode == 0, again.stderr[-3000:]
+    merged = json.loads((out / "report.json").read_text())
+    assert list(merged["steps"]) == list(report["steps"])
+    assert merged["steps"]["compile"] == report["steps"]["compile"]
+    assert merged["steps"]["ckpt"] != report["steps"]["ckpt"]  # measured again
+    wrong = pyrecover("bench", "gpu-check", "--out", str(out), "--allow-cpu", "--only", "nope")
+    assert wrong.returncode == 2 and "no such step" in wrong.stderr, wrong.stderr
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
