@@ -14,7 +14,8 @@ def files_under(path):
 
 @pytest.mark.parametrize("args, message", [
     (["--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
-    (["--config", str(TINY), "--set", "train.nope=1"], "unknown key 'train.nope'"),
+    (["--config", str(TINY), "--set", "train.nope=1"],
+     "error: --set train.nope: unknown key 'train.nope'"),
     (["--config", str(TINY), "--set", "run.exp_name=../../etc"], "run.exp_name='../../etc'"),
     (["--config", str(TINY), "--set", "run.exp_name=a/b"], "run.exp_name='a/b'"),
     (["--config", str(TINY), "--set", "run.exp_name=.."], "run.exp_name='..'"),
@@ -33,6 +34,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert "Traceback" not in done.stderr
     assert files_under(tmp_path) == before
+    if "--set" in message:  # a --set mistake is not blamed on the (valid) config file
+        assert str(TINY) not in lines[0]
 
 
 def test_ckpt_commands_on_a_folder_that_is_not_a_run_say_so(tmp_path):
