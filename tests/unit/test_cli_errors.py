@@ -64,3 +64,19 @@ def test_cancel_of_a_run_no_slurm_job_started_or_of_no_run_says_so_in_one_line(t
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith("error: ") and said in done.stderr, done.stderr
         assert len(done.stderr.splitlines()) == 1
+
+
+def test_data_prepare_into_a_folder_or_an_unwritable_place_is_one_line_and_leaves_nothing(
+        tmp_path):
+    src = tmp_path / "texts"
+    src.mkdir()
+    (src / "a.py").write_text("print('hi')\n")
+    for out, said in ((src, "is a folder; give the parquet file to write"),
+                      (tmp_path / "not-a-dir" / "x" / "c.parquet", "cannot write")):
+        if out != src:
+            (tmp_path / "not-a-dir").write_text("a file where a folder should be")
+        done = pyrecover("data", "prepare", str(src), str(out))
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("error: ") and said in done.stderr, done.stderr
+        assert len(done.stderr.splitlines()) == 1
+    assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
