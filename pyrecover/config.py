@@ -68,7 +68,8 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+            what = "is a folder, not a YAML file" if p.is_dir() else "does not exist"
+            raise ConfigError(f"config file {str(p)!r} {what}")
         raw = read_yaml(p) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: expected a mapping of sections, got {type(raw).__name__}")

@@ -24,6 +24,9 @@ def files_under(path):
     (["--config", str(TINY), "--set", "data.path=wrong.parquet"],
      "wrong.parquet: no column 'text' (data.column); it has: body"),
     (["--config", str(TINY), "--nproc", "3"], "train.global_batch_size=8 is not allowed"),
+    (["--config", "."], "config file '.' is a folder, not a YAML file"),
+    (["--config", str(TINY), "--set", "data.path=."],
+     "data file '.' is a folder, not a parquet file"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message):
     pq.write_table(pa.table({"body": ["some text"]}), tmp_path / "wrong.parquet")
