@@ -19,7 +19,13 @@ def prepare(
     max_mb: Annotated[float | None, typer.Option(
         min=0.001, help="Stop after this many megabytes of text.")] = None,
 ) -> None:
-    """Build a parquet corpus, one row per file, in sorted path order (reproducible)."""
+    """Build a parquet corpus, one row per file, in sorted path order (reproducible).
+
+    \b
+    Examples:
+      pyrecover data prepare ~/my-texts corpus.parquet --suffix .txt --suffix .md
+      pyrecover data prepare /usr/lib/python3.11 data/stdlib.parquet --max-mb 2
+    """
     from pyrecover import data
 
     suffixes = tuple(suffix) if suffix else (".py",)
