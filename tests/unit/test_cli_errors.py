@@ -83,3 +83,21 @@ def test_data_prepare_into_a_folder_or_an_unwritable_place_is_one_line_and_leave
         assert done.stderr.startswith("error: ") and said in done.stderr, done.stderr
         assert len(done.stderr.splitlines()) == 1
     assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
+
+
+def test_a_data_mistake_on_an_existing_run_is_one_line_and_recorded_as_its_error(tmp_path):
+    """As the README says: nothing is written but the `error` event the job script reads."""
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(tmp_path / "store" / "exp")
+    run.create()
+    run.event("start", step=0)
+    before = files_under(run.root)
+    done = pyrecover("train", "--config", str(TINY), "--run-dir", str(run.root),
+                     "--set", "data.path=no-such.parquet", cwd=tmp_path)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert files_under(run.root) == before
+    last = run.events.read_text().splitlines()[-1]
+    assert '"event": "error"' in last and "no-such.parquet" in last
+    status = pyrecover("status", str(run.root))
+    assert "state       error" in status.stdout and "no-such.parquet" in status.stdout
