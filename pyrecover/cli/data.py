@@ -15,7 +15,7 @@ def prepare(
     src_dir: Annotated[Path, typer.Argument(help="Folder of text files, searched recursively.")],
     out: Annotated[Path, typer.Argument(help="Parquet file to write (a `text` column).")],
     suffix: Annotated[list[str] | None, typer.Option(
-        help="File endings to take; repeatable. Default: .py")] = None,
+        help="File endings to take (.txt or txt); repeatable. Default: .py")] = None,
     max_mb: Annotated[float | None, typer.Option(
         min=0.001, help="Stop after this many megabytes of text.")] = None,
 ) -> None:
@@ -28,7 +28,8 @@ def prepare(
     """
     from pyrecover import data
 
-    suffixes = tuple(suffix) if suffix else (".py",)
+    # `--suffix txt` means `.txt`: Path.suffix, which it is matched against, has the dot
+    suffixes = tuple(s if s.startswith(".") or not s else f".{s}" for s in suffix or [".py"])
     max_bytes = int(max_mb * 1e6) if max_mb is not None else None
     files, size = data.prepare(src_dir, out, suffixes, max_bytes)
     typer.echo(f"wrote {out}: {files} files, {size / 1e6:.1f} MB of text")

@@ -101,3 +101,14 @@ def test_a_data_mistake_on_an_existing_run_is_one_line_and_recorded_as_its_error
     assert '"event": "error"' in last and "no-such.parquet" in last
     status = pyrecover("status", str(run.root))
     assert "state       error" in status.stdout and "no-such.parquet" in status.stdout
+
+
+def test_data_prepare_takes_a_suffix_with_or_without_its_dot(tmp_path):
+    src = tmp_path / "texts"
+    src.mkdir()
+    (src / "a.txt").write_text("hello\n")
+    (src / "b.md").write_text("# hi\n")
+    done = pyrecover("data", "prepare", str(src), str(tmp_path / "c.parquet"),
+                     "--suffix", "txt", "--suffix", ".md")
+    assert done.returncode == 0, done.stderr
+    assert pq.read_table(tmp_path / "c.parquet")["path"].to_pylist() == ["a.txt", "b.md"]
