@@ -68,14 +68,16 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+            what = "is a folder, not a YAML file" if p.is_dir() else "does not exist"
+            raise ConfigError(f"config file {str(p)!r} {what}")
         raw = read_yaml(p) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: expected a mapping of sections, got {type(raw).__name__}")
         source = str(p)
     for item in overrides:
         key, value = parse_override(item)
-        _set_path(raw, key, value)
+        _check_override_key(key)
+        _set_path(raw, key, value, source)
     return from_dict(raw, source)
 
 
@@ -214,13 +216,34 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
+def _check_override_key(dotted: str) -> None:
+    """_check_override_key refuses a `--set` key the schema does not have, naming `--set`
+    (not the config file, which may be fine) and the keys that exist there."""
+    cls: Any = Config
+    prefix = ""
+    for part in dotted.split("."):
+        where = prefix.rstrip(".")
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"--set {dotted}: {where} is a value, not a section")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if part not in fields:
+            raise ConfigError(f"--set {dotted}: unknown key {prefix + part!r}; known under "
+                              f"{where or 'top level'}: {', '.join(fields)}")
+        cls = typing.get_type_hints(cls)[part]
+        prefix += part + "."
+    if dataclasses.is_dataclass(cls):
+        raise ConfigError(f"--set {dotted}: {dotted!r} is a section; set one of its keys, e.g. "
+                          f"{dotted}.{dataclasses.fields(cls)[0].name}=...")
+
+
+def _set_path(raw: dict[str, Any], dotted: str, value: Any, source: str) -> None:
     *parents, leaf = dotted.split(".")
     node = raw
-    for part in parents:
+    for depth, part in enumerate(parents):
         child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {dotted}: {part!r} is a value, not a section")
+        if not isinstance(child, dict):  # the key is in the schema, so the file has it wrong
+            where = ".".join(parents[:depth + 1])
+            raise ConfigError(f"{source}: {where} must be a mapping, got {short(child)}")
         node = child
     node[leaf] = value
 

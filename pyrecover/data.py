@@ -10,6 +10,7 @@ is how many windows were consumed, and it means the same thing at every world si
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,7 +150,8 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
     """
     src = Path(src_dir)
     if not src.is_dir():
-        raise DataError(f"source folder {str(src)!r} does not exist")
+        what = "is not a folder" if src.exists() else "does not exist"
+        raise DataError(f"source folder {str(src)!r} {what}")
     paths, texts, total = [], [], 0
     for path in sorted(src.rglob("*")):
         if not path.is_file() or (suffixes and path.suffix not in suffixes):
@@ -168,8 +170,16 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
     if not texts:
         raise DataError(f"no readable {'/'.join(suffixes) or ''} files under {src}")
     out_path = Path(out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    if out_path.is_dir():
+        raise DataError(f"{out_path} is a folder; give the parquet file to write, e.g. "
+                        f"{out_path / 'corpus.parquet'}")
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    pq.write_table(pa.table({"path": paths, "text": texts}), tmp)
-    os.replace(tmp, out_path)
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"path": paths, "text": texts}), tmp)
+        os.replace(tmp, out_path)
+    except OSError as exc:  # a read-only or missing place, a full disk: say where, no traceback
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise DataError(f"cannot write {out_path}: {exc.strerror or exc}") from None
     return len(texts), total

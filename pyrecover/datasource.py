@@ -22,7 +22,8 @@ def check_source(path: str | Path, column: str) -> pa.Schema:
     """
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"data file {str(p)!r} does not exist; build one with "
+        what = "is a folder, not a parquet file" if p.is_dir() else "does not exist"
+        raise DataError(f"data file {str(p)!r} {what}; build one with "
                         "`pyrecover data prepare SRC_DIR OUT.parquet`")
     try:
         schema = pq.read_schema(p)

@@ -39,6 +39,7 @@ LOST: Color = (198, 219, 239)
 MARKS: dict[str, Color] = {"resume": RESUME, "crash": CRASH, "error": CRASH, "stop": STOP,
                            "requeue": STOP, "signal": STOP}
 FORMATS = (".png", ".svg", ".pdf")
+MAX_SIDE = 8192  # pixels: a 4K or print-size image fits; 100000 would need 40 GB
 DPI = 100
 
 
@@ -139,6 +140,8 @@ def write(run_dir: str | Path, out: str | Path, width: int = 960, height: int = 
         raise PlotError(f"run directory {str(run.root)!r} does not exist")
     if width < 320 or height < 200:
         raise PlotError(f"{width}x{height} is too small; use at least 320x200")
+    if width > MAX_SIDE or height > MAX_SIDE:  # Agg allocates width x height x 4 bytes at once
+        raise PlotError(f"{width}x{height} is too large; use at most {MAX_SIDE}x{MAX_SIDE}")
     if out.suffix.lower() not in FORMATS:
         raise PlotError(f"{out}: unknown format {out.suffix or '(no suffix)'!r}; "
                         f"use {', '.join(FORMATS)}")
@@ -150,7 +153,11 @@ def write(run_dir: str | Path, out: str | Path, width: int = 960, height: int = 
     fig, layout = _draw(run.root.name, series, segments(metrics, "tokens_per_s"), found,
                         width, height)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, format=out.suffix.lower()[1:], dpi=DPI)
+    except (FileExistsError, NotADirectoryError):  # a file where a folder of --out should be
+        raise PlotError(f"{out}: cannot create its folder {out.parent}: a file is in the "
+                        "way") from None
     except OSError as exc:
         raise PlotError(f"{out}: {exc.strerror or exc}") from None
     finally:

@@ -254,11 +254,13 @@ def _kept_step_seconds(metrics: list[dict[str, Any]]) -> float:
 
 
 def _max_steps(run: RunDir) -> int | None:
-    try:
-        import yaml
+    """_max_steps is run.yaml's train.max_steps; a run.yaml that does not read (damaged,
+    hand-edited) leaves the progress line without it: status only reads, it never fails."""
+    from pyrecover.config import ConfigError, read_yaml
 
-        return int(yaml.safe_load(run.config.read_text())["train"]["max_steps"])
-    except (OSError, KeyError, TypeError, ValueError):
+    try:
+        return int(read_yaml(run.config)["train"]["max_steps"])
+    except (ConfigError, KeyError, TypeError, ValueError):
         return None
 
 

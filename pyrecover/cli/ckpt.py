@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-ckpt_app = typer.Typer(help="List, verify and export checkpoints.", no_args_is_help=True)
+ckpt_app = typer.Typer(help="List, verify, export and convert checkpoints.", no_args_is_help=True)
 
 RunArg = Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")]
 StepOpt = Annotated[int | None, typer.Option(help="Checkpoint step; default: the newest valid.")]
@@ -20,7 +20,13 @@ def ls(
     fast: Annotated[bool, typer.Option(help="Check sizes only, not checksums.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
 ) -> None:
-    """Show every checkpoint: step, mode, world size, size, age and whether it verifies."""
+    """Show every checkpoint: step, mode, world size, size, age and whether it verifies.
+
+    \b
+    Examples:
+      pyrecover ckpt ls runs/tiny
+      pyrecover ckpt ls runs/tiny --fast --json
+    """
     from pyrecover.checkpoint import tools
 
     rows = tools.list_checkpoints(tools.open_run(run_dir), checksums=not fast)
@@ -41,10 +47,16 @@ def ls(
 
 
 @ckpt_app.command("verify")
-def verify(run_dir: RunArg, step: StepOpt = None) -> None:
+def verify(run_dir: RunArg, step: Annotated[int | None, typer.Option(
+        help="Check only this step; default: every checkpoint.")] = None) -> None:
     """Check sizes and checksums of every file; exit 0 only if the checkpoint(s) verify.
 
     Without --step, every checkpoint of the run is checked.
+
+    \b
+    Examples:
+      pyrecover ckpt verify runs/tiny
+      pyrecover ckpt verify runs/tiny --step 100
     """
     from pyrecover.checkpoint import tools
 
@@ -78,6 +90,12 @@ def export(
     `safetensors.torch.load_model(GPT(cfg), OUT)`, the config in the file's metadata.
     `--format hf`: `GPT2LMHeadModel.from_pretrained(OUT)` gives the same logits; a model GPT-2
     cannot express is refused. safetensors and hf need `pip install 'pyrecover[hf]'`.
+
+    \b
+    Examples:
+      pyrecover ckpt export runs/tiny --out model.pt
+      pyrecover ckpt export runs/tiny --step 100 --format safetensors --out model.safetensors
+      pyrecover ckpt export runs/tiny --format hf --out my-gpt2/
     """
     from pyrecover import export as export_mod
     from pyrecover.checkpoint import tools
@@ -103,6 +121,11 @@ def convert(
     `--to torch` gives one file with model, optimizer, scheduler, train state and RNG states
     (`torch.load(OUT, weights_only=True)`); `--to dcp` gives a folder that plain
     `torch.distributed.checkpoint.load` reads.
+
+    \b
+    Examples:
+      pyrecover ckpt convert runs/tiny --to torch state.pt
+      pyrecover ckpt convert runs/tiny --step 100 --to dcp state-dcp/
     """
     from pyrecover.checkpoint import tools
 

@@ -15,14 +15,21 @@ def prepare(
     src_dir: Annotated[Path, typer.Argument(help="Folder of text files, searched recursively.")],
     out: Annotated[Path, typer.Argument(help="Parquet file to write (a `text` column).")],
     suffix: Annotated[list[str] | None, typer.Option(
-        help="File endings to take; repeatable. Default: .py")] = None,
+        help="File endings to take (.txt or txt); repeatable. Default: .py")] = None,
     max_mb: Annotated[float | None, typer.Option(
         min=0.001, help="Stop after this many megabytes of text.")] = None,
 ) -> None:
-    """Build a parquet corpus, one row per file, in sorted path order (reproducible)."""
+    """Build a parquet corpus, one row per file, in sorted path order (reproducible).
+
+    \b
+    Examples:
+      pyrecover data prepare ~/my-texts corpus.parquet --suffix .txt --suffix .md
+      pyrecover data prepare /usr/lib/python3.11 data/stdlib.parquet --max-mb 2
+    """
     from pyrecover import data
 
-    suffixes = tuple(suffix) if suffix else (".py",)
+    # `--suffix txt` means `.txt`: Path.suffix, which it is matched against, has the dot
+    suffixes = tuple(s if s.startswith(".") or not s else f".{s}" for s in suffix or [".py"])
     max_bytes = int(max_mb * 1e6) if max_mb is not None else None
     files, size = data.prepare(src_dir, out, suffixes, max_bytes)
     typer.echo(f"wrote {out}: {files} files, {size / 1e6:.1f} MB of text")

@@ -83,6 +83,12 @@ def launch(
     experiment with absolute paths. Launching again with a config that changes what the run
     computes is refused. Secrets such as WANDB_API_KEY are never written into the script: the
     job inherits them from this environment.
+
+    \b
+    Examples:
+      pyrecover launch --init-cluster ~/.config/pyrecover/cluster.yaml
+      pyrecover launch --config launch/experiments/gpt-125m.yaml --nodes 2 --mode dcp --dry-run
+      pyrecover launch --config my.yaml --cluster launch/clusters/local.yaml --time 1:00:00
     """
     from pyrecover import config as config_mod
     from pyrecover.experiment import prepare_run_dir, resolve_for_run

@@ -22,6 +22,11 @@ def plot(
 
     A second panel shows tokens/s and how long each checkpoint stalled the loop. Reads
     metrics.jsonl and events.jsonl of the run directory.
+
+    \b
+    Examples:
+      pyrecover plot runs/tiny --out run.png
+      pyrecover plot runs/tiny --out run.svg --width 1920 --height 1080
     """
     from pyrecover import plot as plot_mod
 

@@ -22,7 +22,13 @@ def status(
     False,
 ) -> None:
     """Show what happened to a run: state, restarts by cause, last checkpoint, goodput,
-    excluded nodes."""
+    excluded nodes.
+
+    \b
+    Examples:
+      pyrecover status runs/tiny
+      pyrecover status runs/tiny --json
+    """
     import json
 
     from pyrecover import status as status_mod
@@ -49,6 +55,10 @@ def cancel(
     requeues itself. This makes the job non-requeueable first (`scontrol update
     Requeue=0`), then cancels it; the trainer still stops cleanly at the next step and
     writes its checkpoint, so `pyrecover launch` of the same run later resumes from there.
+
+    \b
+    Examples:
+      pyrecover cancel runs/gpt-125m
     """
     from pyrecover import status as status_mod
     from pyrecover.rundir import RunDir

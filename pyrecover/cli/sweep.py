@@ -47,7 +47,7 @@ def launch(
     bind: Annotated[list[str] | None, typer.Option(
         metavar="SRC[:DST]", help=f"Bind mount, repeatable ({P}: binds).")] = None,
     launcher: Annotated[str | None, typer.Option(
-        help=f"srun, torchrun or none ({P}: launcher).")] = None,
+        help=f"srun, torchrun, spawn or none, as for launch ({P}: launcher).")] = None,
     max_restarts: Annotated[int | None, typer.Option(
         help=f"Requeues allowed per trial ({P}: max_restarts).")] = None,
     signal_seconds: Annotated[int | None, typer.Option(
@@ -61,6 +61,11 @@ def launch(
     requeues (as its own array task) and resumes by itself. The trials are recorded in
     sweep.yaml; launching the same sweep again resubmits them, and each resumes. A bayes
     trial's values come from wandb's controller when it first starts (sweep values).
+
+    \b
+    Examples:
+      pyrecover sweep launch launch/sweeps/tiny-lr.yaml --config launch/experiments/tiny.yaml \\
+          --cluster launch/clusters/local.yaml --dry-run
     """
     from pyrecover import config as config_mod
     from pyrecover.experiment import prepare_run_dir
@@ -145,7 +150,13 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object, for scripts.")] =
     False,
 ) -> None:
-    """Show every trial (values, state, step, restarts, the metric), best first."""
+    """Show every trial (values, state, step, restarts, the metric), best first.
+
+    \b
+    Examples:
+      pyrecover sweep status runs/tiny-lr
+      pyrecover sweep status runs/tiny-lr --json
+    """
     import json
 
     from pyrecover.slurm.query import squeue_state

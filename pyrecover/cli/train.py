@@ -30,6 +30,11 @@ def train(
 
     Run the same command again after any interruption: it picks up where the last committed
     checkpoint left off, with the same data position and random state.
+
+    \b
+    Examples:
+      pyrecover train --config launch/experiments/tiny.yaml --set train.max_steps=100 --nproc 2
+      pyrecover train --config my.yaml --run-dir runs/my-try --set train.lr=3e-4
     """
     from pyrecover import batch, datasource, dist, spawn
     from pyrecover import config as config_mod

@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pyrecover.sweep import SweepError
 
 METHODS = ("grid", "random", "bayes")
@@ -70,12 +68,12 @@ def load(path: str | Path) -> Sweep:
     p = Path(path)
     if not p.is_file():
         raise SweepError(f"sweep file {str(p)!r} does not exist")
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise SweepError(f"{p}{where}: not valid YAML") from None
+    from pyrecover.config import ConfigError, read_yaml
+
+    try:  # read as a config is: UTF-8, size-capped, no aliases, the bad line named
+        raw = read_yaml(p)
+    except ConfigError as exc:
+        raise SweepError(str(exc)) from None
     return parse(raw, p.stem, str(p))
 
 

@@ -14,7 +14,8 @@ def files_under(path):
 
 @pytest.mark.parametrize("args, message", [
     (["--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
-    (["--config", str(TINY), "--set", "train.nope=1"], "unknown key 'train.nope'"),
+    (["--config", str(TINY), "--set", "train.nope=1"],
+     "error: --set train.nope: unknown key 'train.nope'"),
     (["--config", str(TINY), "--set", "run.exp_name=../../etc"], "run.exp_name='../../etc'"),
     (["--config", str(TINY), "--set", "run.exp_name=a/b"], "run.exp_name='a/b'"),
     (["--config", str(TINY), "--set", "run.exp_name=.."], "run.exp_name='..'"),
@@ -23,6 +24,9 @@ def files_under(path):
     (["--config", str(TINY), "--set", "data.path=wrong.parquet"],
      "wrong.parquet: no column 'text' (data.column); it has: body"),
     (["--config", str(TINY), "--nproc", "3"], "train.global_batch_size=8 is not allowed"),
+    (["--config", "."], "config file '.' is a folder, not a YAML file"),
+    (["--config", str(TINY), "--set", "data.path=."],
+     "data file '.' is a folder, not a parquet file"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message):
     pq.write_table(pa.table({"body": ["some text"]}), tmp_path / "wrong.parquet")
@@ -33,6 +37,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert "Traceback" not in done.stderr
     assert files_under(tmp_path) == before
+    if "--set" in message:  # a --set mistake is not blamed on the (valid) config file
+        assert str(TINY) not in lines[0]
 
 
 def test_ckpt_commands_on_a_folder_that_is_not_a_run_say_so(tmp_path):
@@ -61,3 +67,48 @@ def test_cancel_of_a_run_no_slurm_job_started_or_of_no_run_says_so_in_one_line(t
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith("error: ") and said in done.stderr, done.stderr
         assert len(done.stderr.splitlines()) == 1
+
+
+def test_data_prepare_into_a_folder_or_an_unwritable_place_is_one_line_and_leaves_nothing(
+        tmp_path):
+    src = tmp_path / "texts"
+    src.mkdir()
+    (src / "a.py").write_text("print('hi')\n")
+    for out, said in ((src, "is a folder; give the parquet file to write"),
+                      (tmp_path / "not-a-dir" / "x" / "c.parquet", "cannot write")):
+        if out != src:
+            (tmp_path / "not-a-dir").write_text("a file where a folder should be")
+        done = pyrecover("data", "prepare", str(src), str(out))
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("error: ") and said in done.stderr, done.stderr
+        assert len(done.stderr.splitlines()) == 1
+    assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
+
+
+def test_a_data_mistake_on_an_existing_run_is_one_line_and_recorded_as_its_error(tmp_path):
+    """As the README says: nothing is written but the `error` event the job script reads."""
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(tmp_path / "store" / "exp")
+    run.create()
+    run.event("start", step=0)
+    before = files_under(run.root)
+    done = pyrecover("train", "--config", str(TINY), "--run-dir", str(run.root),
+                     "--set", "data.path=no-such.parquet", cwd=tmp_path)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert files_under(run.root) == before
+    last = run.events.read_text().splitlines()[-1]
+    assert '"event": "error"' in last and "no-such.parquet" in last
+    status = pyrecover("status", str(run.root))
+    assert "state       error" in status.stdout and "no-such.parquet" in status.stdout
+
+
+def test_data_prepare_takes_a_suffix_with_or_without_its_dot(tmp_path):
+    src = tmp_path / "texts"
+    src.mkdir()
+    (src / "a.txt").write_text("hello\n")
+    (src / "b.md").write_text("# hi\n")
+    done = pyrecover("data", "prepare", str(src), str(tmp_path / "c.parquet"),
+                     "--suffix", "txt", "--suffix", ".md")
+    assert done.returncode == 0, done.stderr
+    assert pq.read_table(tmp_path / "c.parquet")["path"].to_pylist() == ["a.txt", "b.md"]

@@ -87,6 +87,25 @@ def test_experiment_names_that_could_leave_the_storage_root_are_refused(name):
             {"run": {"exp_name": name}})
 
 
+def test_an_unknown_set_key_blames_the_set_flag_not_the_config_file(tmp_path):
+    f = tmp_path / "exp.yaml"
+    f.write_text("train:\n  max_steps: 7\n")
+    for overrides, said in ((["train.nope=1"], "--set train.nope: unknown key 'train.nope'"),
+                            (["model.n_layer.x=1"], "--set model.n_layer.x: model.n_layer is "
+                                                    "a value, not a section")):
+        with pytest.raises(ConfigError) as err:
+            config.load(f, overrides)
+        assert str(err.value).startswith(said), err.value
+        assert "exp.yaml" not in str(err.value)
+
+
+def test_a_file_whose_section_is_a_value_is_blamed_even_with_a_set_under_it(tmp_path):
+    f = tmp_path / "exp.yaml"
+    f.write_text("train: 3\n")
+    with pytest.raises(ConfigError, match=r"exp.yaml: train must be a mapping, got 3$"):
+        config.load(f, ["train.max_steps=2"])
+
+
 def test_a_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         config.load(tmp_path / "nope.yaml")

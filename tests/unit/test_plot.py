@@ -124,3 +124,31 @@ def test_an_unknown_suffix_is_one_clear_error(interrupted_run, tmp_path):
     assert result.output.strip().splitlines() == [
         f"error: {out}: unknown format '.gif'; use .png, .svg, .pdf"]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("size, said", [
+    (("100000", "100000"), "100000x100000 is too large; use at most 8192x8192"),
+    (("0", "540"), "0x540 is too small; use at least 320x200"),
+])
+def test_a_size_out_of_range_is_one_clear_error_before_anything_is_drawn(interrupted_run,
+                                                                          tmp_path, size, said):
+    out = tmp_path / "run.png"
+    result = CliRunner().invoke(app, ["plot", str(interrupted_run.root), "--out", str(out),
+                                      "--width", size[0], "--height", size[1]])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [f"error: {said}"]
+    assert not out.exists()
+
+
+def test_out_in_a_new_folder_is_written_and_one_below_a_file_is_one_clear_error(
+        interrupted_run, tmp_path):
+    out = tmp_path / "plots" / "2026" / "run.png"
+    result = CliRunner().invoke(app, ["plot", str(interrupted_run.root), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert read_png(out).size == (960, 540)
+    (tmp_path / "a-file").write_text("x")
+    blocked = tmp_path / "a-file" / "run.png"
+    result = CliRunner().invoke(app, ["plot", str(interrupted_run.root), "--out", str(blocked)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"error: {blocked}: cannot create its folder {blocked.parent}: a file is in the way"]

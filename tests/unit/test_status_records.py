@@ -68,3 +68,14 @@ def test_status_never_fails_on_any_field_of_any_record_set_to_any_json_value(tmp
         s = status.read(run.root)
         assert s.skipped_records <= 1, (name, record)
         status.render(s)
+
+
+def test_a_damaged_run_yaml_leaves_out_max_steps_and_status_still_reads(tmp_path):
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    _a_real_history(run)
+    for text in ("train:\n  max_steps: [\n", "a: &x 1\nb: *x\n", "\xff not utf-8", "- a list\n"):
+        run.config.write_bytes(text.encode("latin-1"))
+        assert status.read(run.root).max_steps is None
+    run.config.write_text("train:\n  max_steps: 40\n")
+    assert status.read(run.root).max_steps == 40

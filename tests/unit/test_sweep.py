@@ -261,10 +261,13 @@ def test_dry_run_prints_the_array_script_and_the_trial_table_and_writes_nothing(
     ("method: grid\nparameters:\n  train.nope: {values: [1]}\n", "parameters.train.nope"),
     ("method: random\nparameters:\n  train.lr: {values: [1]}\n", "needs run_cap"),
     ("method: [grid\n", "not valid YAML"),
+    ("method: grid\xff\n", "not UTF-8 text (byte 0xff"),
+    ("method: grid\nparameters:\n  train.lr: &v {values: [1]}\n  train.seed: *v\n",
+     "YAML aliases (*name) are not allowed"),
 ])
 def test_a_bad_sweep_is_one_line_exit_2_and_writes_nothing(tmp_path, body, message):
     path = tmp_path / "bad.yaml"
-    path.write_text(body)
+    path.write_bytes(body.encode("latin-1"))
     done = pyrecover("sweep", "launch", str(path), "--config", str(TINY),
                      "--set", f"run.storage={tmp_path / 'st'}", cwd=tmp_path)
     lines = done.stderr.strip().splitlines()

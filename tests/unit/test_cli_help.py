@@ -1,0 +1,33 @@
+"""`--help` teaches: every command a user runs by hand says what it does and shows how, with
+examples that name the command itself, so a copied line runs that command."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from pyrecover.cli import app
+
+COMMANDS = [["train"], ["launch"], ["status"], ["cancel"], ["plot"], ["data", "prepare"],
+            ["ckpt", "ls"], ["ckpt", "verify"], ["ckpt", "export"], ["ckpt", "convert"],
+            ["sweep", "launch"], ["sweep", "status"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_help_of_each_command_shows_examples_of_that_command(command):
+    result = CliRunner().invoke(app, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "  Examples:" in lines, result.output
+    examples = lines[lines.index("  Examples:") + 1:]
+    examples = examples[:next(i for i, line in enumerate(examples) if not line.strip())]
+    starts = [line.strip() for line in examples if not line.startswith("      ")]
+    assert starts and all(s.startswith("pyrecover " + " ".join(command) + " ")
+                          for s in starts), examples
+
+
+def test_the_help_of_options_matches_what_they_do():
+    verify = CliRunner().invoke(app, ["ckpt", "verify", "--help"]).output
+    assert "default: every checkpoint" in verify and "newest valid" not in verify
+    sweep = CliRunner().invoke(app, ["sweep", "launch", "--help"]).output
+    assert "spawn" in sweep.split("--launcher", 1)[1].split("--max-restarts", 1)[0]
