@@ -49,8 +49,9 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
 
     Waits for all of them. When one fails, the others get `grace_s` seconds to notice (their
     next collective fails) and exit by themselves, which lets memory mode persist what the
-    survivors hold; then they are terminated (then killed). The first failure's exit code is
-    returned (128+N for a death by signal N), so the caller exits like the job did.
+    survivors hold; then they are terminated (then killed). The exit code of what caused it
+    (`cause`) is returned (128+N for a death by signal N), so the caller exits like the job
+    did.
     """
     if parent is None:
         parent = DistEnv("single", 0, 1, 0, 1, 0, "127.0.0.1", free_port())
@@ -65,22 +66,43 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
                                                   signal.SIGINT)}
     try:
-        failed, deadline = 0, None
-        # Poll every worker each round (`any` would stop at the first live one): the failure
-        # that came first is the one reported, e.g. a hung rank's 76 before its peers' 1.
+        failures: list[int] = []  # in the order they were seen, none that was stopped here
+        counted: set[int] = set()
+        deadline, stopped = None, False
         while None in [p.poll() for p in procs]:
-            bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if bad and not failed:
-                failed, deadline = bad[0], time.monotonic() + grace_s
-            if deadline is not None and time.monotonic() > deadline:
-                _stop_all(procs)
+            if not stopped:
+                for i, p in enumerate(procs):
+                    if p.returncode not in (None, 0) and i not in counted:
+                        counted.add(i)
+                        failures.append(p.returncode)
+                if failures and deadline is None:
+                    deadline = time.monotonic() + grace_s
+                if deadline is not None and time.monotonic() > deadline:
+                    _stop_all(procs)
+                    stopped = True
             time.sleep(0.05)
-        codes = [p.returncode for p in procs]
-        return exit_status(failed or next((c for c in codes if c != 0), 0))
+        if not stopped:
+            failures += [p.returncode for i, p in enumerate(procs)
+                         if p.returncode != 0 and i not in counted]
+        return exit_status(cause(failures))
     finally:
         _stop_all(procs)
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+# A rank that found another one gone (1), or stopped cleanly (75), names no cause of its own.
+NO_CAUSE = (1, 75)
+
+
+def cause(failures: list[int]) -> int:
+    """cause is the exit code that says what ended the workers (0 where none failed): the
+    first failure that names a cause (a hang's 76, a health check's 77, a config error's 2,
+    a death by signal), else the first failure. A hung rank exits 76 once its stacks are
+    written, and its peer, whose collective broke when the hung rank left, may exit 1 before
+    it; the job script must still see the hang (a full test run under load met this order
+    once)."""
+    return next((c for c in failures if c not in NO_CAUSE), failures[0] if failures else 0)
 
 
 def _stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:

@@ -174,3 +174,20 @@ def test_visible_gpus_without_a_gpu_device_answers_without_importing_torch(tmp_p
     seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert run.stdout.split() == [str(seen), "True"], run.stderr
+
+
+@pytest.mark.parametrize("failures, code", [
+    ([], 0),
+    ([1], 1),                 # only peers that lost one: a crash
+    ([1, 76], 76),            # the peer left first, the hung rank's own code is the cause
+    ([76, 1], 76),
+    ([1, -9], -9),            # a killed worker seen after its survivor: the kill
+    ([2, 1], 2),              # a config error on one rank
+    ([77, 76], 77),           # the first cause wins
+    ([75, 1], 75),            # neither names a cause: the first, as ever
+    ([1, 75], 1),
+])
+def test_the_launcher_reports_the_cause_not_the_peer_that_noticed_it(failures, code):
+    from pyrecover.spawn import cause
+
+    assert cause(failures) == code
