@@ -55,8 +55,11 @@ def c_compiler() -> str | None:
 
 def use_cache(folder: Path, environ: dict[str, str] | os._Environ = os.environ) -> Path:
     """use_cache makes `folder` Inductor's cache for this process, unless the user chose one
-    with TORCHINDUCTOR_CACHE_DIR; returns the folder in use. Call it before the first
-    compiled call (Inductor reads the variable when it first writes or looks up)."""
+    with TORCHINDUCTOR_CACHE_DIR; returns the folder in use. Call it before torch._dynamo is
+    imported (building a model on the meta device imports it): torch sets the variable itself,
+    to its default under $TMPDIR, the first time it looks for its cache, which then reads here
+    as the user's choice (tests/train/test_compile.py caught a run that built its model first
+    and kept its kernels in $TMPDIR)."""
     chosen = environ.get(CACHE_ENV)
     if chosen:
         return Path(chosen)

@@ -42,7 +42,7 @@ from pyrecover.config import Config, ConfigError
 from pyrecover.data import Batches, DataError, check_tokens, load_tokens
 from pyrecover.experiment import prepare_run_dir, recorded_global_batch
 from pyrecover.loop import Loop, TrainingError, TrainState
-from pyrecover.model import GPT, GPTConfig
+from pyrecover.model import GPT, GPTConfig, empty_gpt, initialize
 from pyrecover.optim import build_optimizer, build_scheduler
 from pyrecover.phases import Phases, process_start_time
 from pyrecover.preempt import StopRequested
@@ -219,15 +219,18 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
            flag: preempt.StopFlag, dog: watchdog.Watchdog, phases: Phases) -> None:
     t = cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank
-    model = GPT(GPTConfig(**config_mod.to_dict(cfg)["model"])).to(device)
+    shape = GPTConfig(**config_mod.to_dict(cfg)["model"])
+    sharded = t.parallel == "fsdp" and env.world_size > 1
+    # Weights are initialized only where nothing is restored (below); FSDP shards an
+    # initialized model, as before.
+    compiled = compiling.compile_enabled(cfg, device, log)
+    if compiled:  # every attempt after the first finds its kernels there (compiling.py);
+        compiling.use_cache(run.compile_cache)  # before torch._inductor reads the variable
+    model = GPT(shape).to(device) if sharded else empty_gpt(shape, device)
     n_params = model.num_params()
     if device.type == "cuda":  # TF32 for what is not under bf16 autocast
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    compiled = compiling.compile_enabled(cfg, device, log)
-    if compiled:  # every attempt after the first finds its kernels there (compiling.py)
-        compiling.use_cache(run.compile_cache)
-    sharded = t.parallel == "fsdp" and env.world_size > 1
     if sharded:  # before the optimizer, which must hold the shards (parallel.py)
         parallel.shard(model, device, t.precision, compile_blocks=compiled)
         parallel.check_gather(model, cfg.checkpoint.mode, cfg.checkpoint.gather_max_gb)
@@ -265,6 +268,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     found = manager.resume(accept=lambda r: train_state_of(r.train),
                            on_chosen=lambda c: phases.mark("checkpoint_chosen", step=c.step))
     if found is None:
+        if not sharded:
+            initialize(model, t.seed)
         phases.mark("checkpoint_chosen", step=0)
         rng.seed_rank(t.seed, env.rank)
         if env.rank == 0:
