@@ -73,3 +73,22 @@ def is_running(pid: int) -> bool:
 def events(run_dir: Path, kind: str) -> list[dict]:
     """events are the run's `events.jsonl` records of one kind, in order."""
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == kind]
+
+
+def check_restart_cycles(report: dict) -> None:
+    """check_restart_cycles asserts that a `bench restart` report of one signal and one crash
+    adds up: each cycle's phases come in order (a resume restores, so every start phase is
+    there; rank 0 survives the kill), span the interruption to the resumed step, and the
+    bench's own clock, which saw that step in the events it polls, agrees: never less, more
+    only by its polling and a busy machine's scheduling (generous)."""
+    from pyrecover.phases import START_PHASES, STOP_PHASES
+
+    assert [c["kind"] for c in report["cycles"]] == ["signal", "crash"], report["cycles"]
+    expected = {"signal": ["signal_sent", *STOP_PHASES, *START_PHASES],
+                "crash": ["crash_sent", "exit", *START_PHASES]}
+    for cycle in report["cycles"]:
+        rows = cycle["rows"]
+        assert [r["phase"] for r in rows] == expected[cycle["kind"]], rows
+        assert all(r["gap"] >= 0 for r in rows), rows
+        assert abs(sum(r["gap"] for r in rows) - cycle["total_s"]) < 0.01, cycle
+        assert 0 <= cycle["observed_s"] - cycle["total_s"] <= 10.0, cycle

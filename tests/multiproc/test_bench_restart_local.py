@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import pyrecover, tiny_args
-
-from pyrecover.phases import START_PHASES, STOP_PHASES
+from helpers import check_restart_cycles, pyrecover, tiny_args
 
 pytestmark = pytest.mark.multiproc
 
@@ -29,15 +27,8 @@ def test_a_local_signal_and_crash_are_timed_phase_by_phase_and_the_run_stays_sou
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["world_size"] == 2 and report["launcher"] == "local"
-    assert [c["kind"] for c in report["cycles"]] == ["signal", "crash"], done.stderr
-    expected = {"signal": ["signal_sent", *STOP_PHASES, *START_PHASES],
-                "crash": ["crash_sent", "exit", *START_PHASES]}  # rank 0 survives the kill
+    check_restart_cycles(report)
     for cycle in report["cycles"]:
-        rows = cycle["rows"]
-        assert [r["phase"] for r in rows] == expected[cycle["kind"]], rows
-        assert all(r["gap"] >= 0 for r in rows), rows
-        assert abs(sum(r["gap"] for r in rows) - cycle["total_s"]) < 0.01, cycle
-        assert 0 <= cycle["observed_s"] - cycle["total_s"] <= 10.0, cycle
         # No SLURM, no queue: the whole interruption is the rest the issue bounds.
         assert cycle["requeue_delay_s"] == 0 and cycle["rest_s"] == cycle["total_s"]
     # The bench restarted a stop (75) and a crash (a killed worker: 137, or its peer's 1),

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import check_restart_cycles
 
 from pyrecover.bench import restart
-from pyrecover.phases import START_PHASES, STOP_PHASES
 
 pytestmark = pytest.mark.slurm
 
@@ -36,19 +36,9 @@ def test_a_signal_and_a_crash_are_timed_phase_by_phase_and_the_phases_add_up_to_
         ["--nodes", "2", "--gpus-per-node", "1", "--launcher", "none"], restart.KINDS, 1,
         None, timeout=240, note=notes.append)
     assert report["world_size"] == 2
-    assert [c["kind"] for c in report["cycles"]] == ["signal", "crash"], notes
-    resumed = list(START_PHASES)  # a resume restores, so every start phase is there
-    expected = {"signal": ["signal_sent", *STOP_PHASES, *resumed],
-                "crash": ["crash_sent", "exit", *resumed]}  # rank 0 survives the kill
+    check_restart_cycles(report)
     for cycle in report["cycles"]:
         rows = cycle["rows"]
-        assert [r["phase"] for r in rows] == expected[cycle["kind"]], rows
-        assert all(r["gap"] >= 0 for r in rows), rows
-        # The phases span the interruption to the first resumed step...
-        assert abs(sum(r["gap"] for r in rows) - cycle["total_s"]) < 0.01, cycle
-        # ... and the bench's own clock, which saw that step in the events it polls, agrees:
-        # never less, more only by its polling and a busy machine's scheduling (generous).
-        assert 0 <= cycle["observed_s"] - cycle["total_s"] <= 10.0, cycle
         # SLURM held the job between the attempts: inside the exit -> next process gap
         # (SLURM's times are whole seconds), and the rest is what is left of the total.
         start_gap = next(r["gap"] for r in rows if r["phase"] == "process_start")
