@@ -5,12 +5,12 @@ runs `tests/gpu`, then `bench train` on an experiment (every mode, plus memory m
 snapshot every step, and the plain compiled loop as the baseline), then `bench ckpt`, then
 `bench compile` (a restart's first step with the run's compile cache and without), then
 `bench restart --local` (a signal and a crash to the first resumed step without SLURM: the
-tiny model on this machine's CPU cores at world sizes 2 and 4, and the experiment on the
-GPU), and writes `report.json` and `report.txt` with the issues' bounds checked side by
-side. Each step is the real command in a fresh process, so one that fails is reported and
-the next still runs. `--only STEP` runs some of them and keeps the others from an earlier
-report of the same device (a machine that limits one command's time). `make gpu-check`
-calls it with the defaults.
+tiny model on this machine's CPU cores at world sizes 2 and 4, a 1 GB state at world size 2,
+and the experiment on the GPU), and writes `report.json` and `report.txt` with the issues'
+bounds checked side by side. Each step is the real command in a fresh process, so one that
+fails is reported and the next still runs. `--only STEP` runs some of them and keeps the
+others from an earlier report of the same device (a machine that limits one command's
+time). `make gpu-check` calls it with the defaults.
 """
 
 from __future__ import annotations
@@ -46,11 +46,13 @@ BOUNDS: tuple[tuple[str, str, str, str, float], ...] = (
      "<=", 5.0),
     ("restart after a crash, world size 4 CPU, no SLURM (s)", "restart-cpu-4", "crash",
      "<=", 5.0),
+    ("restart after a signal, 1 GB state, world size 2 CPU, no SLURM (s)", "restart-cpu-1gb",
+     "signal", "<=", 5.0),
 )
 # Every step, in the order they run; `--only` picks some (the corpus comes with any that
 # trains). A report from an earlier call on the same device keeps the steps not run again.
 STEPS = ("tests", "train", "memory-every-step", "ckpt", "compile", "restart-cpu",
-         "restart-cpu-4", "restart-gpu")
+         "restart-cpu-4", "restart-cpu-1gb", "restart-gpu")
 TINY = Path(__file__).resolve().parents[2] / "launch" / "experiments" / "tiny.yaml"
 
 
@@ -117,7 +119,7 @@ def verdicts(steps: dict[str, Step]) -> list[dict[str, Any]]:
 def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup: int,
               interval: int, size_gb: float, run_tests: bool = True, allow_cpu: bool = False,
               note: Note = lambda _: None, only: tuple[str, ...] = (),
-              restart_repeat: int = 2) -> dict[str, Any]:
+              restart_repeat: int = 2, restart_state_gb: float = 1.0) -> dict[str, Any]:
     """gpu_check runs every step (or those in `only`) and writes the report into `out`;
     returns the report."""
     import torch
@@ -173,6 +175,10 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
                  True))
     plan.append((Step("restart-cpu-4", [*restart, "--dir", str(storage), "--nproc", "4",
                                         "--interrupt", "crash", *cpu]), True))
+    plan.append((Step("restart-cpu-1gb", [
+        *restart, "--dir", str(storage), "--nproc", "2", "--interrupt", "signal", "--state-gb",
+        str(restart_state_gb), *cpu, "--set", "train.global_batch_size=2", "--set",
+        "train.micro_batch_size=1"]), True))
     gpu = [*restart, "--dir", str(storage), "--nproc", "1", "--config", str(config)]
     for item in [*overrides, "checkpoint.interval=5"]:  # a crash waits for a checkpoint
         gpu += ["--set", item]
@@ -252,7 +258,7 @@ def format_report(report: dict[str, Any]) -> str:
             from pyrecover.bench.train import format_train
 
             lines += ["", f"--- bench train ({name}) ---", format_train(step["report"])]
-    for name in ("restart-cpu", "restart-cpu-4", "restart-gpu"):
+    for name in ("restart-cpu", "restart-cpu-4", "restart-cpu-1gb", "restart-gpu"):
         step = report["steps"].get(name, {})
         if step.get("report"):
             from pyrecover.bench.restart_local import format_local

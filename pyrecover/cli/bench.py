@@ -261,10 +261,12 @@ def gpu_check(
         help="Run without a GPU (to try the check itself; its figures mean nothing).")] = False,
     only: Annotated[list[str] | None, typer.Option(
         "--only", help="Run only this step (repeatable): tests, train, memory-every-step, "
-        "ckpt, compile, restart-cpu, restart-cpu-4, restart-gpu. The report keeps the other "
-        "steps of an earlier report in --out from the same GPU.")] = None,
+        "ckpt, compile, restart-cpu, restart-cpu-4, restart-cpu-1gb, restart-gpu. The report "
+        "keeps the other steps of an earlier report in --out from the same GPU.")] = None,
     restart_repeat: Annotated[int, typer.Option(
         help="Interruptions of each kind in the restart steps.")] = 2,
+    restart_state_gb: Annotated[float, typer.Option(
+        help="The state of restart-cpu-1gb, in GB (issue 13 bounds 1 GB).")] = 1.0,
 ) -> None:
     """Every GPU path on this machine in one report: tests/gpu, bench train (all modes, memory
     with a snapshot every step, the plain compiled loop), bench ckpt, bench compile, bench
@@ -278,7 +280,8 @@ def gpu_check(
     try:
         report = check.gpu_check(out, config, overrides or [], steps, warmup, interval, size_gb,
                                  tests, allow_cpu, note=_note, only=tuple(only or ()),
-                                 restart_repeat=restart_repeat)
+                                 restart_repeat=restart_repeat,
+                                 restart_state_gb=restart_state_gb)
     except check.GpuCheckError as exc:
         raise user_error(exc) from None
     typer.echo(check.format_report(report), nl=False)

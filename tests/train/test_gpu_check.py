@@ -13,13 +13,13 @@ def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus)
     done = pyrecover("bench", "gpu-check", "--out", str(out), "--config", str(TINY),
                      "--set", f"data.path={corpus}", "--steps", "3", "--warmup", "1",
                      "--interval", "2", "--size-gb", "0.01", "--no-tests", "--allow-cpu",
-                     "--restart-repeat", "1")
+                     "--restart-repeat", "1", "--restart-state-gb", "0.01")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert {n: s["returncode"] for n, s in report["steps"].items()} == {
         "train": 0, "memory-every-step": 0, "ckpt": 0, "compile": 0, "restart-cpu": 0,
-        "restart-cpu-4": 0, "restart-gpu": 0}
-    assert len(report["bounds"]) == 7
+        "restart-cpu-4": 0, "restart-cpu-1gb": 0, "restart-gpu": 0}
+    assert len(report["bounds"]) == 8
     assert all(isinstance(b["value"], float) and b["met"] in (True, False)
                for b in report["bounds"]), report["bounds"]
     rows = {r["mode"]: r for r in report["steps"]["train"]["report"]["rows"]}
