@@ -167,9 +167,7 @@ def visible_gpus(dev: str = "/dev") -> int:
     see none either, and the answer comes without importing torch (about a second of CPU,
     which a launcher such as `train --nproc` would pay on every start before its workers).
     """
-    gpu_nodes = [n for n in os.listdir(dev) if re.fullmatch(r"nvidia\d+|kfd", n)] \
-        if os.path.isdir(dev) else ["unknown"]
-    if not gpu_nodes:
+    if os.path.isdir(dev) and not any(re.fullmatch(r"nvidia\d+|kfd", n) for n in os.listdir(dev)):
         return 0
     import torch
 

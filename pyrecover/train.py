@@ -221,11 +221,11 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     torch.manual_seed(t.seed)  # same initial weights on every rank
     shape = GPTConfig(**config_mod.to_dict(cfg)["model"])
     sharded = t.parallel == "fsdp" and env.world_size > 1
-    # Weights are initialized only where nothing is restored (below); FSDP shards an
-    # initialized model, as before.
     compiled = compiling.compile_enabled(cfg, device, log)
     if compiled:  # every attempt after the first finds its kernels there (compiling.py);
         compiling.use_cache(run.compile_cache)  # before torch._inductor reads the variable
+    # Weights are initialized only where nothing is restored (below); FSDP shards an
+    # initialized model, as before.
     model = GPT(shape).to(device) if sharded else empty_gpt(shape, device)
     n_params = model.num_params()
     if device.type == "cuda":  # TF32 for what is not under bf16 autocast

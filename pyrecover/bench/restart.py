@@ -79,14 +79,12 @@ def bench_restart(storage: Path, cluster: Path | None, config: Path | None,
     storage.mkdir(parents=True, exist_ok=True)
     name = f"bench-restart-{uuid.uuid4().hex[:8]}"
     run = RunDir(storage / name)
-    plan = [k for _ in range(repeat) for k in kinds]
     sets = [*(model_for_state(state_gb) if state_gb else []), *sets]
     env = {**os.environ, "PYRECOVER_KILL_ON_FILE": str(run.root / KILL_FILE),
            "PYRECOVER_KILL_RANK": "last", "PYRECOVER_KILL_TARGET": "self"}
+    argv = launch_argv(name, storage, cluster, config, sets, launch_args, len(kinds) * repeat)
     try:
-        done = subprocess.run(launch_argv(name, storage, cluster, config, sets, launch_args,
-                                          len(plan)), env=env, capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         raise BenchError("pyrecover launch did not answer in 120 s (is SLURM's controller "
                          "up? `sinfo` tells); check `squeue --me` for a job it may have "
@@ -97,33 +95,50 @@ def bench_restart(storage: Path, cluster: Path | None, config: Path | None,
         raise BenchError("pyrecover launch failed: " + said.removeprefix("error: "))
     job = found.group(1)
     note(f"job {job}, run directory {run.root}")
-    cycles = []
     waiter = Waiter(job, run, timeout)
     try:
-        current = waiter.until(lambda: _stepping(run, 0), "the job's first step")[0]
-        for i, kind in enumerate(plan):
-            waiter.until(lambda a=current: _steps_after_first(run, a) >= 2,
-                         f"two steps of attempt {current + 1}")
-            if kind == "crash":  # else the next attempt starts afresh: there is no restore
-                waiter.until(lambda: _has_checkpoint(run), "a committed checkpoint")
-            note(f"{kind} {i // len(kinds) + 1}/{repeat}")
-            cycles.append(interrupt(waiter, kind, current))
-            c = cycles[-1]
-            current = c["attempt"]
-            if c["failed_starts"]:
-                note(f"{kind}: {c['failed_starts']} start(s) failed before the resume (see "
-                     f"{run.logs}); this run is left out of the summary")
-                continue
-            note(f"{kind}: {c['total_s']:.1f}s to the first resumed step, requeue delay "
-                 f"{num(c['requeue_delay_s'], 0)}s, rest {num(c['rest_s'], 1)}s")
+        cycles = run_cycles(waiter, interrupt, kinds, repeat, note)
     finally:
         query.cancel_job(job)
         waiter.ended()
+    return {"job": job, **results(run, cycles, state_gb), "machine": machine(storage)}
+
+
+def run_cycles(waiter: Any, interrupt: Callable[[Any, str, int], dict[str, Any]],
+               kinds: Sequence[str], repeat: int, note: Note) -> list[dict[str, Any]]:
+    """run_cycles interrupts the run `repeat` times per kind (`interrupt(waiter, kind,
+    attempt)`: one cycle of the report), each after two steps of the attempt it interrupts
+    (and, for a crash, a committed checkpoint, else the next attempt starts afresh). `waiter`
+    has the run (`.run`) and waits (`.until(check, what)`): a job's, or local processes'."""
+    run, cycles = waiter.run, []
+    current = waiter.until(lambda: stepping(run, 0), "the first step")[0]
+    for i, kind in enumerate([k for _ in range(repeat) for k in kinds]):
+        waiter.until(lambda a=current: steps_after_first(run, a) >= 2,
+                     f"two steps of attempt {current + 1}")
+        if kind == "crash":
+            waiter.until(lambda: has_checkpoint(run), "a committed checkpoint")
+        note(f"{kind} {i // len(kinds) + 1}/{repeat}")
+        cycles.append(interrupt(waiter, kind, current))
+        c = cycles[-1]
+        current = c["attempt"]
+        if c["failed_starts"]:
+            note(f"{kind}: {c['failed_starts']} start(s) failed before the resume (see "
+                 f"{run.logs}); this run is left out of the summary")
+            continue
+        note(f"{kind}: {c['total_s']:.2f}s to the first resumed step, requeue delay "
+             f"{num(c['requeue_delay_s'], 0)}s, rest {num(c['rest_s'], 2)}s")
+    return cycles
+
+
+def results(run: RunDir, cycles: list[dict[str, Any]], state_gb: float | None
+            ) -> dict[str, Any]:
+    """results is what a report says of the run besides the machine: its world size, state,
+    cycles and their summary."""
     world = next((e.get("world_size") for e in run.read_events() if e["event"] == "resume"),
                  None)
-    return {"job": job, "run_dir": str(run.root), "world_size": world, "state_gb": state_gb,
-            "state_bytes": _state_bytes(run), "cycles": cycles,
-            "summary": summarize(cycles, state_gb), "machine": machine(storage)}
+    return {"run_dir": str(run.root), "world_size": world, "state_gb": state_gb,
+            "state_bytes": state_bytes(run), "cycles": cycles,
+            "summary": summarize(cycles, state_gb)}
 
 
 def check_args(kinds: Sequence[str], repeat: int, state_gb: float | None,
@@ -180,7 +195,7 @@ def interrupt(waiter: Waiter, kind: str, index: int) -> dict[str, Any]:
         query.signal_job(waiter.job, "USR2")
     else:
         (run.root / KILL_FILE).write_text(f"{sent}\n")
-    resumed, step = waiter.until(lambda: _stepping(run, index + 1), "the first resumed step")
+    resumed, step = waiter.until(lambda: stepping(run, index + 1), "the first resumed step")
     seen = time.time()
     runs = attempts(run.read_events())
     restarts = _restart_count(runs[resumed])
@@ -212,8 +227,8 @@ def cycle(kind: str, sent: float, seen: float, step: float, events: list[dict[st
             "rest_s": None if delay is None else round(total - delay, 3)}
 
 
-def _has_checkpoint(run: RunDir) -> bool:
-    """_has_checkpoint: the run has committed a checkpoint (sizes checked, not checksums)."""
+def has_checkpoint(run: RunDir) -> bool:
+    """has_checkpoint: the run has committed a checkpoint (sizes checked, not checksums)."""
     from pyrecover.checkpoint import store
 
     return any(ckpt is not None for _, _, ckpt, _ in store.scan(run.checkpoints, False))
@@ -224,8 +239,8 @@ def _restart_count(attempt: list[dict[str, Any]]) -> int:
     return max((int(e.get("restart_count", 0)) for e in attempt), default=0)
 
 
-def _stepping(run: RunDir, index: int) -> tuple[int, float] | None:
-    """_stepping is (attempt, time of its first step) for the first attempt from `index` on
+def stepping(run: RunDir, index: int) -> tuple[int, float] | None:
+    """stepping is (attempt, time of its first step) for the first attempt from `index` on
     that took a step, once one has."""
     for i in range(index, len(attempts(run.read_events()))):
         if (at := _first_step(run, i)) is not None:
@@ -242,8 +257,8 @@ def _first_step(run: RunDir, index: int) -> float | None:
                  if e["event"] == "phase" and e.get("phase") == "first_step"), None)
 
 
-def _steps_after_first(run: RunDir, index: int) -> int:
-    """_steps_after_first counts the steps attempt `index` logged after its first step."""
+def steps_after_first(run: RunDir, index: int) -> int:
+    """steps_after_first counts the steps attempt `index` logged after its first step."""
     first = _first_step(run, index)
     if first is None:
         return 0
@@ -265,7 +280,7 @@ def _sacct_delay(job: str, attempt: int) -> float | None:
     return times[attempt][1] - times[attempt - 1][2]
 
 
-def _state_bytes(run: RunDir) -> int | None:
+def state_bytes(run: RunDir) -> int | None:
     sizes = [e.get("bytes") for e in run.read_events() if e["event"] == "checkpoint"]
     return sizes[-1] if sizes else None
 

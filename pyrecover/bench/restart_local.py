@@ -30,7 +30,7 @@ from pyrecover.phases import attempts
 from pyrecover.rundir import RunDir
 from pyrecover.spawn import exit_status
 
-STOPPED, CONFIG_ERROR = 75, 2
+CONFIG_ERROR = 2  # a config or data error: starting again cannot help
 
 
 class Supervisor:
@@ -140,30 +140,13 @@ def bench_restart_local(storage: Path, config: Path | None, sets: Sequence[str],
     trainer = Supervisor(train_argv(name, storage, config, sets, nproc), env, log)
     note(f"{nproc} local process(es), run directory {run.root}, output {log}")
     trainer.start()
-    cycles = []
-    waiter = LocalWaiter(trainer, run, timeout)
     try:
-        current = waiter.until(lambda: restart._stepping(run, 0), "the first step")[0]
-        for i, kind in enumerate([k for _ in range(repeat) for k in kinds]):
-            waiter.until(lambda a=current: restart._steps_after_first(run, a) >= 2,
-                         f"two steps of attempt {current + 1}")
-            if kind == "crash":
-                waiter.until(lambda: restart._has_checkpoint(run), "a committed checkpoint")
-            note(f"{kind} {i // len(kinds) + 1}/{repeat}")
-            cycles.append(interrupt(waiter, kind, current))
-            c = cycles[-1]
-            current = c["attempt"]
-            note(f"{kind}: {c['total_s']:.2f}s to the first resumed step"
-                 + (f" ({c['failed_starts']} failed start(s) before it; left out of the "
-                    "summary)" if c["failed_starts"] else ""))
+        cycles = restart.run_cycles(LocalWaiter(trainer, run, timeout), interrupt, kinds,
+                                    repeat, note)
     finally:
         trainer.stop()
-    world = next((e.get("world_size") for e in run.read_events() if e["event"] == "resume"),
-                 None)
-    return {"job": None, "launcher": "local", "nproc": nproc, "run_dir": str(run.root),
-            "world_size": world, "state_gb": state_gb, "state_bytes": restart._state_bytes(run),
-            "exit_codes": trainer.codes, "cycles": cycles,
-            "summary": restart.summarize(cycles, state_gb), "machine": machine(storage)}
+    return {"job": None, "launcher": "local", "nproc": nproc, "exit_codes": trainer.codes,
+            **restart.results(run, cycles, state_gb), "machine": machine(storage)}
 
 
 class LocalWaiter:
@@ -194,7 +177,7 @@ def interrupt(waiter: LocalWaiter, kind: str, index: int) -> dict[str, Any]:
         waiter.trainer.send(signal.SIGUSR2)
     else:
         (run.root / restart.KILL_FILE).write_text(f"{sent}\n")
-    resumed, step = waiter.until(lambda: restart._stepping(run, index + 1),
+    resumed, step = waiter.until(lambda: restart.stepping(run, index + 1),
                                  "the first resumed step")
     seen = time.time()
     runs = attempts(run.read_events())
