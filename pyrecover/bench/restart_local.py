@@ -121,11 +121,13 @@ def bench_restart_local(storage: Path, config: Path | None, sets: Sequence[str],
     if nproc < 1:
         raise BenchError(f"--nproc must be at least 1 (got {nproc})")
     from pyrecover import config as config_mod
+    from pyrecover import datasource
 
     sets = [*(restart.model_for_state(state_gb) if state_gb else []), *sets]
-    try:  # a bad config is one line here, not a trainer that keeps failing
-        config_mod.load(config, list(sets))
-    except config_mod.ConfigError as exc:
+    try:  # a bad config or corpus is one line here, before any process starts
+        cfg = config_mod.load(config, list(sets))
+        datasource.check_source(cfg.data.path, cfg.data.column)
+    except (config_mod.ConfigError, datasource.DataError) as exc:
         raise BenchError(str(exc)) from None
     storage = storage.resolve()
     storage.mkdir(parents=True, exist_ok=True)
