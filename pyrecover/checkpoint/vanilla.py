@@ -127,6 +127,19 @@ def load_file(ckpt: Checkpoint) -> dict[str, Any]:
     return torch.load(ckpt.path / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
 
 
+def own_cpu_state(optimizer: torch.optim.Optimizer) -> None:
+    """own_cpu_state copies into the process's own memory the optimizer state that stays on
+    the CPU: `load_state_dict` keeps those tensors as they came, the state file's mapped
+    pages, and the first update would then copy them one page fault at a time (2.4 s of the
+    first resumed step for a 1 GB state on 2 CPU ranks, against 0.2 s for one copy here).
+    The step counters too: any tensor left in the file keeps the whole mapping. State moved
+    to a GPU was copied already."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                state[key] = value.clone()
+
+
 class VanillaMode:
     name = NAME
     asynchronous = False
@@ -163,6 +176,7 @@ class VanillaMode:
         else:
             parts.model.load_state_dict(state["model"])
             parts.optimizer.load_state_dict(state["optimizer"])
+            own_cpu_state(parts.optimizer)
         parts.scheduler.load_state_dict(state["scheduler"])
         rngs = state["rng"]
         return Restored(train=dict(state["train"]),
