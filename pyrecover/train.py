@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pyrecover import (
     batch,
@@ -295,8 +294,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                       parallel=layout)
     dog.phase("setup")
     if env.world_size > 1 and not sharded:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        settle_ddp_buckets(model, batches, t.micro_batch_size, device, autocast_for(cfg, device))
+        model = parallel.replicate(model, device, env.world_size, lambda: batches.windows(
+            batches.window_ids(0, t.micro_batch_size)), autocast_for(cfg, device))
     autocast = contextlib.nullcontext if sharded and parallel.mixed_precision(
         device, t.precision) else autocast_for(cfg, device)  # FSDP casts the blocks itself
 
@@ -359,26 +358,6 @@ def autocast_for(cfg: Config, device: torch.device):
     if precision == "bf16":
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
-
-
-def settle_ddp_buckets(model: DDP, batches: Batches, micro_batch: int, device: torch.device,
-                       autocast=contextlib.nullcontext) -> None:
-    """settle_ddp_buckets runs one throw-away forward/backward before the first real step.
-
-    DDP lays out its gradient buckets one way on the first iteration after it is built and
-    rebuilds them after that; with 3+ ranks the ring all-reduce then sums in another order.
-    A run that resumed would otherwise take its first step in the first layout while the
-    uninterrupted run took that step in the second, and differ in the last bits. After this
-    call every real step of every run uses the settled layout. Weights, optimizer, RNG and the
-    data position are untouched. It runs under the steps' autocast, so a compiled model
-    compiles once, for the graph the steps use.
-    """
-    x, y = batches.windows(batches.window_ids(0, micro_batch))
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        with autocast():
-            _, loss = model(x.to(device), y.to(device))
-        loss.backward()
-    model.zero_grad(set_to_none=True)
 
 
 def node_name() -> str:
