@@ -48,6 +48,10 @@ BOUNDS: tuple[tuple[str, str, str, str, float], ...] = (
      "<=", 5.0),
     ("restart after a signal, 1 GB state, world size 2 CPU, no SLURM (s)", "restart-cpu-1gb",
      "signal", "<=", 5.0),
+    # The same bound where it is meant: the experiment on the GPU (gpt-125m: 1.5 GB of
+    # weights and AdamW state, more than the 1 GB), world size 1 on a 1-GPU machine.
+    ("restart after a signal, the experiment on the GPU, no SLURM (s)", "restart-gpu",
+     "signal", "<=", 5.0),
 )
 # Every step, in the order they run; `--only` picks some (the corpus comes with any that
 # trains). A report from an earlier call on the same device keeps the steps not run again.

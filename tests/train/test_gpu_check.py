@@ -19,7 +19,7 @@ def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus)
     assert {n: s["returncode"] for n, s in report["steps"].items()} == {
         "train": 0, "memory-every-step": 0, "ckpt": 0, "compile": 0, "restart-cpu": 0,
         "restart-cpu-4": 0, "restart-cpu-1gb": 0, "restart-gpu": 0}
-    assert len(report["bounds"]) == 8
+    assert len(report["bounds"]) == 9
     assert all(isinstance(b["value"], float) and b["met"] in (True, False)
                for b in report["bounds"]), report["bounds"]
     rows = {r["mode"]: r for r in report["steps"]["train"]["report"]["rows"]}
