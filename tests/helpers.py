@@ -92,3 +92,21 @@ def check_restart_cycles(report: dict) -> None:
         assert all(r["gap"] >= 0 for r in rows), rows
         assert abs(sum(r["gap"] for r in rows) - cycle["total_s"]) < 0.01, cycle
         assert 0 <= cycle["observed_s"] - cycle["total_s"] <= 10.0, cycle
+
+
+def saved_and_restored(root: Path, mode: str, src, dst):
+    """saved_and_restored commits `src`'s parts (bench State) at step 2 in `mode` under a run
+    directory in `root` with one rank, restores that checkpoint into `dst`'s parts and
+    returns it (the store's verified Checkpoint)."""
+    from pyrecover.checkpoint import CheckpointManager, store
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(root / "run")
+    run.create()
+    cpu = torch.device("cpu")
+    saver = CheckpointManager(run, mode, 2, 2, 0, 1, src.parts, cpu, False)
+    saver.at_step(2)
+    saver.finish(2)
+    ckpt = store.verify(run.checkpoints / "step-2")
+    CheckpointManager(run, mode, 2, 2, 0, 1, dst.parts, cpu, False).restore(ckpt)
+    return ckpt

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import saved_and_restored
 
 from pyrecover.bench.state import build_state
 from pyrecover.checkpoint import CheckpointManager, store
@@ -33,15 +34,7 @@ def test_a_memory_checkpoint_restores_every_tensor_exactly(tmp_path, monkeypatch
     if odd:
         src, dst = with_odd_buffer(src), with_odd_buffer(dst)
         dst.parts.model.flags.zero_()
-    run = RunDir(tmp_path / "run")
-    run.create()
-    cpu = torch.device("cpu")
-    saver = CheckpointManager(run, "memory", 2, 2, 0, 1, src.parts, cpu, False)
-    saver.at_step(2)
-    saver.finish(2)
-    ckpt = store.verify(run.checkpoints / "step-2")
-    loader = CheckpointManager(run, "memory", 2, 2, 0, 1, dst.parts, cpu, False)
-    loader.restore(ckpt)
+    saved_and_restored(tmp_path, "memory", src, dst)
     want, got = live(src.parts), live(dst.parts)
     assert want.keys() == got.keys()
     for key, value in want.items():

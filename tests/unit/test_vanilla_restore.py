@@ -7,10 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from helpers import saved_and_restored
 
 from pyrecover.bench.state import build_state
-from pyrecover.checkpoint import CheckpointManager, store
-from pyrecover.rundir import RunDir
 
 
 def mapped(path: Path) -> list[tuple[int, int]]:
@@ -25,15 +24,8 @@ def mapped(path: Path) -> list[tuple[int, int]]:
 
 def test_a_vanilla_restore_owns_its_optimizer_state(tmp_path):
     src, dst = build_state(2_000_000, seed=0), build_state(2_000_000, seed=1)
-    run = RunDir(tmp_path / "run")
-    run.create()
-    cpu = torch.device("cpu")
-    saver = CheckpointManager(run, "vanilla", 2, 2, 0, 1, src.parts, cpu, False)
-    saver.at_step(2)
-    saver.finish(2)
-    loader = CheckpointManager(run, "vanilla", 2, 2, 0, 1, dst.parts, cpu, False)
-    loader.restore(store.verify(run.checkpoints / "step-2"))
-    state_file = (run.checkpoints / "step-2" / "state.pt").resolve()
+    ckpt = saved_and_restored(tmp_path, "vanilla", src, dst)
+    state_file = (ckpt.path / "state.pt").resolve()
 
     saved = [v for s in src.parts.optimizer.state.values() for v in s.values()]
     restored = [v for s in dst.parts.optimizer.state.values() for v in s.values()]
