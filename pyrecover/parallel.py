@@ -61,8 +61,8 @@ def replicate(model: torch.nn.Module, device: torch.device, world_size: int,
     """replicate wraps `model` in DDP, ready for the first step to be the same as any other.
 
     Every rank built the same weights from the same seed or restored the same checkpoint, so
-    DDP is told not to broadcast rank 0's (`init_sync=False`: the whole model once more over
-    the network, 0.3 s of a restart for a 1 GB state on 2 CPU ranks).
+    DDP is told not to broadcast rank 0's (`init_sync=False` where torch has it: the whole
+    model once more over the network, 0.3 s of a restart for a 1 GB state on 2 CPU ranks).
 
     DDP lays out its gradient buckets one way on the first iteration after it is built and
     rebuilds them after that; with 3+ ranks the ring all-reduce then sums in another order.
@@ -73,10 +73,13 @@ def replicate(model: torch.nn.Module, device: torch.device, world_size: int,
     model compiles once, for the graph the steps use). With 2 ranks every element is one sum
     of two numbers, the same in either order, and that step would only cost time.
     """
+    import inspect
+
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                init_sync=False)
+    # init_sync came late in torch's 2.x (about 2.6/2.7); a torch without it broadcasts.
+    no_sync = {"init_sync": False} if "init_sync" in inspect.signature(DDP).parameters else {}
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
     if world_size > 2:
         x, y = sample()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
