@@ -130,8 +130,8 @@ def load_file(ckpt: Checkpoint) -> dict[str, Any]:
 def own_cpu_state(optimizer: torch.optim.Optimizer) -> None:
     """own_cpu_state copies into the process's own memory the optimizer state that stays on
     the CPU: `load_state_dict` keeps those tensors as they came, the state file's mapped
-    pages, and the first update would then copy them one page fault at a time (2.4 s of the
-    first resumed step for a 1 GB state on 2 CPU ranks, against 0.2 s for one copy here).
+    pages, and the first update would then copy them one page fault at a time (2.4 s more
+    than the next update for a 1 GB state on 2 CPU ranks; one copy here costs 0.2-0.5 s).
     The step counters too: any tensor left in the file keeps the whole mapping. State moved
     to a GPU was copied already."""
     for state in optimizer.state.values():
