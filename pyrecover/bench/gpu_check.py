@@ -252,7 +252,10 @@ def format_report(report: dict[str, Any]) -> str:
                      f"({compiled['cached_s']:.1f}s vs {compiled['uncached_s']:.1f}s)")
     restarted = (report["steps"].get("restart-gpu") or {}).get("report")
     if restarted:
+        bounded = {row for _, source, row, _, _ in BOUNDS if source == "restart-gpu"}
         for kind, summary in restarted["summary"].items():
+            if kind in bounded:  # in the table above
+                continue
             rest = (summary["figures"].get("rest_s") or {}).get("median")
             what = f"restart after a {kind}, GPU, world size 1, no SLURM (s)"
             lines.append(f"{what:<58} {num(rest, 3):>7}")
