@@ -34,6 +34,10 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     `none` saves nothing within the measured steps (its interval is past the end); the final
     save every run makes after its last step is outside the measurement. With `plain`, the
     plain loop of bench/plain.py runs too, and every row says its ratio to it (`vs_plain`).
+    A mode whose run fails is a row with its `error`, and the other modes still run; a failed
+    `none` ends the bench (nothing to compare with). Every run of the bench shares one
+    Inductor cache (unless the user set TORCHINDUCTOR_CACHE_DIR): the model compiles once,
+    not once per mode.
     """
     from pyrecover import config as config_mod
 
@@ -55,11 +59,17 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     cfg = config_mod.load(config, base)  # a bad config fails here, before any run
     work = Path(tempfile.mkdtemp(prefix="pyrecover-bench-train-", dir=workdir))
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    errors: dict[str, str] = {}
     plain_runs: list[dict[str, Any]] = []
+    own_cache = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    if own_cache:  # each run's own compile-cache goes with its run directory, below
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "compile-cache")
     try:
         for r in range(repeat):
             turn = r % len(modes)  # rotate, so no mode always runs first
             for name in (*modes[turn:], *modes[:turn]):
+                if name in errors:
+                    continue
                 spec = TRAIN_MODES[name]
                 extra = [f"checkpoint.interval={total + 1}"] if spec is None else [
                     f"checkpoint.mode={spec[0]}", f"checkpoint.async_save={spec[1]}",
@@ -67,18 +77,29 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
                 note(f"repeat {r + 1}/{repeat}: training {total} steps with checkpoints "
                      f"{'never' if spec is None else f'every {interval} steps ({name})'}")
                 run_dir = work / f"{name}-{r}"
-                _train_once(config, base + extra, run_dir)
-                results[name].append(_throughput(run_dir, warmup))
+                try:
+                    _train_once(config, base + extra, run_dir)
+                    results[name].append(_throughput(run_dir, warmup))
+                except BenchError as exc:
+                    if name == "none":
+                        raise
+                    errors[name] = str(exc)
+                    note(f"{name} failed; the other modes go on: {exc}")
                 shutil.rmtree(run_dir, ignore_errors=True)
             if plain:
                 note(f"repeat {r + 1}/{repeat}: the plain loop, {total} steps")
                 plain_runs.append(plain_tokens_per_s(cfg, steps, warmup))
     finally:
+        if own_cache:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         shutil.rmtree(work, ignore_errors=True)
-    rows_out = []
+    rows_out: list[dict[str, Any]] = []
     baseline = statistics.median(x["tokens_per_s"] for x in results["none"])
     reference = statistics.median(x["tokens_per_s"] for x in plain_runs) if plain else None
     for name in modes:
+        if name in errors:
+            rows_out.append({"mode": name, "error": errors[name]})
+            continue
         tps = [x["tokens_per_s"] for x in results[name]]
         med = statistics.median(tps)
         mfus = [x["mfu"] for x in results[name] if x["mfu"] is not None]
@@ -166,6 +187,9 @@ def format_train(report: dict[str, Any]) -> str:
         f"{'saves':>6} {'blocked s':>10} {'blocked %':>10} {'ckpt MB':>8}",
     ]
     for r in report["rows"]:
+        if r.get("error"):
+            lines.append(f"{r['mode']:<10} FAILED: {r['error'].splitlines()[0]}")
+            continue
         span = f"{r['tokens_per_s']:.0f} ({r['min']:.0f}-{r['max']:.0f})"
         lines.append(f"{r['mode']:<10} {span:<26} {r['vs_none']:>7.3f} "
                      f"{num(r.get('vs_plain'), 3):>8} {num(r.get('mfu'), 3):>6} "

@@ -134,6 +134,9 @@ class DcpMode:
             self._staged = False
             self.stager.fence()
 
+    def device_waited(self, drain: bool = False) -> float:
+        return self.stager.copier.device_waited(drain)
+
     def _save(self, state: dict[str, Any], writer: dcp_io.Writer) -> None:
         """_save plans and writes `state` with DCP over the checkpoint group (collective)."""
         with quiet_single_process():

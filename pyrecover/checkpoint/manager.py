@@ -114,6 +114,7 @@ class CheckpointManager:
         Returns the seconds this call blocked the training loop.
         """
         started = time.perf_counter()
+        self._count_device_wait()
         if self.auto is not None and self._auto_clock is None:
             self._auto_clock = (step, started)
         if self.inflight is not None:
@@ -149,6 +150,14 @@ class CheckpointManager:
             self.inflight.blocked += waited
         return waited
 
+    def _count_device_wait(self, drain: bool = False) -> None:
+        """_count_device_wait adds the time the device stood still at the fences (CUDA) to the
+        loop's stall: the host went on there, the GPU did not."""
+        waited = self.mode.device_waited(drain)
+        self.stall_seconds += waited
+        if self.inflight is not None:
+            self.inflight.blocked += waited
+
     def finish(self, step: int) -> None:
         """finish makes sure the checkpoint of `step` is committed before the process exits."""
         tries = 1 if self.failed_step == step else 2  # a failed write is tried once more
@@ -162,6 +171,7 @@ class CheckpointManager:
             self._start(step)
             if self.inflight is not None:
                 self._commit_now()
+        self._count_device_wait(drain=True)
         self.mode.close()
         self._wait_retired()
         if self.last_saved_step != step and step > 0:

@@ -79,6 +79,10 @@ class Mode(Protocol):
     def wait_staged(self) -> None:
         """Return once the save in flight no longer reads the live state."""
 
+    def device_waited(self, drain: bool = False) -> float:
+        """Seconds the device stood still at `wait_staged` since the last call (CUDA: the
+        host does not wait there, the loop's stream does); `drain` waits for pending ones."""
+
     def result(self, wait: bool) -> WriteResult | None:
         """This rank's result once its files are durable and hashed; None while writing."""
 

@@ -11,6 +11,9 @@ One path for every device, so what CPU CI runs is what a GPU runs:
 - `Copier.fence()` is what the loop calls before the optimizer changes the state. On CUDA it
   makes the loop's stream wait for the copy's event: the host does not block, and the GPU
   waits only for what is not copied yet. On CPU it waits for the thread.
+- `Copier.device_waited()` is how long the loop's stream stood still at those fences (timed
+  by a pair of CUDA events around each wait, read once they completed): a wait the host never
+  sees, which the loop's `blocked` figure must still count.
 - `StateStager` stages a state dict for DCP mode on top of it: buffers kept per key (shape,
   dtype) from one save to the next, tied tensors copied once, the staged state dict made of
   plain tensors (no parameters, no subclasses; an FSDP shard, a DTensor, is staged as its
@@ -56,6 +59,7 @@ class Copier:
             initargs=(device,) if self.cuda else ())
         self._event: Any = None  # CUDA: the end of the copy in flight, until fenced
         self._future: Future | None = None
+        self._fences: list[tuple[Any, Any]] = []  # CUDA: events around each fence's wait
 
     def start(self, targets: list[torch.Tensor], sources: list[torch.Tensor],
               then: Callable[[], Any] | None = None, background: bool = True) -> Future:
@@ -106,11 +110,32 @@ class Copier:
         if self.cuda:
             event, self._event = self._event, None
             if event is not None:
-                torch.cuda.current_stream(self.device).wait_event(event)
+                stream = torch.cuda.current_stream(self.device)
+                before = torch.cuda.Event(enable_timing=True)
+                after = torch.cuda.Event(enable_timing=True)
+                before.record(stream)
+                stream.wait_event(event)
+                after.record(stream)
+                self._fences.append((before, after))
             return
         future = self._future
         if future is not None:
             future.exception()  # waits; the error stays in the future
+
+    def device_waited(self, drain: bool = False) -> float:
+        """device_waited is the seconds the loop's stream stood still at fences whose wait is
+        over, not counted before (0 on CPU, where `fence` blocks the host instead). `drain`
+        waits for the fences still pending."""
+        seconds, pending = 0.0, []
+        for before, after in self._fences:
+            if drain:
+                after.synchronize()
+            if after.query():
+                seconds += before.elapsed_time(after) / 1e3
+            else:
+                pending.append((before, after))
+        self._fences = pending
+        return seconds
 
     def wait(self) -> Any:
         """wait returns what the copy in flight's `then` returned once the bytes are on the

@@ -164,6 +164,9 @@ class VanillaMode:
     def wait_staged(self) -> None:
         pass  # start() returns once the state is written
 
+    def device_waited(self, drain: bool = False) -> float:
+        return 0.0  # nothing is copied behind the loop's back
+
     def result(self, wait: bool) -> WriteResult | None:
         return self._result  # written synchronously in start()
 

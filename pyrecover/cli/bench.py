@@ -90,6 +90,11 @@ def train(
     except (common.BenchError, ConfigError) as exc:
         raise user_error(exc) from None
     typer.echo(common.to_json(report) if as_json else bench_train.format_train(report))
+    failed = [r["mode"] for r in report["rows"] if r.get("error")]
+    if failed:  # not the user's mistake: exit 1, like a failed run
+        typer.echo(f"error: {', '.join(failed)} failed (the report says why); the other modes "
+                   "were measured", err=True)
+        raise typer.Exit(1)
 
 
 @bench_app.command("memory")
@@ -260,13 +265,17 @@ def gpu_check(
     allow_cpu: Annotated[bool, typer.Option(
         help="Run without a GPU (to try the check itself; its figures mean nothing).")] = False,
     only: Annotated[list[str] | None, typer.Option(
-        "--only", help="Run only this step (repeatable): tests, train, memory-every-step, "
-        "ckpt, compile, restart-cpu, restart-cpu-4, restart-cpu-1gb, restart-gpu. The report "
-        "keeps the other steps of an earlier report in --out from the same GPU.")] = None,
+        "--only", help="Run only this step (repeatable, run in the order given): tests, "
+        "train, memory-every-step, ckpt, compile, restart-cpu, restart-cpu-4, "
+        "restart-cpu-1gb, restart-gpu. The report keeps the other steps of an earlier report "
+        "in --out from the same GPU.")] = None,
     restart_repeat: Annotated[int, typer.Option(
         help="Interruptions of each kind in the restart steps.")] = 2,
     restart_state_gb: Annotated[float, typer.Option(
         help="The state of restart-cpu-1gb, in GB (issue 13 bounds 1 GB).")] = 1.0,
+    step_timeout: Annotated[float, typer.Option(
+        help="Seconds one step may take; past it the step is killed, reported as failed, "
+        "and the check goes on with the next.")] = 1800.0,
 ) -> None:
     """Every GPU path on this machine in one report: tests/gpu, bench train (all modes, memory
     with a snapshot every step, the plain compiled loop), bench ckpt, bench compile, bench
@@ -281,7 +290,8 @@ def gpu_check(
         report = check.gpu_check(out, config, overrides or [], steps, warmup, interval, size_gb,
                                  tests, allow_cpu, note=_note, only=tuple(only or ()),
                                  restart_repeat=restart_repeat,
-                                 restart_state_gb=restart_state_gb)
+                                 restart_state_gb=restart_state_gb,
+                                 step_timeout=step_timeout if step_timeout > 0 else None)
     except check.GpuCheckError as exc:
         raise user_error(exc) from None
     typer.echo(check.format_report(report), nl=False)

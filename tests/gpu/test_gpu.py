@@ -153,6 +153,14 @@ def test_cuda_staging_copies_the_state_of_its_moment_on_every_save_and_fences_th
             assert type(staged["model"]["weight"]) is torch.Tensor
             assert torch.equal(staged["model"]["weight"], expect), save
             assert staged["extra"]["kind"] is torch.nn.Linear
+        # A fence right after a large copy starts: the loop's stream stands still until the
+        # copy is done. The host never waited, so only the events can tell, and must.
+        big = {"x": torch.randn(64 << 20, device=device)}  # 256 MB
+        stager.stage(big)
+        stager.fence()
+        waited = stager.copier.device_waited(drain=True)
+        assert waited > 0.001, waited
+        assert stager.copier.device_waited(drain=True) == 0.0  # counted once
     finally:
         stager.close()
 

@@ -128,6 +128,10 @@ class Snapshots:
         is raised by the next `wait` (the next snapshot, save or persist)."""
         self.copier.fence()
 
+    def device_waited(self, drain: bool = False) -> float:
+        """device_waited: the seconds the loop's stream waited for snapshot copies (CUDA)."""
+        return self.copier.device_waited(drain)
+
     def _post(self, target: Snapshot, step: int, meta: dict[str, Any]) -> None:
         works = []
         if self.group is not None:
