@@ -103,10 +103,7 @@ class DcpMode:
             extra = {"scheduler": parts.scheduler.state_dict(), "config": parts.config,
                      "train": train}
             (folder / EXTRA_FILE).write_text(json.dumps(extra))
-        model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        if share.replicated(state):  # DDP: stage and write only this rank's share
-            state = share.own_share(state, self.rank, self.world_size)
+        state = self._state(parts)
         writer = dcp_io.Writer(folder)
         upload = None
         if self.asynchronous:
@@ -125,6 +122,20 @@ class DcpMode:
         self._thread.start()
         if not self.asynchronous:
             self._thread.join()
+
+    def _state(self, parts) -> dict[str, Any]:
+        """_state is what this rank saves: the live model and optimizer state dicts, or only
+        its share of them where every rank holds the same (DDP)."""
+        model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        if share.replicated(state):  # DDP: stage and write only this rank's share
+            state = share.own_share(state, self.rank, self.world_size)
+        return state
+
+    def prepare(self, parts) -> None:
+        """prepare allocates the staging buffers of an asynchronous save in the background."""
+        if self.asynchronous:
+            self.stager.prepare(self._state(parts))
 
     def wait_staged(self) -> None:
         """wait_staged returns once the state may change without reaching the save in flight

@@ -105,6 +105,7 @@ class CheckpointManager:
         self.last_save_seconds = 0.0  # start to commit of the newest checkpoint (rank 0)
         self.auto: AutoInterval | None = None  # `checkpoint.interval: auto` (see _retune)
         self._auto_clock: tuple[int, float] | None = None  # (last save or first step, time)
+        self._prepared = False  # the mode's buffers are allocated (at the first step boundary)
 
     # --- saving --------------------------------------------------------------------------
 
@@ -115,6 +116,9 @@ class CheckpointManager:
         """
         started = time.perf_counter()
         self._count_device_wait()
+        if not self._prepared:  # the optimizer's state exists now: buffers for the saves
+            self._prepared = True
+            self.mode.prepare(self.parts)
         if self.auto is not None and self._auto_clock is None:
             self._auto_clock = (step, started)
         if self.inflight is not None:

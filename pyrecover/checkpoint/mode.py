@@ -76,6 +76,10 @@ class Mode(Protocol):
     def start(self, pending: Pending, parts: Parts, train: dict[str, Any]) -> None:
         """Begin writing this rank's files of the save into `pending.tmp`."""
 
+    def prepare(self, parts: Parts) -> None:
+        """Allocate, in the background, what saves (and snapshots) will reuse; called once the
+        optimizer has its state (after the first step), long before the first save."""
+
     def wait_staged(self) -> None:
         """Return once the save in flight no longer reads the live state."""
 

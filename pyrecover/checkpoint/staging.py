@@ -14,6 +14,11 @@ One path for every device, so what CPU CI runs is what a GPU runs:
 - `Copier.device_waited()` is how long the loop's stream stood still at those fences (timed
   by a pair of CUDA events around each wait, read once they completed): a wait the host never
   sees, which the loop's `blocked` figure must still count.
+- `Copier.submit(fn)` runs `fn` in the copy's thread, outside the copy's bookkeeping: the
+  buffers are allocated there before the first save (`StateStager.prepare`, memory mode's
+  `prepare`). Pinned memory is slow to allocate (the pages are locked and mapped for the
+  device: about a second for a 125M-parameter model's 1.6 GB with its AdamW state); torch lets
+  go of the GIL while it allocates, so the loop goes on meanwhile.
 - `StateStager` stages a state dict for DCP mode on top of it: buffers kept per key (shape,
   dtype) from one save to the next, tied tensors copied once, the staged state dict made of
   plain tensors (no parameters, no subclasses; an FSDP shard, a DTensor, is staged as its
@@ -97,6 +102,11 @@ class Copier:
                 self._future.set_exception(exc)
         return self._future
 
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """submit runs `fn` in the copy's thread, before any copy started after it; the future
+        is the caller's to wait for (`fence` and `wait` do not)."""
+        return self._thread.submit(fn)
+
     def _copy(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
         # One dispatch for every tensor on CPU (a copy_ call each cost 4 us apiece); across
         # devices torch takes its slow path, one asynchronous copy_ per tensor.
@@ -154,6 +164,33 @@ class StateStager:
         self.device = device
         self.copier = Copier(device)
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._preparing: Future | None = None
+
+    def prepare(self, state_dict: dict[str, Any]) -> None:
+        """prepare allocates, in the copy's thread, the buffers a save of `state_dict` will
+        need, so the first save does not allocate them in the loop's time."""
+        self.prepared()
+        wanted: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+
+        def want(key: tuple, value: torch.Tensor) -> torch.Tensor:
+            wanted[key] = (value.shape, value.dtype)
+            return value
+
+        self._walk(state_dict, want)
+
+        def allocate() -> None:
+            for key, (shape, dtype) in wanted.items():
+                buf = self._buffers.get(key)
+                if buf is None or buf.shape != shape or buf.dtype != dtype:
+                    self._buffers[key] = host_buffer(shape, dtype, self.device)
+        self._preparing = self.copier.submit(allocate)
+
+    def prepared(self) -> None:
+        """prepared returns once the buffers `prepare` allocates are there (or it failed: the
+        save then allocates what is missing itself)."""
+        preparing, self._preparing = self._preparing, None
+        if preparing is not None:
+            preparing.exception()
 
     def stage(self, state_dict: dict[str, Any], **_: Any) -> Future:
         staged, targets, sources = self.place(state_dict)
@@ -163,9 +200,28 @@ class StateStager:
               ) -> tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]:
         """place maps `state_dict` onto the kept buffers: the staged dict (buffers where the
         tensors were) and the lists of copies to make."""
+        self.prepared()
         sources: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
-        seen: dict[tuple, torch.Tensor] = {}  # a tensor met twice (tied weights): one copy
+
+        def buffer(key: tuple, value: torch.Tensor) -> torch.Tensor:
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+                buf = host_buffer(value, value.dtype, self.device)
+                self._buffers[key] = buf
+            sources.append(value.detach())
+            targets.append(buf)
+            return buf
+
+        return self._walk(state_dict, buffer), targets, sources
+
+    @staticmethod
+    def _walk(state_dict: dict[str, Any],
+              tensor: Callable[[tuple, torch.Tensor], torch.Tensor]) -> dict[str, Any]:
+        """_walk copies the structure of `state_dict`, each distinct tensor replaced by what
+        `tensor(key, value)` returns (a tensor met twice, tied weights, is asked once), and
+        anything else deep-copied."""
+        seen: dict[tuple, torch.Tensor] = {}
 
         def put(value: Any, key: tuple) -> Any:
             if isinstance(value, DTensor):
@@ -177,16 +233,9 @@ class StateStager:
             if isinstance(value, torch.Tensor):
                 same = (value.device, value.data_ptr(), value.dtype, tuple(value.shape),
                         value.stride())
-                if same in seen:
-                    return seen[same]
-                buf = self._buffers.get(key)
-                if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-                    buf = host_buffer(value, value.dtype, self.device)
-                    self._buffers[key] = buf
-                sources.append(value.detach())
-                targets.append(buf)
-                seen[same] = buf
-                return buf
+                if same not in seen:
+                    seen[same] = tensor(key, value)
+                return seen[same]
             if isinstance(value, dict):
                 return {k: put(v, (*key, k)) for k, v in value.items()}
             if isinstance(value, (list, tuple)):
@@ -194,11 +243,12 @@ class StateStager:
                 return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
             return copy.deepcopy(value)
 
-        return put(state_dict, ()), targets, sources
+        return put(state_dict, ())
 
     def fence(self) -> None:
         self.copier.fence()
 
     def close(self) -> None:
+        self.prepared()
         self.copier.close()
         self._buffers.clear()

@@ -167,6 +167,9 @@ class VanillaMode:
     def device_waited(self, drain: bool = False) -> float:
         return 0.0  # nothing is copied behind the loop's back
 
+    def prepare(self, parts: Parts) -> None:
+        pass  # nothing is kept between saves
+
     def result(self, wait: bool) -> WriteResult | None:
         return self._result  # written synchronously in start()
 

@@ -154,3 +154,36 @@ def test_a_file_removed_from_a_save_in_flight_fails_that_save_instead_of_committ
     failed = [e for e in run.read_events() if e["event"] == "checkpoint_failed"]
     assert len(failed) == 1 and "rng-0.pt is missing" in failed[0]["reason"]
     assert "rng-0.pt" in store.verify(run.checkpoints / "step-2").manifest["files"]
+
+
+
+@pytest.mark.parametrize("mode", ["dcp", "memory"])
+def test_the_first_save_finds_its_host_buffers_allocated_at_the_first_step(tmp_path, mode):
+    """Pinned host buffers take about a second per 1.6 GB to allocate on a GPU machine: they
+    are allocated in the background from the first step boundary on, and the first save or
+    snapshot copies into them instead of allocating its own in the loop's time."""
+    parts = build_state(2_000_000).parts
+    run = RunDir(tmp_path / "run")
+    run.create()
+    manager = CheckpointManager(run, mode, 4, 2, 0, 1, parts, torch.device("cpu"), True,
+                                snapshot_interval=2 if mode == "memory" else 0)
+
+    def buffers() -> dict:
+        if mode == "dcp":
+            manager.mode.stager.prepared()
+            return {k: b.data_ptr() for k, b in manager.mode.stager._buffers.items()}
+        manager.mode.prepared()
+        sets = (manager.mode.current, manager.mode.previous, manager.mode.spare)
+        return {b.data_ptr() for s in sets for b in s.buffers.values()}
+
+    assert not buffers()
+    manager.at_step(1)  # the first step boundary: nothing is due, the buffers are prepared
+    prepared = buffers()
+    tensors = sum(1 for _ in parts.model.parameters()) * 4  # weight, exp_avg, exp_avg_sq, step
+    assert len(prepared) == (3 if mode == "memory" else tensors)
+    for step in (2, 3, 4):  # memory: snapshots at 2 and 4, a disk save at 4; dcp: a save at 4
+        manager.at_step(step)
+        assert buffers() == prepared  # reused, nothing allocated in the loop's time
+        manager.before_update()
+    manager.finish(4)
+    assert store.verify(run.checkpoints / "step-4").step == 4
