@@ -15,6 +15,7 @@ time). `make gpu-check` calls it with the defaults.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -59,6 +60,9 @@ BOUNDS: tuple[tuple[str, str, str, str, float], ...] = (
 STEPS = ("tests", "train", "memory-every-step", "ckpt", "compile", "restart-cpu",
          "restart-cpu-4", "restart-cpu-1gb", "restart-gpu")
 TINY = Path(__file__).resolve().parents[2] / "launch" / "experiments" / "tiny.yaml"
+# After SIGTERM, how long a timed-out step may take to stop what it started (bench restart's
+# trainer saves and exits) before its process group is killed.
+STOP_GRACE_S = 60.0
 
 
 class GpuCheckError(ValueError):
@@ -82,8 +86,10 @@ def python_argv() -> list[str]:
 def run_step(step: Step, out: Path, env: dict[str, str], json_out: bool,
              timeout_s: float | None = None) -> Step:
     """run_step runs one command, its whole output saved to `<out>/<name>.log`. Past
-    `timeout_s` the command and everything it started are killed (a hang must not take the
-    rest of the check with it) and the step says so."""
+    `timeout_s` the command's process group gets SIGTERM (a bench stops what it started in
+    sessions of their own, such as bench restart's trainer), then SIGKILL after
+    `STOP_GRACE_S` (a hang must not take the rest of the check with it), and the step says
+    so."""
     started = time.perf_counter()
     proc = subprocess.Popen(step.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, start_new_session=True)
@@ -91,8 +97,14 @@ def run_step(step: Step, out: Path, env: dict[str, str], json_out: bool,
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+        with contextlib.suppress(ProcessLookupError):  # it may have ended just now
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
         late = f"killed after {timeout_s:.0f}s (--step-timeout)"
     step.seconds = time.perf_counter() - started
     step.returncode = proc.returncode
@@ -211,7 +223,7 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
     done = earlier_steps(out / "report.json", device, note) if only else {}
     head = {"kind": "gpu-check", "device": device, "torch": torch.__version__,
             "cuda": torch.version.cuda, "cpus": os.cpu_count(), "config": str(config)}
-    report = write_report(out, head, done)
+    report: dict[str, Any] = {}
     for step, json_out in plan:
         note(f"{step.name}: {' '.join(step.argv[2:])}")
         done[step.name] = run_step(step, out, env, json_out, step_timeout)

@@ -61,8 +61,8 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     errors: dict[str, str] = {}
     plain_runs: list[dict[str, Any]] = []
-    own_cache = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
-    if own_cache:  # each run's own compile-cache goes with its run directory, below
+    cache_before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not cache_before:  # each run's own compile-cache goes with its run directory, below
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "compile-cache")
     try:
         for r in range(repeat):
@@ -90,8 +90,10 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
                 note(f"repeat {r + 1}/{repeat}: the plain loop, {total} steps")
                 plain_runs.append(plain_tokens_per_s(cfg, steps, warmup))
     finally:
-        if own_cache:
+        if cache_before is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_before
         shutil.rmtree(work, ignore_errors=True)
     rows_out: list[dict[str, Any]] = []
     baseline = statistics.median(x["tokens_per_s"] for x in results["none"])

@@ -116,7 +116,9 @@ class CheckpointManager:
         """
         started = time.perf_counter()
         self._count_device_wait()
-        if not self._prepared:  # the optimizer's state exists now: buffers for the saves
+        # Buffers for the saves, once the optimizer has its state (after the first update
+        # that was not skipped): get_state_dict would make one up with a step of its own.
+        if not self._prepared and self.parts.optimizer.state:
             self._prepared = True
             self.mode.prepare(self.parts)
         if self.auto is not None and self._auto_clock is None:
@@ -247,6 +249,7 @@ class CheckpointManager:
             if local is None:
                 return False
             results = [local]
+        self._count_device_wait(drain=True)  # its copy's fence, in its own `blocked`
         flight, self.inflight = self.inflight, None
         errors = [f"rank {r}: {res.error}" for r, res in enumerate(results) if res.error]
         self.last_error = "; ".join(errors)

@@ -33,12 +33,15 @@ torch's staging internals or on `dcp.async_save`, whose API changed between rele
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+log = logging.getLogger("pyrecover")
 
 
 def host_buffer(like: torch.Tensor | torch.Size | tuple, dtype: torch.dtype,
@@ -190,8 +193,9 @@ class StateStager:
         """prepared returns once the buffers `prepare` allocates are there (or it failed: the
         save then allocates what is missing itself)."""
         preparing, self._preparing = self._preparing, None
-        if preparing is not None:
-            preparing.exception()
+        failed = None if preparing is None else preparing.exception()
+        if failed is not None:
+            log.debug("host buffers could not be allocated ahead: %s", failed)
 
     def stage(self, state_dict: dict[str, Any], **_: Any) -> Future:
         staged, targets, sources = self.place(state_dict)

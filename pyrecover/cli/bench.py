@@ -3,6 +3,8 @@ storage, its cost to training, the time an interruption and a recompile cost."""
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -199,6 +201,9 @@ def restart(
         raise user_error("--nproc is for --local; a job's processes are --nodes x "
                          "--gpus-per-node")
     kinds = tuple(interrupt or bench_restart.KINDS)
+    # A SIGTERM (gpu-check's step timeout, a job's end) must reach the `finally` that stops the
+    # trainer the bench started in a session of its own, or that trainer outlives the bench.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         if local:
             from pyrecover.bench import restart_local

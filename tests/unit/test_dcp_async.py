@@ -187,3 +187,33 @@ def test_the_first_save_finds_its_host_buffers_allocated_at_the_first_step(tmp_p
         manager.before_update()
     manager.finish(4)
     assert store.verify(run.checkpoints / "step-4").step == 4
+
+
+def test_buffers_wait_for_the_optimizer_s_state_and_never_make_one_up(tmp_path):
+    """A first step skipped for a non-finite loss leaves AdamW without state; asking DCP for
+    its state dict then would run a step of its own (torch's _init_optim_state). The buffers
+    wait for the first real update instead."""
+    from pyrecover.checkpoint.mode import Parts
+
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    parts = Parts(model=model, optimizer=optimizer,
+                  scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+                  config={}, train_state=lambda: {"step": 0, "tokens_seen": 0,
+                                                   "data_position": 0, "bad_steps": 0})
+    run = RunDir(tmp_path / "run")
+    run.create()
+    manager = CheckpointManager(run, "dcp", 10, 2, 0, 1, parts, torch.device("cpu"), True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    manager.at_step(1)  # the update of step 1 was skipped: nothing to prepare yet
+    manager.mode.stager.prepared()
+    assert optimizer.state == {} and manager.mode.stager._buffers == {}
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x)[1].backward()
+    optimizer.step()
+    manager.at_step(2)  # now it has state: the buffers are prepared
+    manager.mode.stager.prepared()
+    assert manager.mode.stager._buffers
+    assert {int(s["step"]) for s in optimizer.state.values()} == {1}  # one real step only
+    manager.finish(2)

@@ -101,8 +101,9 @@ class Snapshots:
         """prepared returns once `prepare`'s buffers are there (a failed allocation is left to
         the snapshot, which allocates what is missing itself)."""
         preparing, self._preparing = self._preparing, None
-        if preparing is not None:
-            preparing.exception()
+        failed = None if preparing is None else preparing.exception()
+        if failed is not None:
+            log.debug("host buffers could not be allocated ahead: %s", failed)
 
     def snapshot(self, step: int, parts, train: dict[str, Any]) -> None:
         """snapshot copies this rank's slice of the state at `step`; replicas follow in the
