@@ -279,8 +279,8 @@ def gpu_check(
     restart_state_gb: Annotated[float, typer.Option(
         help="The state of restart-cpu-1gb, in GB (issue 13 bounds 1 GB).")] = 1.0,
     step_timeout: Annotated[float, typer.Option(
-        help="Seconds one step may take; past it the step is killed, reported as failed, "
-        "and the check goes on with the next.")] = 1800.0,
+        help="Seconds one step may take; past it the step is stopped (SIGTERM, then SIGKILL), "
+        "reported as failed, and the check goes on with the next; 0: no limit.")] = 1800.0,
 ) -> None:
     """Every GPU path on this machine in one report: tests/gpu, bench train (all modes, memory
     with a snapshot every step, the plain compiled loop), bench ckpt, bench compile, bench
