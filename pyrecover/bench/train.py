@@ -13,6 +13,7 @@ import io
 import logging
 import os
 import shutil
+import signal
 import statistics
 import tempfile
 from collections.abc import Sequence
@@ -129,13 +130,18 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
 
 
 def _train_once(config: Path | None, overrides: Sequence[str], run_dir: Path) -> None:
-    """_train_once runs the real trainer in this process, its log captured, not shown."""
+    """_train_once runs the real trainer in this process, its log captured, not shown. The
+    trainer's signal handlers (which only set a stop flag) go when it returns, or a SIGTERM
+    would no longer stop the bench."""
     from pyrecover import config as config_mod
+    from pyrecover import preempt
     from pyrecover import train as train_mod
 
     cfg = config_mod.load(config, list(overrides))
     logger = logging.getLogger("pyrecover")
     saved = (logger.handlers[:], logger.level, logger.propagate)
+    handlers = {sig: signal.getsignal(sig)
+                for sig in {signal.SIGTERM, preempt.parse_signal(cfg.run.stop_signal)}}
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
@@ -146,6 +152,8 @@ def _train_once(config: Path | None, overrides: Sequence[str], run_dir: Path) ->
                          + (f"\n{tail}" if tail else "")) from exc
     finally:
         logger.handlers[:], logger.level, logger.propagate = saved
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _throughput(run_dir: Path, warmup: int) -> dict[str, float]:

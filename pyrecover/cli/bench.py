@@ -203,7 +203,7 @@ def restart(
     kinds = tuple(interrupt or bench_restart.KINDS)
     # A SIGTERM (gpu-check's step timeout, a job's end) must reach the `finally` that stops the
     # trainer the bench started in a session of its own, or that trainer outlives the bench.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         if local:
             from pyrecover.bench import restart_local
@@ -219,6 +219,8 @@ def restart(
             text = bench_restart.format_restart
     except common.BenchError as exc:
         raise user_error(exc) from None
+    finally:
+        signal.signal(signal.SIGTERM, before)
     typer.echo(common.to_json(report) if as_json else text(report))
 
 

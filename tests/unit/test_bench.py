@@ -65,6 +65,7 @@ def test_a_mode_that_fails_is_a_row_saying_why_and_the_other_modes_are_still_mea
     of every other mode. Here vanilla's run is made to fail (the only stand-in: the trainer
     itself runs for real for the other modes)."""
     import os
+    import signal
 
     from pyrecover.bench import train as bench_train
 
@@ -77,6 +78,8 @@ def test_a_mode_that_fails_is_a_row_saying_why_and_the_other_modes_are_still_mea
         return real(config, overrides, run_dir)
 
     monkeypatch.setattr(bench_train, "_train_once", vanilla_fails)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1,
+                                                  signal.SIGUSR2)}
     report = bench_train.bench_train(TINY, [f"data.path={corpus}",
                                             f"run.storage={tmp_path}"], 2, 3, 1,
                                      modes=("vanilla", "dcp-sync"), workdir=tmp_path)
@@ -86,3 +89,5 @@ def test_a_mode_that_fails_is_a_row_saying_why_and_the_other_modes_are_still_mea
     assert rows["dcp-sync"]["tokens_per_s"] > 0 and rows["dcp-sync"]["saves"] >= 1
     assert "vanilla    FAILED: the training run failed" in bench_train.format_train(report)
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # the bench's own is gone again
+    # The trainer's stop-flag handlers are gone too: a SIGTERM stops the bench again.
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
