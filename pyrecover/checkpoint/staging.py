@@ -14,12 +14,12 @@ One path for every device, so what CPU CI runs is what a GPU runs:
 - `Copier.device_waited()` is how long the loop's stream stood still at those fences (timed
   by a pair of CUDA events around each wait, read once they completed): a wait the host never
   sees, which the loop's `blocked` figure must still count.
-- `Copier.submit(fn)` runs `fn` in the copy's thread, outside the copy's bookkeeping: the
-  buffers are allocated there before the first save (`StateStager.prepare`, memory mode's
-  `prepare`). Pinned memory is slow to allocate (the pages are locked and mapped for the
-  device): on an H200 VM, gpt-125m's two async saves (1.6 GB with AdamW) blocked the loop
-  1.56 s together while the first one allocated, 0.04 s once `prepare` did. torch lets go of
-  the GIL while it allocates, so the loop goes on meanwhile.
+- `Copier.allocate(fn)` runs `fn` in the copy's thread, outside the copy's bookkeeping, and
+  `Copier.allocated()` waits for it: the buffers are allocated there before the first save
+  (`StateStager.prepare`, memory mode's `prepare`). Pinned memory is slow to allocate (the
+  pages are locked and mapped for the device): on an H200 VM, gpt-125m's two async saves
+  (1.6 GB with AdamW) blocked the loop 1.56 s together while the first one allocated, 0.04 s
+  once `prepare` did. torch lets go of the GIL while it allocates, so the loop goes on.
 - `StateStager` stages a state dict for DCP mode on top of it: buffers kept per key (shape,
   dtype) from one save to the next, tied tensors copied once, the staged state dict made of
   plain tensors (no parameters, no subclasses; an FSDP shard, a DTensor, is staged as its
@@ -69,6 +69,7 @@ class Copier:
         self._event: Any = None  # CUDA: the end of the copy in flight, until fenced
         self._future: Future | None = None
         self._fences: list[tuple[Any, Any]] = []  # CUDA: events around each fence's wait
+        self._allocating: Future | None = None  # buffers being allocated ahead (allocate)
 
     def start(self, targets: list[torch.Tensor], sources: list[torch.Tensor],
               then: Callable[[], Any] | None = None, background: bool = True) -> Future:
@@ -106,10 +107,19 @@ class Copier:
                 self._future.set_exception(exc)
         return self._future
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        """submit runs `fn` in the copy's thread, before any copy started after it; the future
-        is the caller's to wait for (`fence` and `wait` do not)."""
-        return self._thread.submit(fn)
+    def allocate(self, fn: Callable[[], Any]) -> None:
+        """allocate runs `fn` (which allocates buffers) in the copy's thread, before any copy
+        started after it; `allocated` waits for it (`fence` and `wait` do not)."""
+        self.allocated()
+        self._allocating = self._thread.submit(fn)
+
+    def allocated(self) -> None:
+        """allocated returns once the buffers `allocate` asked for are there. A failure is
+        only logged: whoever needs a missing buffer allocates it itself."""
+        allocating, self._allocating = self._allocating, None
+        failed = None if allocating is None else allocating.exception()
+        if failed is not None:
+            log.debug("host buffers could not be allocated ahead: %s", failed)
 
     def _copy(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
         # One dispatch for every tensor on CPU (a copy_ call each cost 4 us apiece); across
@@ -159,6 +169,7 @@ class Copier:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
+        self.allocated()
 
 
 class StateStager:
@@ -168,12 +179,11 @@ class StateStager:
         self.device = device
         self.copier = Copier(device)
         self._buffers: dict[tuple, torch.Tensor] = {}
-        self._preparing: Future | None = None
 
     def prepare(self, state_dict: dict[str, Any]) -> None:
         """prepare allocates, in the copy's thread, the buffers a save of `state_dict` will
         need, so the first save does not allocate them in the loop's time."""
-        self.prepared()
+        self.copier.allocated()
         wanted: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
 
         def want(key: tuple, value: torch.Tensor) -> torch.Tensor:
@@ -187,15 +197,7 @@ class StateStager:
                 buf = self._buffers.get(key)
                 if buf is None or buf.shape != shape or buf.dtype != dtype:
                     self._buffers[key] = host_buffer(shape, dtype, self.device)
-        self._preparing = self.copier.submit(allocate)
-
-    def prepared(self) -> None:
-        """prepared returns once the buffers `prepare` allocates are there (or it failed: the
-        save then allocates what is missing itself)."""
-        preparing, self._preparing = self._preparing, None
-        failed = None if preparing is None else preparing.exception()
-        if failed is not None:
-            log.debug("host buffers could not be allocated ahead: %s", failed)
+        self.copier.allocate(allocate)
 
     def stage(self, state_dict: dict[str, Any], **_: Any) -> Future:
         staged, targets, sources = self.place(state_dict)
@@ -205,7 +207,7 @@ class StateStager:
               ) -> tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]:
         """place maps `state_dict` onto the kept buffers: the staged dict (buffers where the
         tensors were) and the lists of copies to make."""
-        self.prepared()
+        self.copier.allocated()
         sources: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
 
@@ -254,6 +256,5 @@ class StateStager:
         self.copier.fence()
 
     def close(self) -> None:
-        self.prepared()
         self.copier.close()
         self._buffers.clear()

@@ -170,9 +170,9 @@ def test_the_first_save_finds_its_host_buffers_allocated_at_the_first_step(tmp_p
 
     def buffers() -> dict:
         if mode == "dcp":
-            manager.mode.stager.prepared()
+            manager.mode.stager.copier.allocated()
             return {k: b.data_ptr() for k, b in manager.mode.stager._buffers.items()}
-        manager.mode.prepared()
+        manager.mode.copier.allocated()
         sets = (manager.mode.current, manager.mode.previous, manager.mode.spare)
         return {b.data_ptr() for s in sets for b in s.buffers.values()}
 
@@ -206,14 +206,14 @@ def test_buffers_wait_for_the_optimizer_s_state_and_never_make_one_up(tmp_path):
     manager = CheckpointManager(run, "dcp", 10, 2, 0, 1, parts, torch.device("cpu"), True)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     manager.at_step(1)  # the update of step 1 was skipped: nothing to prepare yet
-    manager.mode.stager.prepared()
+    manager.mode.stager.copier.allocated()
     assert optimizer.state == {} and manager.mode.stager._buffers == {}
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     x = torch.randint(0, 64, (2, 16))
     model(x, x)[1].backward()
     optimizer.step()
     manager.at_step(2)  # now it has state: the buffers are prepared
-    manager.mode.stager.prepared()
+    manager.mode.stager.copier.allocated()
     assert manager.mode.stager._buffers
     assert {int(s["step"]) for s in optimizer.state.values()} == {1}  # one real step only
     manager.finish(2)

@@ -5,7 +5,6 @@ replicas with its peers over a dedicated gloo group, next to training.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -82,7 +81,6 @@ class Snapshots:
         self._live: tuple[tuple[int, ...], list[tuple[str, torch.Tensor]], list[Any]] | None = None
         self._copies: list[tuple[int, int, torch.Tensor]] = []  # (lo, hi) in own slice <- bytes
         self._model_buffers: bool | None = None  # whether identity must walk the modules
-        self._preparing: Future | None = None  # own-slice buffers being allocated (prepare)
 
     def held_slices(self) -> list[int]:
         return [s for s in range(self.world_size)
@@ -92,18 +90,10 @@ class Snapshots:
         """prepare lays the state out and allocates the own slice's buffer of each of the three
         snapshot sets in the copy's thread (pinned on CUDA, slow to allocate: staging.py), so
         the first snapshots do not allocate them in the loop's time."""
-        self.prepared()
+        self.copier.allocated()
         self._state_tensors(parts)
         sets = (self.current, self.previous, self.spare)
-        self._preparing = self.copier.submit(lambda: [self._buffer(s, self.rank) for s in sets])
-
-    def prepared(self) -> None:
-        """prepared returns once `prepare`'s buffers are there (a failed allocation is left to
-        the snapshot, which allocates what is missing itself)."""
-        preparing, self._preparing = self._preparing, None
-        failed = None if preparing is None else preparing.exception()
-        if failed is not None:
-            log.debug("host buffers could not be allocated ahead: %s", failed)
+        self.copier.allocate(lambda: [self._buffer(s, self.rank) for s in sets])
 
     def snapshot(self, step: int, parts, train: dict[str, Any]) -> None:
         """snapshot copies this rank's slice of the state at `step`; replicas follow in the
@@ -118,7 +108,7 @@ class Snapshots:
         first waits for the previous one; a snapshot counts (becomes `current`) once its
         exchange finished, and an exchange that failed (a peer died) raises here.
         """
-        self.prepared()
+        self.copier.allocated()  # prepare's buffers are there before they are looked at
         self.wait()
         faults.maybe_kill(step, self.rank, point="snapshot")  # the previous one counted here
         tensors, fqns = self._state_tensors(parts)
