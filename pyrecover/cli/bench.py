@@ -293,6 +293,8 @@ def gpu_check(
     """
     from pyrecover.bench import gpu_check as check
 
+    if step_timeout < 0:
+        raise user_error(f"--step-timeout {step_timeout:g}: give seconds, or 0 for no limit")
     try:
         report = check.gpu_check(out, config, overrides or [], steps, warmup, interval, size_gb,
                                  tests, allow_cpu, note=_note, only=tuple(only or ()),

@@ -49,6 +49,9 @@ def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus)
     assert merged["steps"]["ckpt"] != report["steps"]["ckpt"]  # measured again
     wrong = pyrecover("bench", "gpu-check", "--out", str(out), "--allow-cpu", "--only", "nope")
     assert wrong.returncode == 2 and "no such step" in wrong.stderr, wrong.stderr
+    negative = pyrecover("bench", "gpu-check", "--out", str(out), "--allow-cpu",
+                         "--step-timeout", "-5")
+    assert negative.returncode == 2 and "--step-timeout -5" in negative.stderr
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
