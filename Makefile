@@ -55,8 +55,9 @@ gpu-test: image
 
 # Every GPU path on a machine with an NVIDIA GPU and a CUDA torch already installed (no
 # container, SLURM, network, wandb or spython): tests/gpu, bench train on gpt-125m (every mode,
-# memory with a snapshot every step, the plain compiled loop), bench ckpt at 2 GB, bench compile
-# (a restart's first step with the run's compile cache vs an empty one), bench restart --local
+# memory with a snapshot every step, the plain compiled loop), bench ckpt at 2 GB, bench memory
+# (snapshots at world size 2 on the CPU cores), bench compile (a restart's first step with the
+# run's compile cache vs an empty one), bench restart --local
 # (signal and crash to the first resumed step without SLURM: CPU at world sizes 2 and 4, and
 # the GPU). One report: runs/gpu-check/report.txt and report.json. Uses that machine's python3
 # and its torch. Split over several commands (a machine that limits one command's time):

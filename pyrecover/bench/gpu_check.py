@@ -3,8 +3,9 @@
 On any Linux machine with an NVIDIA GPU and a CUDA torch (no container, SLURM or network):
 runs `tests/gpu`, then `bench train` on an experiment (every mode, plus memory mode with a
 snapshot every step, and the plain compiled loop as the baseline), then `bench ckpt`, then
-`bench compile` (a restart's first step with the run's compile cache and without), then
-`bench restart --local` (a signal and a crash to the first resumed step without SLURM: the
+`bench memory` (memory mode's snapshots at world size 2 on the CPU cores), then `bench
+compile` (a restart's first step with the run's compile cache and without), then `bench
+restart --local` (a signal and a crash to the first resumed step without SLURM: the
 tiny model on this machine's CPU cores at world sizes 2 and 4, a 1 GB state at world size 2,
 and the experiment on the GPU), and writes `report.json` and `report.txt` with the issues'
 bounds checked side by side. Each step is the real command in a fresh process, so one that
@@ -40,6 +41,10 @@ BOUNDS: tuple[tuple[str, str, str, str, float], ...] = (
     ("tokens/s, memory with a snapshot every step, vs none", "memory-every-step", "memory",
      ">=", 0.95),
     ("loop blocked per dcp-async save vs torch.save + fsync", "ckpt", "dcp-async", "<=", 0.03),
+    # The same snapshot path on this machine's CPU cores (bench memory, world size 2, the
+    # tiny model, train.device=cpu): the issue's CPU bound, on a machine with cores to spare.
+    ("tokens/s, memory a snapshot every step vs none, 2 CPU ranks", "memory-cpu",
+     "tokens_per_s_vs_none", ">=", 0.90),
     # Issue 13's and 15's bounds on a restart's rest, on this machine's cores with no SLURM
     # (bench restart --local, train.device=cpu, the tiny model): seconds, not ratios.
     ("restart after a signal, world size 2 CPU, no SLURM (s)", "restart-cpu", "signal",
@@ -57,7 +62,7 @@ BOUNDS: tuple[tuple[str, str, str, str, float], ...] = (
 )
 # Every step, in the order they run; `--only` picks some (the corpus comes with any that
 # trains). A report from an earlier call on the same device keeps the steps not run again.
-STEPS = ("tests", "train", "memory-every-step", "ckpt", "compile", "restart-cpu",
+STEPS = ("tests", "train", "memory-every-step", "ckpt", "memory-cpu", "compile", "restart-cpu",
          "restart-cpu-4", "restart-cpu-1gb", "restart-gpu")
 TINY = Path(__file__).resolve().parents[2] / "launch" / "experiments" / "tiny.yaml"
 # After SIGTERM, how long a timed-out step may take to stop what it started (bench restart's
@@ -125,6 +130,8 @@ def figure(steps: dict[str, Step], source: str, row: str) -> float | None:
     step = steps.get(source)
     if step is None or step.report is None:
         return None
+    if source == "memory-cpu":
+        return step.report.get("ratios", {}).get(row)
     if source.startswith("restart"):
         summary = step.report.get("summary", {}).get(row, {})
         return (summary.get("figures", {}).get("rest_s") or {}).get("median")
@@ -148,7 +155,7 @@ def verdicts(steps: dict[str, Step]) -> list[dict[str, Any]]:
 def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup: int,
               interval: int, size_gb: float, run_tests: bool = True, allow_cpu: bool = False,
               note: Note = lambda _: None, only: tuple[str, ...] = (),
-              restart_repeat: int = 2, restart_state_gb: float = 1.0,
+              cpu_repeat: int = 2, cpu_state_gb: float = 1.0,
               step_timeout: float | None = None) -> dict[str, Any]:
     """gpu_check runs every step (or those in `only`) and writes the report into `out`
     after each one (a check cut short still leaves what it measured); returns the report."""
@@ -193,15 +200,21 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
                                             str(warmup + steps + 1)]), True))
     plan.append((Step("ckpt", [*python_argv(), "bench", "ckpt", "--dir", str(out / "ckpt"),
                                "--size-gb", str(size_gb), "--json"]), True))
+    # The benches on the CPU cores train their own small model on the same corpus.
+    data = ["--set", next((i for i in overrides if i.startswith("data.path=")),
+                          f"data.path={corpus}")]
+    (out / "memory").mkdir(exist_ok=True)
+    plan.append((Step("memory-cpu", [
+        *python_argv(), "bench", "memory", "--dir", str(out / "memory"), "--size-gb",
+        str(cpu_state_gb), "--repeat", str(cpu_repeat), "--json", "--set", "train.device=cpu",
+        *data]), True))
     (out / "compile").mkdir(exist_ok=True)
     compile_argv = [*python_argv(), "bench", "compile", "--dir", str(out / "compile"),
                     "--config", str(config), "--repeat", "1", "--json"]
     for item in ([] if own_data else [f"data.path={corpus}"]) + overrides:
         compile_argv += ["--set", item]
     plan.append((Step("compile", compile_argv), True))
-    data = ["--set", next((i for i in overrides if i.startswith("data.path=")),
-                          f"data.path={corpus}")]
-    restart = [*python_argv(), "bench", "restart", "--local", "--repeat", str(restart_repeat),
+    restart = [*python_argv(), "bench", "restart", "--local", "--repeat", str(cpu_repeat),
                "--json", *data]
     cpu = ["--config", str(TINY), "--set", "train.device=cpu"]
     plan.append((Step("restart-cpu", [*restart, "--dir", str(storage), "--nproc", "2", *cpu]),
@@ -210,7 +223,7 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
                                         "--interrupt", "crash", *cpu]), True))
     plan.append((Step("restart-cpu-1gb", [
         *restart, "--dir", str(storage), "--nproc", "2", "--interrupt", "signal", "--state-gb",
-        str(restart_state_gb), *cpu, "--set", "train.global_batch_size=2", "--set",
+        str(cpu_state_gb), *cpu, "--set", "train.global_batch_size=2", "--set",
         "train.micro_batch_size=1"]), True))
     gpu = [*restart, "--dir", str(storage), "--nproc", "1", "--config", str(config)]
     for item in [*overrides, "checkpoint.interval=5"]:  # a crash waits for a checkpoint
@@ -302,6 +315,12 @@ def format_report(report: dict[str, Any]) -> str:
             from pyrecover.bench.train import format_train
 
             lines += ["", f"--- bench train ({name}) ---", format_train(step["report"])]
+    memory = (report["steps"].get("memory-cpu") or {}).get("report")
+    if memory:
+        from pyrecover.bench.memory import format_memory
+
+        lines += ["", f"--- bench memory (memory-cpu, {report['cpus']} CPUs) ---",
+                  format_memory(memory)]
     for name in ("restart-cpu", "restart-cpu-4", "restart-cpu-1gb", "restart-gpu"):
         step = report["steps"].get(name, {})
         if step.get("report"):

@@ -273,20 +273,23 @@ def gpu_check(
         help="Run without a GPU (to try the check itself; its figures mean nothing).")] = False,
     only: Annotated[list[str] | None, typer.Option(
         "--only", help="Run only this step (repeatable, run in the order given): tests, "
-        "train, memory-every-step, ckpt, compile, restart-cpu, restart-cpu-4, "
+        "train, memory-every-step, ckpt, memory-cpu, compile, restart-cpu, restart-cpu-4, "
         "restart-cpu-1gb, restart-gpu. The report keeps the other steps of an earlier report "
         "in --out from the same GPU.")] = None,
-    restart_repeat: Annotated[int, typer.Option(
-        help="Interruptions of each kind in the restart steps.")] = 2,
-    restart_state_gb: Annotated[float, typer.Option(
-        help="The state of restart-cpu-1gb, in GB (issue 13 bounds 1 GB).")] = 1.0,
+    cpu_repeat: Annotated[int, typer.Option(
+        help="Rounds of the benches on the CPU cores: bench memory's (memory-cpu), and "
+        "interruptions of each kind in the restart steps.")] = 2,
+    cpu_state_gb: Annotated[float, typer.Option(
+        help="The state of memory-cpu and restart-cpu-1gb, in GB (the issues bound 1 GB).")]
+    = 1.0,
     step_timeout: Annotated[float, typer.Option(
         help="Seconds one step may take; past it the step is stopped (SIGTERM, then SIGKILL), "
         "reported as failed, and the check goes on with the next; 0: no limit.")] = 1800.0,
 ) -> None:
     """Every GPU path on this machine in one report: tests/gpu, bench train (all modes, memory
-    with a snapshot every step, the plain compiled loop), bench ckpt, bench compile, bench
-    restart --local (CPU at world sizes 2 and 4, and the GPU); bounds checked.
+    with a snapshot every step, the plain compiled loop), bench ckpt, bench memory (on the CPU
+    cores), bench compile, bench restart --local (CPU at world sizes 2 and 4, and the GPU);
+    bounds checked.
 
     Needs only a CUDA build of torch and this package (`pip install --no-deps -e .`); no
     container, SLURM, network, wandb or spython. `make gpu-check` runs it.
@@ -298,8 +301,8 @@ def gpu_check(
     try:
         report = check.gpu_check(out, config, overrides or [], steps, warmup, interval, size_gb,
                                  tests, allow_cpu, note=_note, only=tuple(only or ()),
-                                 restart_repeat=restart_repeat,
-                                 restart_state_gb=restart_state_gb,
+                                 cpu_repeat=cpu_repeat,
+                                 cpu_state_gb=cpu_state_gb,
                                  step_timeout=step_timeout if step_timeout > 0 else None)
     except check.GpuCheckError as exc:
         raise user_error(exc) from None

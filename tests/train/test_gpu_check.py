@@ -13,13 +13,13 @@ def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus)
     done = pyrecover("bench", "gpu-check", "--out", str(out), "--config", str(TINY),
                      "--set", f"data.path={corpus}", "--steps", "3", "--warmup", "1",
                      "--interval", "2", "--size-gb", "0.01", "--no-tests", "--allow-cpu",
-                     "--restart-repeat", "1", "--restart-state-gb", "0.01")
+                     "--cpu-repeat", "1", "--cpu-state-gb", "0.01", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert {n: s["returncode"] for n, s in report["steps"].items()} == {
-        "train": 0, "memory-every-step": 0, "ckpt": 0, "compile": 0, "restart-cpu": 0,
-        "restart-cpu-4": 0, "restart-cpu-1gb": 0, "restart-gpu": 0}
-    assert len(report["bounds"]) == 9
+        "train": 0, "memory-every-step": 0, "ckpt": 0, "memory-cpu": 0, "compile": 0,
+        "restart-cpu": 0, "restart-cpu-4": 0, "restart-cpu-1gb": 0, "restart-gpu": 0}
+    assert len(report["bounds"]) == 10
     assert all(isinstance(b["value"], float) and b["met"] in (True, False)
                for b in report["bounds"]), report["bounds"]
     rows = {r["mode"]: r for r in report["steps"]["train"]["report"]["rows"]}
@@ -31,6 +31,10 @@ def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus)
     text = (out / "report.txt").read_text()
     assert "vs the plain compiled loop" in text and (out / "train.log").is_file()
     assert "run compile cache vs empty" in text
+    # Memory mode's snapshots on the CPU cores, at world size 2, with the core count.
+    memory = {r["mode"]: r for r in report["steps"]["memory-cpu"]["report"]["train"]["rows"]}
+    assert memory["memory"]["snapshots"] > 0 and memory["none"]["snapshots"] == 0
+    assert f"--- bench memory (memory-cpu, {report['cpus']} CPUs) ---" in text
     # The restarts: world sizes 2 and 4 on the CPU, and the experiment on the device.
     worlds = {n: report["steps"][n]["report"]["world_size"]
               for n in ("restart-cpu", "restart-cpu-4", "restart-gpu")}
