@@ -65,9 +65,13 @@ BOUNDS: tuple[tuple[str, str, str, str, float], ...] = (
 STEPS = ("tests", "train", "memory-every-step", "ckpt", "memory-cpu", "compile", "restart-cpu",
          "restart-cpu-4", "restart-cpu-1gb", "restart-gpu")
 TINY = Path(__file__).resolve().parents[2] / "launch" / "experiments" / "tiny.yaml"
-# After SIGTERM, how long a timed-out step may take to stop what it started (bench restart's
-# trainer saves and exits) before its process group is killed.
-STOP_GRACE_S = 60.0
+# After SIGTERM, how long a timed-out step may take to stop what it started before its
+# process group is killed: longer than bench restart's own stop (its trainer gets 60 s to save
+# and exit, then SIGKILL, then 60 s more for its watcher), so that one finishes first.
+STOP_GRACE_S = 150.0
+# Every process a step starts inherits this variable (a name the tests' CLI helper keeps):
+# what a timed-out step left running in sessions of its own is found by it and killed.
+STEP_MARK = "GPU_CHECK_STEP"
 
 
 class GpuCheckError(ValueError):
@@ -96,20 +100,17 @@ def run_step(step: Step, out: Path, env: dict[str, str], json_out: bool,
     `STOP_GRACE_S` (a hang must not take the rest of the check with it), and the step says
     so."""
     started = time.perf_counter()
+    mark = f"{os.getpid()}-{step.name}-{time.monotonic_ns()}"
     proc = subprocess.Popen(step.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+                            text=True, env={**env, STEP_MARK: mark}, start_new_session=True)
     late = ""
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):  # it may have ended just now
             os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            stdout, stderr = proc.communicate(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
+        stdout, stderr = stop(proc, mark)
+        kill_marked(mark)  # what it started elsewhere, holding its pipes or not
         late = f"killed after {timeout_s:.0f}s (--step-timeout)"
     step.seconds = time.perf_counter() - started
     step.returncode = proc.returncode
@@ -123,6 +124,48 @@ def run_step(step: Step, out: Path, env: dict[str, str], json_out: bool,
             if proc.returncode == 0:
                 step.tail = "its output was not the JSON report"
     return step
+
+
+def stop(proc: subprocess.Popen, mark: str) -> tuple[str, str]:
+    """stop collects the output of a step that was sent SIGTERM, once it ended: its process
+    group gets SIGKILL after STOP_GRACE_S, and what it started elsewhere is killed as soon as it
+    has ended (a test's CLI in its own session outlives pytest's SIGTERM; a trainer left
+    running would hold the GPU under the next steps, and its pipes would keep this waiting)."""
+    deadline = time.monotonic() + STOP_GRACE_S
+    while True:
+        try:
+            return proc.communicate(timeout=1.0)  # output read so far is kept between tries
+        except subprocess.TimeoutExpired:
+            if proc.poll() is None and time.monotonic() < deadline:
+                continue
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            kill_marked(mark)
+            if time.monotonic() > deadline + 30:  # the pipes are held by what we cannot find
+                for pipe in (proc.stdout, proc.stderr):
+                    if pipe is not None:
+                        pipe.close()
+                proc.wait()
+                return "", "(its output was lost: something it started held the pipes open)"
+
+
+def kill_marked(mark: str) -> list[int]:
+    """kill_marked SIGKILLs every process whose environment carries `STEP_MARK=mark`: what
+    one step started, wherever it went (another session, another parent); their pids."""
+    wanted = f"{STEP_MARK}={mark}".encode()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if wanted not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):  # gone meanwhile, or not ours to read
+            continue
+        killed.append(int(entry.name))
+    return killed
 
 
 def figure(steps: dict[str, Step], source: str, row: str) -> float | None:
@@ -232,6 +275,8 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
     if only:  # in the order asked for (the corpus first): the most wanted first on a lease
         rank = {name: i for i, name in enumerate(("corpus", *dict.fromkeys(only)))}
         plan = sorted([(s, j) for s, j in plan if s.name in rank], key=lambda p: rank[p[0].name])
+    if not [s for s, _ in plan if s.name != "corpus"]:
+        raise GpuCheckError("nothing to run: --only tests with --no-tests")
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     done = earlier_steps(out / "report.json", device, note) if only else {}
     head = {"kind": "gpu-check", "device": device, "torch": torch.__version__,

@@ -62,9 +62,11 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     errors: dict[str, str] = {}
     plain_runs: list[dict[str, Any]] = []
-    cache_before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not cache_before:  # each run's own compile-cache goes with its run directory, below
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "compile-cache")
+    # Inductor sets TRITON_CACHE_DIR under its cache the first time it builds a Triton
+    # kernel: both are put back, or a later compile in this process would write into `work`.
+    env_before = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    if not env_before["TORCHINDUCTOR_CACHE_DIR"]:  # each run's own compile-cache goes with
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "compile-cache")  # its run dir
     try:
         for r in range(repeat):
             turn = r % len(modes)  # rotate, so no mode always runs first
@@ -91,10 +93,11 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
                 note(f"repeat {r + 1}/{repeat}: the plain loop, {total} steps")
                 plain_runs.append(plain_tokens_per_s(cfg, steps, warmup))
     finally:
-        if cache_before is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_before
+        for key, value in env_before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         shutil.rmtree(work, ignore_errors=True)
     rows_out: list[dict[str, Any]] = []
     baseline = statistics.median(x["tokens_per_s"] for x in results["none"])
@@ -146,6 +149,8 @@ def _train_once(config: Path | None, overrides: Sequence[str], run_dir: Path) ->
     try:
         with contextlib.redirect_stderr(captured):
             train_mod.main(cfg, run_dir)
+    except preempt.StopRequested:
+        raise  # a signal (a timeout, a job's end) stops the bench, not only this mode's run
     except Exception as exc:
         tail = "\n".join(captured.getvalue().strip().splitlines()[-10:])
         raise BenchError(f"the training run in {run_dir} failed: {type(exc).__name__}: {exc}"

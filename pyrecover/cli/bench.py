@@ -3,6 +3,7 @@ storage, its cost to training, the time an interruption and a recompile cost."""
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 from pathlib import Path
@@ -84,6 +85,7 @@ def train(
     from pyrecover.bench import common
     from pyrecover.bench import train as bench_train
     from pyrecover.config import ConfigError
+    from pyrecover.preempt import StopRequested
 
     try:
         report = bench_train.bench_train(config, overrides or [], interval, steps, warmup,
@@ -91,6 +93,10 @@ def train(
                                          note=_note, plain=plain)
     except (common.BenchError, ConfigError) as exc:
         raise user_error(exc) from None
+    except StopRequested as stop:  # SIGTERM or the stop signal, during one of its runs
+        typer.echo(f"bench train: stopped by a signal ({stop.reason}); nothing measured",
+                   err=True)
+        raise typer.Exit(143) from None
     typer.echo(common.to_json(report) if as_json else bench_train.format_train(report))
     failed = [r["mode"] for r in report["rows"] if r.get("error")]
     if failed:  # not the user's mistake: exit 1, like a failed run
@@ -296,7 +302,7 @@ def gpu_check(
     """
     from pyrecover.bench import gpu_check as check
 
-    if step_timeout < 0:
+    if not math.isfinite(step_timeout) or step_timeout < 0:
         raise user_error(f"--step-timeout {step_timeout:g}: give seconds, or 0 for no limit")
     try:
         report = check.gpu_check(out, config, overrides or [], steps, warmup, interval, size_gb,

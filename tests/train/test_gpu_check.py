@@ -53,9 +53,13 @@ def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus)
     assert merged["steps"]["ckpt"] != report["steps"]["ckpt"]  # measured again
     wrong = pyrecover("bench", "gpu-check", "--out", str(out), "--allow-cpu", "--only", "nope")
     assert wrong.returncode == 2 and "no such step" in wrong.stderr, wrong.stderr
-    negative = pyrecover("bench", "gpu-check", "--out", str(out), "--allow-cpu",
-                         "--step-timeout", "-5")
-    assert negative.returncode == 2 and "--step-timeout -5" in negative.stderr
+    for bad in ("-5", "inf", "nan"):
+        refused = pyrecover("bench", "gpu-check", "--out", str(out), "--allow-cpu",
+                            "--step-timeout", bad)
+        assert refused.returncode == 2 and f"--step-timeout {bad}" in refused.stderr, bad
+    nothing = pyrecover("bench", "gpu-check", "--out", str(out), "--allow-cpu", "--no-tests",
+                        "--only", "tests")
+    assert nothing.returncode == 2 and "nothing to run" in nothing.stderr, nothing.stderr
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
@@ -66,28 +70,32 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
 
 
 def test_a_step_past_its_timeout_is_killed_with_its_children_and_reported(tmp_path):
-    """A hung step (here one that would sleep ten minutes, with a child) must not take the
-    rest of the check with it: its whole process group is stopped (SIGTERM first, so a bench
-    can stop what it started), and the step says why."""
+    """A hung step (here one that would sleep ten minutes, with two children: one in its
+    process group, one in a session of its own, as the tests' CLIs run) must not take the rest
+    of the check with it, nor leave anything running on the GPU: its process group is stopped
+    (SIGTERM first, so a bench can stop what it started), whatever it started elsewhere is
+    killed, and the step says why."""
     import subprocess
     import sys
 
     from pyrecover.bench.gpu_check import Step, run_step
 
-    pidfile = tmp_path / "child.pid"
-    script = ("import subprocess, sys, time; "
-              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-              f"open({str(pidfile)!r} + '.tmp', 'w').write(str(c.pid)); "
-              f"__import__('os').replace({str(pidfile)!r} + '.tmp', {str(pidfile)!r}); "
-              "print('started', flush=True); "
+    pidfile = tmp_path / "children.pid"
+    sleeper = "[sys.executable, '-c', 'import time; time.sleep(600)']"
+    script = ("import os, subprocess, sys, time; "
+              f"a = subprocess.Popen({sleeper}); "
+              f"b = subprocess.Popen({sleeper}, start_new_session=True, "
+              "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+              f"open({str(pidfile)!r} + '.tmp', 'w').write(f'{{a.pid}} {{b.pid}}'); "
+              f"os.replace({str(pidfile)!r} + '.tmp', {str(pidfile)!r}); "
               "time.sleep(600)")
+    # 15 s: far longer than starting two sleepers takes, even on a busy machine.
     step = run_step(Step("hung", [sys.executable, "-c", script]), tmp_path, {}, False,
-                    timeout_s=3)
+                    timeout_s=15)
     assert step.returncode == -15  # SIGTERM ended it; SIGKILL only after STOP_GRACE_S
-    assert "killed after 3s (--step-timeout)" in step.tail
-    assert "killed after 3s" in (tmp_path / "hung.log").read_text()
-    if pidfile.is_file():  # the child was started before the kill: it went with the group
-        child = int(pidfile.read_text())
+    assert "killed after 15s (--step-timeout)" in step.tail
+    assert "killed after 15s" in (tmp_path / "hung.log").read_text()
+    for child in map(int, pidfile.read_text().split()):
         state = subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True,
                                text=True).stdout.strip()
-        assert state[:1] in ("", "Z"), state  # gone, or a zombie ('Z', 'ZN' if niced)
+        assert state[:1] in ("", "Z"), (child, state)  # gone, or a zombie ('ZN' if niced)

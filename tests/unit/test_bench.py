@@ -91,3 +91,45 @@ def test_a_mode_that_fails_is_a_row_saying_why_and_the_other_modes_are_still_mea
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # the bench's own is gone again
     # The trainer's stop-flag handlers are gone too: a SIGTERM stops the bench again.
     assert {s: signal.getsignal(s) for s in handlers} == handlers
+
+
+def test_a_sigterm_during_a_later_mode_stops_the_whole_bench_train(tmp_path, corpus):
+    """gpu-check's step timeout (and a job's end) sends SIGTERM. The trainer takes it as a
+    stop and saves; the bench must then stop too (exit 143, one line, its work folder gone),
+    not report that mode as failed and go on measuring the others."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pyrecover.rundir import read_jsonl
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    # TMPDIR: the bench's work folder. Each step takes 50 ms or more (the same model, made
+    # slow), so a run lasts 5 s or more and the signal lands inside vanilla's.
+    env.update(WANDB_MODE="disabled", TMPDIR=str(tmp_path), PYRECOVER_STEP_DELAY="0.05")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyrecover", "bench", "train", "--config", str(TINY), "--set",
+         f"data.path={corpus}", "--mode", "vanilla", "--steps", "100", "--warmup", "0",
+         "--interval", "1000"], env=env, start_new_session=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            # `none` runs first; vanilla's run, once it logs, has 99 of its steps to go.
+            if any(read_jsonl(m) for m in tmp_path.glob("pyrecover-bench-train-*/vanilla-0/"
+                                                          "metrics.jsonl")):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == (
+        "bench train: stopped by a signal (SIGTERM); nothing measured"), err
+    assert out == "" and not list(tmp_path.glob("pyrecover-bench-train-*"))
