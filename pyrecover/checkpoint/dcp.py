@@ -145,8 +145,8 @@ class DcpMode:
             self._staged = False
             self.stager.fence()
 
-    def device_waited(self, drain: bool = False) -> float:
-        return self.stager.copier.device_waited(drain)
+    def device_waits(self, drain: bool = False) -> list[tuple[float, float]]:
+        return self.stager.copier.device_waits(drain)
 
     def _save(self, state: dict[str, Any], writer: dcp_io.Writer) -> None:
         """_save plans and writes `state` with DCP over the checkpoint group (collective)."""

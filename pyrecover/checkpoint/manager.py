@@ -29,44 +29,18 @@ import torch.distributed as tdist
 
 from pyrecover.checkpoint import store
 from pyrecover.checkpoint.interval import AutoInterval
-from pyrecover.checkpoint.mode import Mode, ModeSettings, Parts, Restored, Snapshotting
+from pyrecover.checkpoint.mode import ModeSettings, Parts, Restored, Snapshotting
+from pyrecover.checkpoint.modes import make_mode
 from pyrecover.checkpoint.resume import resume_newest
-from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
-from pyrecover.checkpoint.vanilla import VanillaMode
+from pyrecover.checkpoint.stall import StallClock
+from pyrecover.checkpoint.store import Checkpoint, Pending
 from pyrecover.rundir import RunDir
 
 log = logging.getLogger("pyrecover")
 
 
-def _dcp(rank: int, world_size: int, s: ModeSettings) -> Mode:
-    # Imported where used: torch.distributed.checkpoint took 1.0-2.5 s to import here, on every
-    # rank of every start, in runs that never touch it.
-    from pyrecover.checkpoint.dcp import DcpMode
-
-    return DcpMode(rank, world_size, s.device, s.async_save)
-
-
-def _memory(rank: int, world_size: int, s: ModeSettings) -> Mode:
-    from pyrecover.checkpoint.memory import MemoryMode  # imports torch.distributed.checkpoint
-
-    return MemoryMode(rank, world_size, s.device, s.replicas, s.ranks_per_node)
-
-
-# The modes a run can use: its `checkpoint.mode` -> how to make one for a rank.
-MODES: dict[str, Callable[[int, int, ModeSettings], Mode]] = {
-    VanillaMode.name: lambda rank, world_size, s: VanillaMode(rank, world_size),
-    "dcp": _dcp,
-    "memory": _memory,
-}
 # Where memory mode's surviving ranks leave snapshots (memory/layout.py's SNAP_PREFIX).
 SNAPSHOT_GLOB = ".snap-step-*"
-
-
-def make_mode(name: str, rank: int, world_size: int, settings: ModeSettings) -> Mode:
-    """make_mode returns the writer/reader of one checkpoint format."""
-    if name not in MODES:
-        raise CheckpointError(f"checkpoint mode {name!r} is not supported here")
-    return MODES[name](rank, world_size, settings)
 
 
 class SaveFailed(RuntimeError):
@@ -102,6 +76,7 @@ class CheckpointManager:
         self.failed_step: int | None = None
         self._retiring: threading.Thread | None = None  # deleting checkpoints beyond `keep`
         self.stall_seconds = 0.0  # time the loop was blocked by saves, summed
+        self._clock = StallClock()  # the host's blocked spans, so a device wait counts once
         self.last_save_seconds = 0.0  # start to commit of the newest checkpoint (rank 0)
         self.auto: AutoInterval | None = None  # `checkpoint.interval: auto` (see _retune)
         self._auto_clock: tuple[int, float] | None = None  # (last save or first step, time)
@@ -112,9 +87,11 @@ class CheckpointManager:
     def at_step(self, step: int, final: bool = False) -> float:
         """at_step commits finished background saves and starts the one due at `step`.
 
-        Returns the seconds this call blocked the training loop.
+        Returns the seconds this call added to the loop's stall (its own, and the device's
+        waits at fences that ended since the last count).
         """
-        started = time.perf_counter()
+        stall_before = self.stall_seconds
+        started = self._clock.begin()
         self._count_device_wait()
         # Buffers for the saves, once the optimizer has its state (after the first update
         # that was not skipped): get_state_dict would make one up with a step of its own.
@@ -137,9 +114,8 @@ class CheckpointManager:
             self._start(step)
             if self.inflight is not None and (final or not self.mode.asynchronous):
                 self._commit_now()
-        blocked = time.perf_counter() - started
-        self.stall_seconds += blocked
-        return blocked
+        self.stall_seconds += self._clock.end(started)
+        return self.stall_seconds - stall_before
 
     def before_update(self) -> float:
         """before_update is called just before the optimizer (or the scheduler) changes the
@@ -148,9 +124,9 @@ class CheckpointManager:
         # Snapshots are no disk save in flight but may be copying too.
         if self.inflight is None and not self.snapshot_interval:
             return 0.0
-        started = time.perf_counter()
+        started = self._clock.begin()
         self.mode.wait_staged()
-        waited = time.perf_counter() - started
+        waited = self._clock.end(started)
         self.stall_seconds += waited
         if self.inflight is not None:
             self.inflight.blocked += waited
@@ -158,8 +134,9 @@ class CheckpointManager:
 
     def _count_device_wait(self, drain: bool = False) -> None:
         """_count_device_wait adds the time the device stood still at the fences (CUDA) to the
-        loop's stall: the host went on there, the GPU did not."""
-        waited = self.mode.device_waited(drain)
+        loop's stall where the host was not blocked already (stall.py): the host may have
+        gone on there, the GPU did not."""
+        waited = self._clock.device(self.mode.device_waits(drain))
         self.stall_seconds += waited
         if self.inflight is not None:
             self.inflight.blocked += waited

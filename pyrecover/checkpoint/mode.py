@@ -1,8 +1,8 @@
 """What a checkpoint mode is: the protocol the manager drives, and the records they exchange.
 
 A mode writes and reads one on-disk format. The manager depends on this module and on the
-modes (its `MODES` table names them); a mode depends on this module and on the store, never
-on the manager. Adding a mode is one new module and one line in `manager.MODES`.
+modes (the `MODES` table of modes.py names them); a mode depends on this module and on the
+store, never on the manager. Adding a mode is one new module and one line in `modes.MODES`.
 
 One save, as the manager runs it on every rank: `start(pending, parts, train)` begins writing
 this rank's files into `pending.tmp`; `wait_staged()` returns once the save no longer reads
@@ -83,9 +83,10 @@ class Mode(Protocol):
     def wait_staged(self) -> None:
         """Return once the save in flight no longer reads the live state."""
 
-    def device_waited(self, drain: bool = False) -> float:
-        """Seconds the device stood still at `wait_staged` since the last call (CUDA: the
-        host does not wait there, the loop's stream does); `drain` waits for pending ones."""
+    def device_waits(self, drain: bool = False) -> list[tuple[float, float]]:
+        """The device's waits at `wait_staged` that ended since the last call, each (seconds,
+        when it ended on `time.perf_counter`'s clock) (CUDA: the host does not wait there, the
+        loop's stream does); `drain` waits for pending ones."""
 
     def result(self, wait: bool) -> WriteResult | None:
         """This rank's result once its files are durable and hashed; None while writing."""

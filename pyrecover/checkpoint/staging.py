@@ -11,9 +11,10 @@ One path for every device, so what CPU CI runs is what a GPU runs:
 - `Copier.fence()` is what the loop calls before the optimizer changes the state. On CUDA it
   makes the loop's stream wait for the copy's event: the host does not block, and the GPU
   waits only for what is not copied yet. On CPU it waits for the thread.
-- `Copier.device_waited()` is how long the loop's stream stood still at those fences (timed
-  by a pair of CUDA events around each wait, read once they completed): a wait the host never
-  sees, which the loop's `blocked` figure must still count.
+- `Copier.device_waits()` is how long the loop's stream stood still at those fences (timed
+  by a pair of CUDA events around each wait, read once they completed), and when each wait
+  ended on the host's clock (when the copy's thread saw the copy end): a wait the host may
+  never see, which the loop's `blocked` figure must still count, once (stall.py).
 - `Copier.allocate(fn)` runs `fn` in the copy's thread, outside the copy's bookkeeping, and
   `Copier.allocated()` waits for it: the buffers are allocated there before the first save
   (`StateStager.prepare`, memory mode's `prepare`). Pinned memory is slow to allocate (the
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -66,9 +68,12 @@ class Copier:
             1, thread_name_prefix="pyrecover-stage",
             initializer=torch.cuda.set_device if self.cuda else None,
             initargs=(device,) if self.cuda else ())
-        self._event: Any = None  # CUDA: the end of the copy in flight, until fenced
+        # CUDA: the end of the copy in flight, until fenced, with the list its thread puts
+        # the host's time into once the copy ended.
+        self._event: tuple[Any, list[float]] | None = None
         self._future: Future | None = None
-        self._fences: list[tuple[Any, Any]] = []  # CUDA: events around each fence's wait
+        # CUDA: the events around each fence's wait, and its copy's end on the host's clock.
+        self._fences: list[tuple[Any, Any, list[float]]] = []
         self._allocating: Future | None = None  # buffers being allocated ahead (allocate)
 
     def start(self, targets: list[torch.Tensor], sources: list[torch.Tensor],
@@ -83,13 +88,15 @@ class Copier:
                 self._copy(targets, sources)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            self._event = event
+            landed: list[float] = []
+            self._event = (event, landed)
 
             def land(keep: list[torch.Tensor] = sources) -> Any:
                 # `keep` holds the sources until the side stream has read them: a temporary
                 # (a state dict's fresh tensor) freed earlier could be reallocated by the
                 # loop's stream under the copy.
                 event.synchronize()
+                landed.append(time.perf_counter())  # a fence on this copy ended about now
                 del keep
                 return then() if then is not None else None
             job = land
@@ -132,34 +139,37 @@ class Copier:
         (CUDA: the loop's stream waits for it, the host does not; CPU: the copy is done).
         A failed copy is not raised here: whoever reads the result (`wait`) reports it."""
         if self.cuda:
-            event, self._event = self._event, None
-            if event is not None:
+            copied, self._event = self._event, None
+            if copied is not None:
+                event, landed = copied
                 stream = torch.cuda.current_stream(self.device)
                 before = torch.cuda.Event(enable_timing=True)
                 after = torch.cuda.Event(enable_timing=True)
                 before.record(stream)
                 stream.wait_event(event)
                 after.record(stream)
-                self._fences.append((before, after))
+                self._fences.append((before, after, landed))
             return
         future = self._future
         if future is not None:
             future.exception()  # waits; the error stays in the future
 
-    def device_waited(self, drain: bool = False) -> float:
-        """device_waited is the seconds the loop's stream stood still at fences whose wait is
-        over, not counted before (0 on CPU, where `fence` blocks the host instead). `drain`
-        waits for the fences still pending."""
-        seconds, pending = 0.0, []
-        for before, after in self._fences:
+    def device_waits(self, drain: bool = False) -> list[tuple[float, float]]:
+        """device_waits are the loop's stream's waits at fences that are over and were not
+        returned before, each (seconds, when its copy ended on `time.perf_counter`'s clock);
+        none on CPU, where `fence` blocks the host instead. `drain` waits for the fences
+        still pending."""
+        waits, pending = [], []
+        for before, after, landed in self._fences:
             if drain:
                 after.synchronize()
-            if after.query():
-                seconds += before.elapsed_time(after) / 1e3
+            if after.query():  # (the copy's thread may not have noted its end yet: now)
+                ended = landed[0] if landed else time.perf_counter()
+                waits.append((before.elapsed_time(after) / 1e3, ended))
             else:
-                pending.append((before, after))
+                pending.append((before, after, landed))
         self._fences = pending
-        return seconds
+        return waits
 
     def wait(self) -> Any:
         """wait returns what the copy in flight's `then` returned once the bytes are on the

@@ -164,8 +164,8 @@ class VanillaMode:
     def wait_staged(self) -> None:
         pass  # start() returns once the state is written
 
-    def device_waited(self, drain: bool = False) -> float:
-        return 0.0  # nothing is copied behind the loop's back
+    def device_waits(self, drain: bool = False) -> list[tuple[float, float]]:
+        return []  # nothing is copied behind the loop's back
 
     def prepare(self, parts: Parts) -> None:
         pass  # nothing is kept between saves

@@ -8,6 +8,7 @@ Training runs are the real CLI in fresh processes, on the tiny experiment config
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -156,11 +157,14 @@ def test_cuda_staging_copies_the_state_of_its_moment_on_every_save_and_fences_th
         # A fence right after a large copy starts: the loop's stream stands still until the
         # copy is done. The host never waited, so only the events can tell, and must.
         big = {"x": torch.randn(64 << 20, device=device)}  # 256 MB
+        stager.copier.device_waits(drain=True)  # the three saves' fences, counted already
+        staged_at = time.perf_counter()
         stager.stage(big)
         stager.fence()
-        waited = stager.copier.device_waited(drain=True)
-        assert waited > 0.001, waited
-        assert stager.copier.device_waited(drain=True) == 0.0  # counted once
+        waits = stager.copier.device_waits(drain=True)
+        assert len(waits) == 1 and waits[0][0] > 0.001, waits
+        assert staged_at < waits[0][1] <= time.perf_counter()  # its end, on the host's clock
+        assert stager.copier.device_waits(drain=True) == []  # counted once
     finally:
         stager.close()
 

@@ -32,8 +32,8 @@ def test_pyrecover_train_imports_no_other_command_groups_work_before_it_trains()
 
 
 def test_a_dcp_mode_is_still_made_on_demand():
-    modules = imported_by("import torch\nfrom pyrecover.checkpoint.manager import make_mode, "
-                          "ModeSettings\nmake_mode('dcp', 0, 1, ModeSettings(torch.device('cpu'), "
+    modules = imported_by("import torch\nfrom pyrecover.checkpoint.modes import ModeSettings, "
+                          "make_mode\nmake_mode('dcp', 0, 1, ModeSettings(torch.device('cpu'), "
                           "False, 1, None))")
     assert "torch.distributed.checkpoint" in modules
 

@@ -138,9 +138,9 @@ class Snapshots:
         is raised by the next `wait` (the next snapshot, save or persist)."""
         self.copier.fence()
 
-    def device_waited(self, drain: bool = False) -> float:
-        """device_waited: the seconds the loop's stream waited for snapshot copies (CUDA)."""
-        return self.copier.device_waited(drain)
+    def device_waits(self, drain: bool = False) -> list[tuple[float, float]]:
+        """device_waits: the loop's stream's waits for snapshot copies (CUDA)."""
+        return self.copier.device_waits(drain)
 
     def _post(self, target: Snapshot, step: int, meta: dict[str, Any]) -> None:
         works = []
