@@ -31,3 +31,17 @@ def test_the_help_of_options_matches_what_they_do():
     assert "default: every checkpoint" in verify and "newest valid" not in verify
     sweep = CliRunner().invoke(app, ["sweep", "launch", "--help"]).output
     assert "spawn" in sweep.split("--launcher", 1)[1].split("--max-restarts", 1)[0]
+
+
+def test_gpu_check_help_names_every_step_it_has():
+    """The --only help lists the steps by hand (the CLI does not import the bench to start):
+    a step added to gpu_check.STEPS must be named there too."""
+    import re
+
+    from pyrecover.bench.gpu_check import STEPS
+
+    text = " ".join(CliRunner().invoke(app, ["bench", "gpu-check", "--help"],
+                                       terminal_width=200).output.split())
+    listed = text.split("--only", 1)[1].split("The report keeps", 1)[0]
+    names = set(re.findall(r"[a-z0-9-]+", listed))
+    assert [s for s in STEPS if s not in names] == []
