@@ -12,17 +12,40 @@ import torch
 
 from pyrecover.config import Config
 
+# Devices with torch's fused AdamW kernel (one pass over each tensor): on the 2-core VM it
+# updated an 80M-parameter model in 46 ms against 135-385 ms for the default foreach one.
+FUSED_DEVICES = ("cuda", "cpu")
+
 
 def build_optimizer(model: torch.nn.Module, cfg: Config,
                     device: torch.device) -> torch.optim.Optimizer:
-    """build_optimizer is AdamW with weight decay on matrices only (not norms or biases)."""
+    """build_optimizer is AdamW with weight decay on matrices only (not norms or biases),
+    fused on CUDA and CPU. A loaded state keeps this implementation (see keep_fused)."""
     t = cfg.train
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2),
-                             fused=device.type == "cuda" or None)
+    fused = device.type in FUSED_DEVICES or None
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
+    optimizer.register_load_state_dict_post_hook(lambda opt: keep_fused(opt, fused))
+    return optimizer
+
+
+def keep_fused(optimizer: torch.optim.Optimizer, fused: bool | None) -> None:
+    """keep_fused gives every group back the implementation the run built: `load_state_dict`
+    takes `fused` and `foreach` from the saved groups, so a checkpoint from a CPU run of an
+    older version (not fused) would have made a GPU run slow, and the loop's on-device skip of
+    a non-finite step (loop.py) needs the fused kernel."""
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = fused, None if fused else group.get("foreach")
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """skips_on_device tells whether `optimizer.step()` honours `optimizer.found_inf` (a 0-dim
+    float tensor on the parameters' device: 1 leaves parameters, moments and step counts as
+    they were), as torch's fused Adam/AdamW do for the AMP grad scaler."""
+    return bool(optimizer.param_groups) and all(g.get("fused") for g in optimizer.param_groups)
 
 
 def lr_factor(step: int, cfg: Config) -> float:
