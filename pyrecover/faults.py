@@ -47,6 +47,9 @@ comma-separated list names several) fails the check named by `PYRECOVER_HEALTH_F
 
 A slow rank, for straggler detection: `PYRECOVER_SLOW_RANK=R` (comma-separated for several)
 adds `PYRECOVER_SLOW_S` seconds (default 0.1) to every forward pass of those ranks.
+
+A diverging step, for the loop's guard: `PYRECOVER_NAN_AT_STEPS=2,3,7` makes the loss of
+those optimizer steps (counted from 1) NaN on every rank, and so its gradients.
 """
 
 from __future__ import annotations
@@ -135,6 +138,14 @@ def maybe_slow(rank: int) -> None:
         import time
 
         time.sleep(float(os.environ.get("PYRECOVER_SLOW_S", "0.1")))
+
+
+def maybe_nan(loss, step: int):
+    """maybe_nan is `loss`, or NaN where `PYRECOVER_NAN_AT_STEPS` names `step`."""
+    steps = os.environ.get("PYRECOVER_NAN_AT_STEPS")
+    if steps and str(step) in steps.split(","):
+        return loss * float("nan")
+    return loss
 
 
 def maybe_delay() -> None:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as tdist
 
-from pyrecover import faults, flops, parallel
+from pyrecover import faults, flops, optim, parallel
 from pyrecover.checkpoint import CheckpointManager
 from pyrecover.config import Config
 from pyrecover.data import Batches
@@ -33,6 +33,32 @@ log = logging.getLogger("pyrecover")
 
 class TrainingError(RuntimeError):
     """Training cannot go on (for example, too many consecutive non-finite steps)."""
+
+
+@dataclass
+class Outcome:
+    """One step's loss and gradient norm on their way to the host: copied behind the loop
+    (pinned memory and an event on CUDA), so the host need not wait for the device to queue
+    the next step; `read` waits for this step's numbers only."""
+
+    step: int
+    values: torch.Tensor  # [loss, grad_norm] on the CPU
+    ready: torch.cuda.Event | None = None
+
+    @classmethod
+    def of(cls, step: int, both: torch.Tensor) -> Outcome:
+        if both.device.type != "cuda":
+            return cls(step, both)
+        host = both.to("cpu", non_blocking=True)  # into pinned memory, ordered after the step
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(step, host, ready)
+
+    def read(self) -> tuple[float, float]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        loss, norm = self.values.tolist()
+        return loss, norm
 
 
 @dataclass
@@ -72,14 +98,31 @@ class Loop:
     watchdog: Watchdog = field(default_factory=Watchdog)  # unstarted: keeps time only
     stragglers: StragglerWatch | None = None
     on_step: Callable[[int], None] | None = None  # after each step's update (phase timings)
+    pending: Outcome | None = None  # the last step, until its numbers are read (settle)
+    last: tuple[float, float] = (math.nan, math.nan)  # the newest loss and norm read
+
+    def __post_init__(self) -> None:
+        # FSDP's sharded parameters: the host reads each step before its update, as before.
+        self.skip_on_device = (optim.skips_on_device(self.optimizer)
+                               and not parallel.is_sharded(self.model))
 
     def run_steps(self) -> TrainState:
         t = self.cfg.train
         tokens_per_step = t.global_batch_size * self.cfg.model.block_size
         window_start, window_steps = time.perf_counter(), 0
+        first = True
         while self.state.step < t.max_steps:
             step_started = time.perf_counter()
-            loss, grad_norm = self.one_step()
+            outcome = self.one_step()
+            # The step before this one is read now, while the device runs this one: no wait.
+            self.settle()
+            self.pending = outcome
+            step = self.state.step + 1
+            if first or step % t.log_interval == 0 or step == t.max_steps:
+                self.settle()  # the first step's time, and the logged loss, are the device's
+            first = False
+            self.check_bad_steps()
+            loss, grad_norm = self.last
             faults.maybe_delay()
             _, own_s = self.watchdog.step_done()  # issue 14: step time for the hang limit
             self.state.step += 1
@@ -114,11 +157,18 @@ class Loop:
             self.tracker.after_step(step)
             faults.maybe_kill(step, self.rank)
             faults.maybe_kill_on_file(self.rank, self.world_size)
+        self.settle()
+        self.check_bad_steps()
         if self.progress is not None:
             self.progress.close()
         return self.state
 
-    def one_step(self) -> tuple[float, float]:
+    def one_step(self) -> Outcome | None:
+        """one_step queues one optimizer step. A step whose loss or gradient norm is not finite
+        changes nothing but the schedule: with a fused optimizer the device skips the update
+        itself (`found_inf`) and the host reads the step later (the Outcome returned, for
+        `settle`); otherwise the host reads both numbers first, skips the update, and returns
+        None (nothing left to read)."""
         t = self.cfg.train
         self._phase("data", self.state.step + 1)
         micro = self.batches.next_global(t.global_batch_size, self.rank, self.world_size,
@@ -134,6 +184,7 @@ class Loop:
             with parallel.grad_sync(self.model, last or self.world_size == 1):
                 with self.autocast():
                     _, loss = self.model(x, y)
+                loss = faults.maybe_nan(loss, self.state.step + 1)
                 self._phase("backward")
                 (loss / len(micro)).backward()
             total += loss.detach().float()
@@ -145,30 +196,57 @@ class Loop:
         self._phase("optimizer")
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = parallel.clip_grad_norm(self.model, max_norm)
-        # One device-to-host transfer (a sync on CUDA) for both numbers, not two.
-        loss_value, norm_value = torch.stack([total, grad_norm.float()]).tolist()
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-            self.state.bad_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
-            if self.rank == 0:
-                log.warning("step %d: non-finite loss %s or gradient norm %s; update skipped "
-                            "(%d in a row)", self.state.step + 1, loss_value, norm_value,
-                            self.state.bad_steps)
-                self.run.event("bad_step", step=self.state.step + 1, loss=str(loss_value))
-            if self.state.bad_steps >= t.max_bad_steps:
-                raise TrainingError(
-                    f"{self.state.bad_steps} consecutive steps had a non-finite loss or gradient "
-                    f"(train.max_bad_steps={t.max_bad_steps}); lower train.lr or check the data")
-            return loss_value, norm_value
-        self.state.bad_steps = 0
-        # The state is about to change: a background save must have finished copying it (on
-        # CUDA the update waits on the device; the host goes on).
-        self.manager.before_update()
-        self.optimizer.step()
+        both = torch.stack([total, grad_norm.float()])  # one copy to the host for the two
+        outcome = Outcome.of(self.state.step + 1, both)
+        on_device = self.skip_on_device
+        if on_device or self._settle(outcome):
+            # The state is about to change: a background save must have finished copying it
+            # (on CUDA the update waits on the device; the host goes on).
+            self.manager.before_update()
+            if on_device:
+                bad = ~torch.isfinite(both).all()
+                self.optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
+            try:
+                self.optimizer.step()
+            finally:
+                self.optimizer.found_inf = None  # type: ignore[attr-defined]
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return loss_value, norm_value
+        return outcome if on_device else None
+
+    def settle(self) -> None:
+        """settle reads the step still on its way from the device, if any, and counts it."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._settle(pending)
+
+    def _settle(self, outcome: Outcome) -> bool:
+        """_settle takes in a step's numbers; False for a non-finite step (skipped)."""
+        loss, norm = self.last = outcome.read()
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.state.bad_steps = 0
+            return True
+        self.state.bad_steps += 1
+        if self.rank == 0:
+            log.warning("step %d: non-finite loss %s or gradient norm %s; update skipped "
+                        "(%d in a row)", outcome.step, loss, norm, self.state.bad_steps)
+            self.run.event("bad_step", step=outcome.step, loss=str(loss))
+        return False
+
+    def check_bad_steps(self) -> None:
+        """check_bad_steps ends the run after train.max_bad_steps non-finite steps in a row:
+        checked where every rank has read the same steps, so all stop at the same one."""
+        t = self.cfg.train
+        if self.state.bad_steps >= t.max_bad_steps:
+            raise TrainingError(
+                f"{self.state.bad_steps} consecutive steps had a non-finite loss or gradient "
+                f"(train.max_bad_steps={t.max_bad_steps}); lower train.lr or check the data")
+
+    def settled_state(self) -> dict[str, int]:
+        """settled_state is the train state with every step's outcome counted (a checkpoint
+        reads it through this: a save waits for the last step's two numbers)."""
+        self.settle()
+        return self.state.to_dict()
 
     def _phase(self, name: str, step: int | None = None) -> None:
         """_phase tells the watchdog that `name` begins (and lets a test hang there)."""

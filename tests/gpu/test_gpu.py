@@ -132,6 +132,30 @@ def test_a_cuda_run_killed_mid_way_resumes_from_its_checkpoint(tmp_path, corpus,
 
 
 @needs_gpus(1)
+def test_a_cuda_run_skips_non_finite_steps_on_the_device_and_counts_them(tmp_path, corpus):
+    """On CUDA the fused AdamW skips a NaN step itself (`found_inf`) and the step's loss and
+    gradient norm come back through pinned memory and an event, read while the next step is
+    queued (loop.py): the skips, their count in the checkpoints and the run's end must be
+    those of the CPU tests."""
+    import json
+
+    run = tmp_path / "nan"
+    done = pyrecover("train", *gpu_args(tmp_path, corpus, "nan", 1, "train.max_steps=12",
+                                        "train.log_interval=100", "checkpoint.interval=3",
+                                        "checkpoint.keep=4"),
+                     env={"PYRECOVER_NAN_AT_STEPS": "2,3,7,9"}, timeout=TIMEOUT)
+    check(done)
+    assert [e["step"] for e in events(run) if e["event"] == "bad_step"] == [2, 3, 7, 9]
+    saved = {int(p.parent.name.split("-")[1]): json.loads(p.read_text())["train_state"]
+             for p in (run / "checkpoints").glob("step-*/manifest.json")}
+    assert {s: t["bad_steps"] for s, t in saved.items()} == {3: 2, 6: 0, 9: 1, 12: 0}
+    assert math.isfinite(losses(run)[12])
+    weights = tmp_path / "weights.pt"
+    check(pyrecover("ckpt", "export", str(run), "--out", str(weights)))
+    assert all(torch.isfinite(t).all() for t in torch.load(weights, weights_only=True).values())
+
+
+@needs_gpus(1)
 def test_cuda_staging_copies_the_state_of_its_moment_on_every_save_and_fences_the_update():
     """The one staging path on CUDA: pinned buffers, a side stream, an event. An update queued
     right after the fence must not reach the copy, on the first save and on every later one

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from helpers import pyrecover, tiny_args
 
@@ -21,6 +23,23 @@ def test_a_diverging_run_stops_with_one_clear_line_and_records_it(tmp_path, corp
     events = [e["event"] for e in read_jsonl(tmp_path / "run" / "events.jsonl")
               if e["event"] != "phase"]  # phases.py: the exit phase comes after the error
     assert events.count("bad_step") == 3 and events[-1] == "error"
+
+
+def test_non_finite_steps_are_skipped_and_counted_in_the_checkpoints_that_follow(
+        tmp_path, corpus):
+    """The fused optimizer skips a NaN step on the device and the host reads the step later
+    (loop.py); a checkpoint still holds the count of bad steps in a row up to its own step."""
+    done = pyrecover("train", *tiny_args(tmp_path, corpus, "run", "train.max_steps=12",
+                                         "train.log_interval=100", "checkpoint.interval=3",
+                                         "checkpoint.keep=4"),
+                     env={"PYRECOVER_NAN_AT_STEPS": "2,3,7,9"})
+    assert done.returncode == 0, done.stderr
+    run = tmp_path / "run"
+    assert [e["step"] for e in read_jsonl(run / "events.jsonl")
+            if e["event"] == "bad_step"] == [2, 3, 7, 9]
+    saved = {int(p.parent.name.split("-")[1]): json.loads(p.read_text())["train_state"]
+             for p in (run / "checkpoints").glob("step-*/manifest.json")}
+    assert {s: t["bad_steps"] for s, t in saved.items()} == {3: 2, 6: 0, 9: 1, 12: 0}
 
 
 def test_restarting_with_a_different_model_is_refused_and_changes_nothing(tmp_path, corpus):

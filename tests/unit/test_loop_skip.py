@@ -1,0 +1,112 @@
+"""The loop's guard against non-finite steps, in its two forms: the fused optimizer skipping
+the update on the device (the host reads the step's numbers a step later, so it never waits
+for the device to queue the next one) and the host reading both numbers before the update.
+They must be the same run, bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import TINY
+
+from pyrecover import config as config_mod
+from pyrecover.checkpoint import CheckpointManager
+from pyrecover.checkpoint.mode import Parts
+from pyrecover.data import Batches, load_tokens
+from pyrecover.loop import Loop, TrainingError, TrainState
+from pyrecover.model import GPT, GPTConfig
+from pyrecover.optim import build_optimizer, build_scheduler, skips_on_device
+from pyrecover.rundir import RunDir, read_jsonl
+
+
+def make_loop(tmp_path, corpus, name: str, on_device: bool, *sets: str) -> Loop:
+    # Logged every 100 steps: tiny.yaml logs every step, and a logged step is read at once.
+    cfg = config_mod.load(TINY, [f"data.path={corpus}", "train.log_interval=100", *sets])
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(GPTConfig(**config_mod.to_dict(cfg)["model"]))
+    optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+    scheduler = build_scheduler(optimizer, cfg)
+    state = TrainState()
+    run = RunDir(tmp_path / name)
+    run.create()
+    loop: Loop | None = None
+    parts = Parts(model=model, optimizer=optimizer, scheduler=scheduler,
+                  config=config_mod.to_dict(cfg),
+                  train_state=lambda: loop.settled_state() if loop else state.to_dict())
+    manager = CheckpointManager(run, "vanilla", 3, 10, 0, 1, parts, torch.device("cpu"))
+    loop = Loop(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
+                batches=Batches(load_tokens(cfg.data.path, cfg.data.column), cfg.model.block_size,
+                                cfg.train.seed),
+                manager=manager, run=run, rank=0, world_size=1, device=torch.device("cpu"),
+                state=state)
+    assert loop.skip_on_device  # fused AdamW on the CPU too: the path a GPU takes
+    loop.skip_on_device = on_device
+    loop.on_step = lambda step: loop.unread.append(loop.pending is not None)
+    loop.unread = []  # per step: was it still unread when the next began? (the device's way)
+    return loop
+
+
+def saved_train_states(run: RunDir) -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text())["train_state"]
+            for p in sorted(run.checkpoints.glob("step-*/manifest.json"))}
+
+
+def bad_steps(run: RunDir) -> list[int]:
+    return [e["step"] for e in read_jsonl(run.events) if e["event"] == "bad_step"]
+
+
+def test_the_device_s_skip_of_a_non_finite_step_is_the_host_s_skip_bit_for_bit(
+        tmp_path, corpus, monkeypatch):
+    # Two bad steps up to a checkpoint (step 3), a good one, and more bad ones, the last at
+    # the checkpoint of step 9 (faults.py): the skips, the count of bad steps in a row and
+    # what the checkpoints hold must not depend on when the host reads a step.
+    monkeypatch.setenv("PYRECOVER_NAN_AT_STEPS", "2,3,7,9")
+    runs = {}
+    for on_device in (True, False):
+        loop = make_loop(tmp_path, corpus, f"device-{on_device}", on_device,
+                         "train.max_steps=10")
+        loop.run_steps()
+        loop.manager.finish(loop.state.step)
+        runs[on_device] = loop
+    device, host = runs[True], runs[False]
+    assert bad_steps(host.run) == bad_steps(device.run) == [2, 3, 7, 9]
+    assert device.state == host.state
+    saved = saved_train_states(device.run)
+    assert saved == saved_train_states(host.run)
+    assert [saved[f"step-{s}"]["bad_steps"] for s in (3, 6, 9)] == [2, 0, 1]
+    for a, b in zip(device.model.state_dict().values(), host.model.state_dict().values(),
+                    strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(device.optimizer.state.values(), host.optimizer.state.values(),
+                    strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+    assert {int(s["step"]) for s in device.optimizer.state.values()} == {6}  # 10 - 4 skipped
+    assert sum(device.unread) >= 5 and not any(host.unread)
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_too_many_bad_steps_in_a_row_end_the_run_at_the_same_step_either_way(
+        tmp_path, corpus, monkeypatch, on_device):
+    monkeypatch.setenv("PYRECOVER_NAN_AT_STEPS", "2,4,5,6,7,8")
+    loop = make_loop(tmp_path, corpus, "run", on_device, "train.max_steps=30",
+                     "train.max_bad_steps=3")
+    with pytest.raises(TrainingError, match="3 consecutive steps"):
+        loop.run_steps()
+    assert bad_steps(loop.run) == [2, 4, 5, 6]
+    assert loop.state.step == (6 if on_device else 5)  # the device's way reads 6 a step later
+
+
+def test_a_loaded_state_keeps_the_fused_optimizer(tmp_path, corpus):
+    """An older version saved its CPU optimizer state unfused (`fused: None` in each group);
+    `load_state_dict` would take that over, and the loop would lose its on-device skip."""
+    cfg = config_mod.load(TINY, [f"data.path={corpus}"])
+    model = GPT(GPTConfig(**config_mod.to_dict(cfg)["model"]))
+    optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+    saved = optimizer.state_dict()
+    for group in saved["param_groups"]:
+        group["fused"], group["foreach"] = None, True
+    optimizer.load_state_dict(saved)
+    assert skips_on_device(optimizer)
+    assert all(g["foreach"] is None for g in optimizer.param_groups)
