@@ -49,7 +49,8 @@ class Outcome:
     def of(cls, step: int, both: torch.Tensor) -> Outcome:
         if both.device.type != "cuda":
             return cls(step, both)
-        host = both.to("cpu", non_blocking=True)  # into pinned memory, ordered after the step
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)  # torch's host cache
+        host.copy_(both, non_blocking=True)  # ordered after the step on its stream
         ready = torch.cuda.Event()
         ready.record()
         return cls(step, host, ready)
@@ -141,6 +142,7 @@ class Loop:
                 window_start, window_steps = time.perf_counter(), 0
             self._phase("checkpoint")
             self.manager.at_step(step, final=step == t.max_steps)
+            self.check_bad_steps()  # a save there read this step: no checkpoint goes past it
             self._phase("sync")
             if self.stragglers is not None:  # issue 14: one all-gather every N steps
                 found = self.stragglers.after_step(step, own_s)
@@ -151,6 +153,8 @@ class Loop:
                                               self.manager.last_save_seconds)
                 reason = self.stopper.check()
                 if reason is not None and step < t.max_steps:
+                    self.settle()  # a stop checkpoint never holds a run the guard has ended
+                    self.check_bad_steps()
                     self._phase("checkpoint")
                     self.manager.finish(step)  # the stop checkpoint, committed before exit
                     raise StopRequested(step, reason)

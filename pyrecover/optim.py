@@ -36,9 +36,17 @@ def keep_fused(optimizer: torch.optim.Optimizer, fused: bool | None) -> None:
     """keep_fused gives every group back the implementation the run built: `load_state_dict`
     takes `fused` and `foreach` from the saved groups, so a checkpoint from a CPU run of an
     older version (not fused) would have made a GPU run slow, and the loop's on-device skip of
-    a non-finite step (loop.py) needs the fused kernel."""
+    a non-finite step (loop.py) needs the fused kernel. Their step counts go to the weights'
+    device, where the fused kernel keeps them."""
     for group in optimizer.param_groups:
         group["fused"], group["foreach"] = fused, None if fused else group.get("foreach")
+        if not fused:
+            continue
+        for p in group["params"]:  # the fused kernel counts steps on the weights' device;
+            state = optimizer.state.get(p, {})  # load_state_dict left them where the saved
+            step = state.get("step")  # groups' flags said (on the CPU for an unfused save)
+            if isinstance(step, torch.Tensor) and step.device != p.device:
+                state["step"] = step.to(device=p.device, dtype=torch.float32)
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:

@@ -156,6 +156,41 @@ def test_a_cuda_run_skips_non_finite_steps_on_the_device_and_counts_them(tmp_pat
 
 
 @needs_gpus(1)
+def test_an_unfused_cpu_optimizer_state_loads_into_the_fused_cuda_update():
+    """A CPU checkpoint of an older version holds unfused groups, so torch leaves its step
+    counts on the CPU; the fused CUDA kernel (and its found_inf skip) needs them on the GPU
+    (optim.keep_fused)."""
+    from pyrecover.model import GPT, GPTConfig
+    from pyrecover.optim import build_optimizer
+
+    cfg = config_mod.load(None, ["model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+                                 "model.block_size=16"])
+    shape = GPTConfig(**config_mod.to_dict(cfg)["model"])
+    x = torch.randint(0, 256, (2, 16))
+    old = GPT(shape)
+    on_cpu = build_optimizer(old, cfg, torch.device("cpu"))
+    old(x, x)[1].backward()
+    on_cpu.step()
+    saved = on_cpu.state_dict()
+    for group in saved["param_groups"]:
+        group["fused"], group["foreach"] = None, None  # as an older version saved it
+    device = torch.device("cuda", 0)
+    model = GPT(shape).to(device)
+    model.load_state_dict(old.state_dict())
+    optimizer = build_optimizer(model, cfg, device)
+    optimizer.load_state_dict(saved)
+    assert all(s["step"].device == device for s in optimizer.state.values())
+    model(x.to(device), x.to(device))[1].backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.found_inf = torch.ones((), device=device)
+    optimizer.step()  # skipped on the device
+    optimizer.found_inf = None
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    optimizer.step()
+    assert {int(s["step"]) for s in optimizer.state.values()} == {2}
+
+
+@needs_gpus(1)
 def test_cuda_staging_copies_the_state_of_its_moment_on_every_save_and_fences_the_update():
     """The one staging path on CUDA: pinned buffers, a side stream, an event. An update queued
     right after the fence must not reach the copy, on the first save and on every later one

@@ -6,12 +6,15 @@ They must be the same run, bit for bit."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
 from helpers import TINY
 
 from pyrecover import config as config_mod
+from pyrecover import preempt
 from pyrecover.checkpoint import CheckpointManager
 from pyrecover.checkpoint.mode import Parts
 from pyrecover.data import Batches, load_tokens
@@ -35,7 +38,8 @@ def make_loop(tmp_path, corpus, name: str, on_device: bool, *sets: str) -> Loop:
     parts = Parts(model=model, optimizer=optimizer, scheduler=scheduler,
                   config=config_mod.to_dict(cfg),
                   train_state=lambda: loop.settled_state() if loop else state.to_dict())
-    manager = CheckpointManager(run, "vanilla", 3, 10, 0, 1, parts, torch.device("cpu"))
+    manager = CheckpointManager(run, "vanilla", cfg.checkpoint.interval, cfg.checkpoint.keep,
+                                0, 1, parts, torch.device("cpu"))
     loop = Loop(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                 batches=Batches(load_tokens(cfg.data.path, cfg.data.column), cfg.model.block_size,
                                 cfg.train.seed),
@@ -66,7 +70,7 @@ def test_the_device_s_skip_of_a_non_finite_step_is_the_host_s_skip_bit_for_bit(
     runs = {}
     for on_device in (True, False):
         loop = make_loop(tmp_path, corpus, f"device-{on_device}", on_device,
-                         "train.max_steps=10")
+                         "train.max_steps=10", "checkpoint.interval=3", "checkpoint.keep=10")
         loop.run_steps()
         loop.manager.finish(loop.state.step)
         runs[on_device] = loop
@@ -96,6 +100,39 @@ def test_too_many_bad_steps_in_a_row_end_the_run_at_the_same_step_either_way(
         loop.run_steps()
     assert bad_steps(loop.run) == [2, 4, 5, 6]
     assert loop.state.step == (6 if on_device else 5)  # the device's way reads 6 a step later
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_a_checkpoint_that_counts_the_last_bad_step_allowed_ends_the_run_there(
+        tmp_path, corpus, monkeypatch, on_device):
+    """Step 3 is read only when its checkpoint records the count (the device's way): the run
+    must end at that step, not train step 4 first."""
+    monkeypatch.setenv("PYRECOVER_NAN_AT_STEPS", "2,3")
+    loop = make_loop(tmp_path, corpus, "run", on_device, "train.max_steps=30",
+                     "train.max_bad_steps=2", "checkpoint.interval=3")
+    with pytest.raises(TrainingError, match="2 consecutive steps"):
+        loop.run_steps()
+    assert loop.state.step == (3 if on_device else 2)
+    assert {int(s["step"]) for s in loop.optimizer.state.values()} == {1}  # step 4 never ran
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_a_stop_on_the_last_bad_step_allowed_ends_the_run_without_a_stop_checkpoint(
+        tmp_path, corpus, monkeypatch, on_device):
+    """A signal at step 3, whose NaN reaches train.max_bad_steps: the run ends there with the
+    guard's error and writes no stop checkpoint a requeued job would go on from."""
+    monkeypatch.setenv("PYRECOVER_NAN_AT_STEPS", "2,3")
+    loop = make_loop(tmp_path, corpus, "run", on_device, "train.max_steps=30",
+                     "train.max_bad_steps=2", "checkpoint.interval=10")
+    flag = preempt.StopFlag().install(("SIGUSR2",))
+    loop.stopper = preempt.Stopper(flag, preempt.Deadline(None), 0, 1)
+    loop.on_step = lambda step: step == 3 and os.kill(os.getpid(), signal.SIGUSR2)
+    try:
+        with pytest.raises(TrainingError, match="2 consecutive steps"):
+            loop.run_steps()
+    finally:
+        flag.uninstall()
+    assert not list(loop.run.checkpoints.glob("step-*"))
 
 
 def test_a_loaded_state_keeps_the_fused_optimizer(tmp_path, corpus):
