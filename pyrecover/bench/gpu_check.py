@@ -65,6 +65,7 @@ BOUNDS: tuple[tuple[str, str, str, str, float], ...] = (
 STEPS = ("tests", "train", "memory-every-step", "ckpt", "memory-cpu", "compile", "restart-cpu",
          "restart-cpu-4", "restart-cpu-1gb", "restart-gpu")
 TINY = Path(__file__).resolve().parents[2] / "launch" / "experiments" / "tiny.yaml"
+NEVER = 1_000_000  # a checkpoint interval no measured run reaches
 # After SIGTERM, how long a timed-out step may take to stop what it started before its
 # process group is killed: longer than bench restart's own stop (its trainer gets 60 s to save
 # and exit, then SIGKILL, then 60 s more for its watcher), so that one finishes first.
@@ -237,10 +238,11 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
         train += ["--set", item]
     plan.append((Step("train", [*train, "--plain"]), True))
     # A snapshot every step and no disk checkpoint in the measured steps (the issue's figure:
-    # the snapshots' cost alone); the last --interval given wins.
+    # the snapshots' cost alone); the last --interval given wins. bench train may round the
+    # steps up to multiples of the config's log interval, so "never" is far past any end.
     plan.append((Step("memory-every-step", [*train, "--mode", "memory", "--set",
                                             "checkpoint.snapshot_interval=1", "--interval",
-                                            str(warmup + steps + 1)]), True))
+                                            str(NEVER)]), True))
     plan.append((Step("ckpt", [*python_argv(), "bench", "ckpt", "--dir", str(out / "ckpt"),
                                "--size-gb", str(size_gb), "--json"]), True))
     # The benches on the CPU cores train their own small model on the same corpus.

@@ -54,10 +54,19 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     if dist.detect(os.environ).launcher != "single":
         raise BenchError("pyrecover bench train runs one process; start it outside srun and "
                          "torchrun (unset RANK/WORLD_SIZE or SLURM_PROCID/SLURM_STEP_ID)")
+    # The run logs, and so reads the device, every train.log_interval steps as the user's
+    # would (loop.py: only a logged step makes the host wait for the device): the warm-up and
+    # the measured steps become multiples of it, so that a logged window never mixes the two.
+    every = config_mod.load(config, list(overrides)).train.log_interval  # bad config: here
+    rounded = (-(-warmup // every) * every, -(-steps // every) * every)
+    if rounded != (warmup, steps):
+        note(f"train.log_interval is {every}: {rounded[0]} warm-up and {rounded[1]} measured "
+             f"steps (multiples of it) instead of {warmup} and {steps}")
+        warmup, steps = rounded
     total = warmup + steps
-    base = list(overrides) + [f"train.max_steps={total}", "train.log_interval=1",
+    base = list(overrides) + [f"train.max_steps={total}", f"train.log_interval={every}",
                               "tracking.wandb=disabled", "checkpoint.keep=2"]
-    cfg = config_mod.load(config, base)  # a bad config fails here, before any run
+    cfg = config_mod.load(config, base)
     work = Path(tempfile.mkdtemp(prefix="pyrecover-bench-train-", dir=workdir))
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     errors: dict[str, str] = {}
@@ -128,7 +137,7 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
             "compiled": plain_runs[0]["compiled"]})
     return {"kind": "train", "config": str(config) if config else "defaults",
             "machine": machine(work.parent), "steps": steps, "warmup": warmup,
-            "interval": interval, "repeat": repeat, "world_size": 1,
+            "interval": interval, "repeat": repeat, "world_size": 1, "log_interval": every,
             "model": config_mod.to_dict(cfg)["model"], "rows": rows_out}
 
 
@@ -169,8 +178,11 @@ def _throughput(run_dir: Path, warmup: int) -> dict[str, float]:
     if not measured:
         raise BenchError(f"{run.metrics}: no steps after the warm-up were logged")
     last = max(m["step"] for m in measured)
-    seconds = sum(m["step_time"] for m in measured)
-    tokens = sum(m["tokens_per_s"] * m["step_time"] for m in measured)
+    seconds = tokens = 0.0
+    before = warmup
+    for m in sorted(measured, key=lambda m: m["step"]):  # a row is its window's average
+        span = m["step_time"] * (m["step"] - before)
+        seconds, tokens, before = seconds + span, tokens + m["tokens_per_s"] * span, m["step"]
     saves = [e for e in run.read_events()
              if e.get("event") == "checkpoint" and warmup <= e.get("step", 0) < last]
     # Every wait of the loop for a save or a snapshot (the copy, the exchange, the commit):
@@ -191,7 +203,8 @@ def format_train(report: dict[str, Any]) -> str:
     lines = [
         f"config {report['config']}: GPT {model['n_layer']} layers x {model['n_embd']}, "
         f"{report['steps']} measured steps after {report['warmup']} warm-up, checkpoint every "
-        f"{report['interval']} steps, world size 1; {m.get('cpu', '?')}, {m['cpus']} CPUs, "
+        f"{report['interval']} steps, logged every {report.get('log_interval', 1)}, world size "
+        f"1; {m.get('cpu', '?')}, {m['cpus']} CPUs, "
         f"load {m['load_avg_1m']}; median of {report['repeat']}",
         "",
         "x none / x plain: tokens/s over the no-checkpoint run's / the plain loop's "

@@ -59,6 +59,39 @@ def test_bench_train_reports_each_mode_as_a_ratio_to_no_checkpoints(tmp_path, co
         assert r["vs_none"] == pytest.approx(r["tokens_per_s"] / rows["none"]["tokens_per_s"])
 
 
+def test_bench_train_logs_as_the_config_does_and_measures_whole_logged_windows(
+        tmp_path, corpus):
+    """A logged step is where the loop waits for the device, so the bench keeps the config's
+    log interval (a run that logged every step would measure a wait the user's run does not
+    make) and rounds the warm-up and the measured steps up to multiples of it."""
+    done = pyrecover("bench", "train", "--config", str(TINY), "--set", f"data.path={corpus}",
+                     "--set", "train.log_interval=3", "--steps", "4", "--warmup", "1",
+                     "--interval", "2", "--mode", "vanilla", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "train.log_interval is 3: 3 warm-up and 6 measured steps" in done.stderr
+    report = json.loads(done.stdout)
+    assert (report["warmup"], report["steps"], report["log_interval"]) == (3, 6, 3)
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert rows["vanilla"]["saves"] == 3  # steps 4, 6 and 8, after the warm-up's 3
+    assert rows["none"]["tokens_per_s"] > 0
+
+
+def test_a_logged_row_counts_for_every_step_of_its_window(tmp_path):
+    from pyrecover.bench.train import _throughput
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    for step, step_time, tok_s in ((4, 9.0, 1.0), (8, 0.1, 100.0), (12, 0.3, 50.0)):
+        run.metric(step=step, step_time=step_time, tokens_per_s=tok_s,
+                   checkpoint_stall_total=step / 100)
+    got = _throughput(tmp_path / "run", warmup=4)
+    # 4 steps at 0.1 s (40 tokens) and 4 at 0.3 s (60 tokens): 100 tokens in 1.6 s.
+    assert got["tokens_per_s"] == pytest.approx(100 / 1.6)
+    assert got["blocked_s"] == pytest.approx(0.08) and got["blocked_share"] == pytest.approx(
+        0.05)
+
+
 def test_a_mode_that_fails_is_a_row_saying_why_and_the_other_modes_are_still_measured(
         tmp_path, corpus, monkeypatch):
     """On a first GPU run, one broken mode used to abort the whole bench and hide the figures
