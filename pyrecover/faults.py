@@ -26,7 +26,10 @@ cluster whose storage the job and the bench share): the first rank named by
 `PYRECOVER_KILL_RANK` (where `last` names the job's last rank) to rename PATH to PATH.taken
 kills, once per file.
 
-Nothing is flushed or saved first; that is the point. Unset, this costs one dict lookup.
+Nothing is flushed or saved first; that is the point (`PYRECOVER_KILL_AFTER_COMMIT=1`
+excepted: at a `step` kill every rank first commits the background save in flight, so that
+the checkpoint a test expects is there whatever the machine's load). Unset, this costs one
+dict lookup.
 
 A hang, for the watchdog (pyrecover/watchdog.py): `PYRECOVER_HANG_AT_STEP=N` makes the ranks
 named by `PYRECOVER_HANG_RANK` (default 0, a comma-separated list names several) stop making
@@ -56,14 +59,23 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 
 
-def maybe_kill(step: int, rank: int, point: str = "step") -> None:
+def maybe_kill(step: int, rank: int, point: str = "step",
+               commit: Callable[[], object] | None = None) -> None:
+    """maybe_kill kills where the environment says (see above). With
+    `PYRECOVER_KILL_AFTER_COMMIT=1`, every rank first runs `commit` (the loop's: commit the
+    background save still in flight, a collective), so a test knows which checkpoint the
+    resume finds however long that save takes on a busy machine."""
     at = os.environ.get("PYRECOVER_KILL_AT_STEP")
-    ranks = os.environ.get("PYRECOVER_KILL_RANK", "0").split(",")
-    if at is None or int(at) != step or str(rank) not in ranks:
+    if at is None or int(at) != step:
         return
     if os.environ.get("PYRECOVER_KILL_POINT", "step") != point:
+        return
+    if commit is not None and os.environ.get("PYRECOVER_KILL_AFTER_COMMIT") == "1":
+        commit()
+    if str(rank) not in os.environ.get("PYRECOVER_KILL_RANK", "0").split(","):
         return
     if not _first_time(os.environ.get("PYRECOVER_KILL_ONCE")):
         return

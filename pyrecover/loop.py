@@ -159,7 +159,7 @@ class Loop:
                     self.manager.finish(step)  # the stop checkpoint, committed before exit
                     raise StopRequested(step, reason)
             self.tracker.after_step(step)
-            faults.maybe_kill(step, self.rank)
+            faults.maybe_kill(step, self.rank, commit=self.manager.commit_inflight)
             faults.maybe_kill_on_file(self.rank, self.world_size)
         self.settle()
         self.check_bad_steps()

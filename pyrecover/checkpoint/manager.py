@@ -208,6 +208,12 @@ class CheckpointManager:
             return None
         return Pending(root=self.root, step=step, tmp=Path(path[0]))
 
+    def commit_inflight(self) -> None:
+        """commit_inflight waits for the background save in flight, if any, and commits it.
+        Collective: every rank calls it at the same step."""
+        if self.inflight is not None:
+            self._commit_now()
+
     def _commit_now(self) -> None:
         if not self._try_commit(wait=True):
             raise RuntimeError("a checkpoint write reported no result after it was waited for")
