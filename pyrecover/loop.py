@@ -202,12 +202,11 @@ class Loop:
         grad_norm = parallel.clip_grad_norm(self.model, max_norm)
         both = torch.stack([total, grad_norm.float()])  # one copy to the host for the two
         outcome = Outcome.of(self.state.step + 1, both)
-        on_device = self.skip_on_device
-        if on_device or self._settle(outcome):
+        if self.skip_on_device or self._settle(outcome):
             # The state is about to change: a background save must have finished copying it
             # (on CUDA the update waits on the device; the host goes on).
             self.manager.before_update()
-            if on_device:
+            if self.skip_on_device:
                 bad = ~torch.isfinite(both).all()
                 self.optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
             try:
@@ -216,7 +215,7 @@ class Loop:
                 self.optimizer.found_inf = None  # type: ignore[attr-defined]
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return outcome if on_device else None
+        return outcome if self.skip_on_device else None
 
     def settle(self) -> None:
         """settle reads the step still on its way from the device, if any, and counts it."""

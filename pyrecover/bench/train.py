@@ -178,11 +178,12 @@ def _throughput(run_dir: Path, warmup: int) -> dict[str, float]:
     if not measured:
         raise BenchError(f"{run.metrics}: no steps after the warm-up were logged")
     last = max(m["step"] for m in measured)
-    seconds = tokens = 0.0
-    before = warmup
-    for m in sorted(measured, key=lambda m: m["step"]):  # a row is its window's average
-        span = m["step_time"] * (m["step"] - before)
-        seconds, tokens, before = seconds + span, tokens + m["tokens_per_s"] * span, m["step"]
+    # A row holds its window's averages: it counts for every step since the row before.
+    rows = sorted(measured, key=lambda m: m["step"])
+    spans = [m["step_time"] * (m["step"] - before)
+             for m, before in zip(rows, [warmup] + [m["step"] for m in rows], strict=False)]
+    seconds = sum(spans)
+    tokens = sum(m["tokens_per_s"] * span for m, span in zip(rows, spans, strict=True))
     saves = [e for e in run.read_events()
              if e.get("event") == "checkpoint" and warmup <= e.get("step", 0) < last]
     # Every wait of the loop for a save or a snapshot (the copy, the exchange, the commit):

@@ -80,7 +80,9 @@ def train(
     """Training tokens/s with each checkpoint mode, as a ratio to no checkpoints at all.
 
     Runs the real trainer in this process, world size 1; every figure is a median over
-    --repeat runs, and the GPU is synchronized where the clock is read.
+    --repeat runs, and the GPU is synchronized where the clock is read. The runs log (and
+    so read the GPU) every train.log_interval steps, as the config says: --warmup and
+    --steps are rounded up to multiples of it.
     """
     from pyrecover.bench import common
     from pyrecover.bench import train as bench_train
