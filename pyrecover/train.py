@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+from concurrent.futures import Future, wait
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from pyrecover import config as config_mod
 from pyrecover.checkpoint import CheckpointManager, rng
 from pyrecover.checkpoint import interval as checkpoint_interval
 from pyrecover.checkpoint.manager import Parts
+from pyrecover.checkpoint.resume import choose_in_background
 from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
 from pyrecover.data import Batches, DataError, check_tokens, load_tokens
@@ -128,9 +130,12 @@ def main(cfg: Config, run_dir: Path) -> None:
                             progress=lambda: watchdog.io_bytes() +
                             watchdog.saving_bytes(run.checkpoints)).start()
     lock = RunLock(run)
+    chosen: Future | None = None
     try:
         hold_run_dir(lock, env)
-        _train(cfg, run, env, device, tokens, managers, flag, dog, phases)
+        if env.rank == 0:  # read while the model is built: resume.choose_in_background
+            chosen = choose_in_background(run.checkpoints, run.event)
+        _train(cfg, run, env, device, tokens, managers, flag, dog, phases, chosen)
     except (RunLocked, StorageError):
         raise  # the run directory is another run's, or cannot be written: record nothing
     except StopRequested as stop:
@@ -170,6 +175,8 @@ def main(cfg: Config, run_dir: Path) -> None:
             dist.teardown()
         except Exception as exc:  # a group with a dead member may not shut down cleanly
             log.debug("process group teardown failed: %s", exc)
+        if chosen is not None:  # it may still be removing or committing folders: under the lock
+            wait([chosen])
         lock.release()
         phases.mark("exit")
         gc.enable()
@@ -215,7 +222,8 @@ def _first_line(exc: BaseException) -> str:
 
 def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
            tokens: torch.Tensor, managers: list[CheckpointManager],
-           flag: preempt.StopFlag, dog: watchdog.Watchdog, phases: Phases) -> None:
+           flag: preempt.StopFlag, dog: watchdog.Watchdog, phases: Phases,
+           chosen: Future | None = None) -> None:
     t = cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank
     shape = GPTConfig(**config_mod.to_dict(cfg)["model"])
@@ -254,6 +262,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                                 cfg.checkpoint.async_save, cfg.checkpoint.snapshot_interval,
                                 cfg.checkpoint.replicas, env.local_world_size)
     manager.auto = auto
+    manager.chosen = chosen  # rank 0's pick, begun in main
     managers.append(manager)  # main() persists through it if a peer dies
     layout = "fsdp" if sharded else "ddp"  # how the ranks share the model (parallel.py)
     if env.rank == 0:
@@ -267,7 +276,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     dog.phase("load")
     restore_started = time.perf_counter()
     found = manager.resume(accept=lambda r: train_state_of(r.train),
-                           on_chosen=lambda c: phases.mark("checkpoint_chosen", step=c.step))
+                           on_chosen=lambda c: phases.mark("checkpoint_chosen", step=c.step),
+                           keep_weights=sharded)  # an empty_gpt is initialized below instead
     if found is None:
         if not sharded:
             initialize(model, t.seed)

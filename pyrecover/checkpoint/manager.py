@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,16 +32,12 @@ from pyrecover.checkpoint import store
 from pyrecover.checkpoint.interval import AutoInterval
 from pyrecover.checkpoint.mode import ModeSettings, Parts, Restored, Snapshotting
 from pyrecover.checkpoint.modes import make_mode
-from pyrecover.checkpoint.resume import resume_newest
+from pyrecover.checkpoint.resume import choose, resume_newest
 from pyrecover.checkpoint.stall import StallClock
 from pyrecover.checkpoint.store import Checkpoint, Pending
 from pyrecover.rundir import RunDir
 
 log = logging.getLogger("pyrecover")
-
-
-# Where memory mode's surviving ranks leave snapshots (memory/layout.py's SNAP_PREFIX).
-SNAPSHOT_GLOB = ".snap-step-*"
 
 
 class SaveFailed(RuntimeError):
@@ -81,6 +78,7 @@ class CheckpointManager:
         self.auto: AutoInterval | None = None  # `checkpoint.interval: auto` (see _retune)
         self._auto_clock: tuple[int, float] | None = None  # (last save or first step, time)
         self._prepared = False  # the mode's buffers are allocated (at the first step boundary)
+        self.chosen: Future | None = None  # rank 0's first pick, begun early (find_resume)
 
     # --- saving --------------------------------------------------------------------------
 
@@ -329,25 +327,19 @@ class CheckpointManager:
         with `below`, the newest older than that step.
 
         Uncommitted temporary folders are removed; corrupt checkpoints are reported and kept
-        for inspection, never loaded.
+        for inspection, never loaded. Rank 0's first pick is `self.chosen` where the start
+        began it in the background (resume.choose_in_background).
         """
         choice: list[Any] = [None]
         found: Checkpoint | None = None
         if self.rank == 0:
-            if below is None:
-                if any(self.root.glob(SNAPSHOT_GLOB)):
-                    from pyrecover.checkpoint.memory import finalize_snapshots
-
-                    finalize_snapshots(self.root, self.run.event)
-                for tmp in store.clean_uncommitted(self.root):
-                    log.warning("removed uncommitted checkpoint folder %s", tmp.name)
-            for step, folder, ckpt, problem in store.scan(self.root, environ=os.environ):
-                if below is not None and step >= below:
-                    continue
-                if ckpt is not None:
-                    choice, found = [str(folder)], ckpt
-                    break
+            chosen, self.chosen = self.chosen, None
+            picked = (chosen.result() if chosen is not None and below is None
+                      else choose(self.root, below, self.run.event))
+            for step, folder, problem in picked.invalid:
                 self._report_invalid(step, folder, problem)
+            if picked.found is not None:
+                choice, found = [str(picked.found.path)], picked.found
         if tdist.is_initialized() and self.world_size > 1:
             tdist.broadcast_object_list(choice, src=0)
         if choice[0] is None or found is not None:
@@ -367,8 +359,8 @@ class CheckpointManager:
         return mode.restore(ckpt, self.parts)
 
     def resume(self, accept: Callable[[Restored], Any] = lambda r: r,
-               on_chosen: Callable[[Checkpoint], Any] = lambda c: None
-               ) -> tuple[Checkpoint, Restored] | None:
+               on_chosen: Callable[[Checkpoint], Any] = lambda c: None,
+               keep_weights: bool = True) -> tuple[Checkpoint, Restored] | None:
         """resume restores the newest checkpoint that loads on every rank, or returns None.
 
         A checkpoint that verifies but cannot be restored (a manifest whose mode disagrees
@@ -376,5 +368,7 @@ class CheckpointManager:
         train state `accept` rejects) is reported by name as invalid and the next older one
         is tried. When none loads, the parts get back the state they had before the first try.
         `on_chosen` is told of each checkpoint before its restore starts (phase timings).
+        Without `keep_weights` the model's weights are not put back (nor copied beforehand):
+        for a caller that initializes them itself when this returns None.
         """
-        return resume_newest(self, accept, on_chosen)
+        return resume_newest(self, accept, on_chosen, keep_weights)

@@ -1,27 +1,121 @@
 """Resume: restore the newest checkpoint that loads on every rank, falling back past any that
 does not (a manifest whose mode disagrees with its files, another model's shapes, a file the
-weights-only unpickler refuses), each reported by name as invalid."""
+weights-only unpickler refuses), each reported by name as invalid.
+
+Rank 0 chooses (`choose`): it removes what killed saves left, commits a snapshot memory mode's
+survivors persisted, and checksums the newest checkpoint's files. That pass reads the whole
+checkpoint from storage, so a start begins it in the background (`choose_in_background`) as
+soon as it holds the run directory, while it builds the model and the optimizer (whose first
+use imports torch._dynamo); the read also leaves the files in the page cache for the restore.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as tdist
 
+from pyrecover.checkpoint import store
 from pyrecover.checkpoint.mode import Parts, Restored
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 
+log = logging.getLogger("pyrecover")
+
+# Where memory mode's surviving ranks leave snapshots (memory/layout.py's SNAP_PREFIX).
+SNAPSHOT_GLOB = ".snap-step-*"
+
+
+@dataclass
+class Choice:
+    """Choice is rank 0's pick: the newest checkpoint that verifies (None: none does), and
+    the newer ones that did not, as (step, folder, problem), newest first."""
+
+    found: Checkpoint | None
+    invalid: list[tuple[int, Path, str]] = field(default_factory=list)
+
+
+def choose(root: Path, below: int | None, on_event: Callable[..., Any],
+           environ: Mapping[str, str] | None = None) -> Choice:
+    """choose is rank 0's part of a resume: the newest checkpoint under `root` that verifies
+    (with `below`, the newest older than that step). The first call of a start (`below` None)
+    first removes uncommitted temporary folders and commits memory mode's survivors' snapshot
+    (`on_event` records that). Checksums are read in full except where `environ`'s job wrote
+    the files itself (trust.py). Only under the run directory's lock: it changes `root`."""
+    environ = os.environ if environ is None else environ
+    if below is None:
+        if any(root.glob(SNAPSHOT_GLOB)):
+            from pyrecover.checkpoint.memory import finalize_snapshots
+
+            finalize_snapshots(root, on_event)
+        for tmp in store.clean_uncommitted(root):
+            log.warning("removed uncommitted checkpoint folder %s", tmp.name)
+    choice = Choice(None)
+    for step, folder, ckpt, problem in store.scan(root, environ=environ):
+        if below is not None and step >= below:
+            continue
+        if ckpt is not None:
+            choice.found = ckpt
+            break
+        choice.invalid.append((step, folder, problem))
+    return choice
+
+
+def choose_in_background(root: Path, on_event: Callable[..., Any]) -> Future:
+    """choose_in_background runs `choose(root, None, on_event)` in a thread of its own and
+    returns its future (CheckpointManager.find_resume takes it as `chosen`). The thread is a
+    daemon: a start that fails first does not wait for the read to finish.
+
+    Where the pick needed no checksum pass (the same job wrote it: trust.py), nothing has read
+    it yet; a vanilla file, which every rank's restore reads whole, is then read once into the
+    page cache after the future is set, so the restore does not wait on storage."""
+    future: Future = Future()
+    environ = dict(os.environ)
+
+    def work() -> None:
+        try:
+            choice = choose(root, None, on_event, environ)
+        except BaseException as exc:  # handed to the thread that waits for it
+            future.set_exception(exc)
+            return
+        future.set_result(choice)
+        ckpt = choice.found
+        if ckpt is not None and ckpt.checked != "checksums" and ckpt.mode == "vanilla":
+            for name in ckpt.manifest["files"]:
+                read_through(ckpt.path / name)
+
+    threading.Thread(target=work, name="pyrecover-choose", daemon=True).start()
+    return future
+
+
+def read_through(path: Path, block: int = 8 << 20) -> None:
+    """read_through reads `path` once into a reused buffer (page cache warm-up); errors are
+    left for the restore, which reports them."""
+    buf = bytearray(block)
+    try:
+        with path.open("rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    except OSError:
+        pass
+
 
 def resume_newest(manager: Any, accept: Callable[[Restored], Any],
-                  on_chosen: Callable[[Checkpoint], Any]) -> tuple[Checkpoint, Restored] | None:
+                  on_chosen: Callable[[Checkpoint], Any], keep_weights: bool = True
+                  ) -> tuple[Checkpoint, Restored] | None:
     """resume_newest is `CheckpointManager.resume` (see there); `manager` is that manager (not
     imported here: the manager imports this module)."""
     initial = None
     below: int | None = None
     while (ckpt := manager.find_resume(below)) is not None:
-        initial = initial or _copy_state(manager.parts)
+        initial = initial or _copy_state(manager.parts, keep_weights)
         on_chosen(ckpt)
         error, restored = "", None
         try:
@@ -61,17 +155,20 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
-def _copy_state(parts: Parts) -> dict[str, Any]:
-    """_copy_state is a CPU copy of the parts' state, taken before a restore is tried."""
+def _copy_state(parts: Parts, weights: bool) -> dict[str, Any]:
+    """_copy_state is a CPU copy of the parts' state, taken before a restore is tried; without
+    `weights` the model's are left out (a caller that initializes them where nothing loads:
+    a copy of a large model's weights costs host memory and seconds)."""
     import copy
 
     return {"model": {k: v.detach().to("cpu", copy=True)
-                      for k, v in parts.model.state_dict().items()},
+                      for k, v in parts.model.state_dict().items()} if weights else None,
             "optimizer": copy.deepcopy(parts.optimizer.state_dict()),
             "scheduler": copy.deepcopy(parts.scheduler.state_dict())}
 
 
 def _load_state(parts: Parts, state: dict[str, Any]) -> None:
-    parts.model.load_state_dict(state["model"])
+    if state["model"] is not None:
+        parts.model.load_state_dict(state["model"])
     parts.optimizer.load_state_dict(state["optimizer"])
     parts.scheduler.load_state_dict(state["scheduler"])

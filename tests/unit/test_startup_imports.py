@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pyrecover.checkpoint import manager
+from pyrecover.checkpoint import resume
 from pyrecover.checkpoint.memory import layout
 
 
@@ -39,4 +39,4 @@ def test_a_dcp_mode_is_still_made_on_demand():
 
 
 def test_the_manager_looks_for_snapshots_where_memory_mode_leaves_them():
-    assert manager.SNAPSHOT_GLOB == layout.SNAP_PREFIX + "*"
+    assert resume.SNAPSHOT_GLOB == layout.SNAP_PREFIX + "*"
