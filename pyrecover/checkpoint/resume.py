@@ -78,6 +78,8 @@ def choose_in_background(root: Path, on_event: Callable[..., Any]) -> Future:
     page cache after the future is set, so the restore does not wait on storage."""
     future: Future = Future()
     environ = dict(os.environ)
+    if any(root.glob(SNAPSHOT_GLOB)):  # imported here, not in the thread: two threads
+        import pyrecover.checkpoint.memory  # noqa: F401  importing at once can deadlock
 
     def work() -> None:
         try:
