@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 import time
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -175,8 +175,6 @@ def main(cfg: Config, run_dir: Path) -> None:
             dist.teardown()
         except Exception as exc:  # a group with a dead member may not shut down cleanly
             log.debug("process group teardown failed: %s", exc)
-        if chosen is not None:  # it may still be removing or committing folders: under the lock
-            wait([chosen])
         lock.release()
         phases.mark("exit")
         gc.enable()

@@ -3,10 +3,11 @@ does not (a manifest whose mode disagrees with its files, another model's shapes
 weights-only unpickler refuses), each reported by name as invalid.
 
 Rank 0 chooses (`choose`): it removes what killed saves left, commits a snapshot memory mode's
-survivors persisted, and checksums the newest checkpoint's files. That pass reads the whole
-checkpoint from storage, so a start begins it in the background (`choose_in_background`) as
-soon as it holds the run directory, while it builds the model and the optimizer (whose first
-use imports torch._dynamo); the read also leaves the files in the page cache for the restore.
+survivors persisted (`tidy`), and checksums the newest checkpoint's files (`pick`). That pass
+reads the whole checkpoint from storage, so a start runs it in the background
+(`choose_in_background`) from the moment it holds the run directory, while it builds the
+model and the optimizer (whose first use imports torch._dynamo); the read also leaves the
+files in the page cache for the restore.
 """
 
 from __future__ import annotations
@@ -42,21 +43,22 @@ class Choice:
     invalid: list[tuple[int, Path, str]] = field(default_factory=list)
 
 
-def choose(root: Path, below: int | None, on_event: Callable[..., Any],
-           environ: Mapping[str, str] | None = None) -> Choice:
-    """choose is rank 0's part of a resume: the newest checkpoint under `root` that verifies
-    (with `below`, the newest older than that step). The first call of a start (`below` None)
-    first removes uncommitted temporary folders and commits memory mode's survivors' snapshot
-    (`on_event` records that). Checksums are read in full except where `environ`'s job wrote
-    the files itself (trust.py). Only under the run directory's lock: it changes `root`."""
-    environ = os.environ if environ is None else environ
-    if below is None:
-        if any(root.glob(SNAPSHOT_GLOB)):
-            from pyrecover.checkpoint.memory import finalize_snapshots
+def tidy(root: Path, on_event: Callable[..., Any]) -> None:
+    """tidy is what a start does to `root` before its first pick: remove the temporary folders
+    killed saves left, and commit the snapshot memory mode's survivors persisted (`on_event`
+    records that). Only under the run directory's lock."""
+    if any(root.glob(SNAPSHOT_GLOB)):
+        from pyrecover.checkpoint.memory import finalize_snapshots
 
-            finalize_snapshots(root, on_event)
-        for tmp in store.clean_uncommitted(root):
-            log.warning("removed uncommitted checkpoint folder %s", tmp.name)
+        finalize_snapshots(root, on_event)
+    for tmp in store.clean_uncommitted(root):
+        log.warning("removed uncommitted checkpoint folder %s", tmp.name)
+
+
+def pick(root: Path, below: int | None, environ: Mapping[str, str]) -> Choice:
+    """pick is the newest checkpoint under `root` that verifies (with `below`, the newest
+    older than that step). Checksums are read in full except where `environ`'s job wrote the
+    files itself (trust.py). It only reads."""
     choice = Choice(None)
     for step, folder, ckpt, problem in store.scan(root, environ=environ):
         if below is not None and step >= below:
@@ -68,22 +70,31 @@ def choose(root: Path, below: int | None, on_event: Callable[..., Any],
     return choice
 
 
+def choose(root: Path, below: int | None, on_event: Callable[..., Any],
+           environ: Mapping[str, str] | None = None) -> Choice:
+    """choose is rank 0's part of a resume: `tidy` on a start's first pick (`below` None),
+    then `pick`. Only under the run directory's lock."""
+    if below is None:
+        tidy(root, on_event)
+    return pick(root, below, os.environ if environ is None else environ)
+
+
 def choose_in_background(root: Path, on_event: Callable[..., Any]) -> Future:
-    """choose_in_background runs `choose(root, None, on_event)` in a thread of its own and
-    returns its future (CheckpointManager.find_resume takes it as `chosen`). The thread is a
-    daemon: a start that fails first does not wait for the read to finish.
+    """choose_in_background is `choose(root, None, on_event)` with the checksum pass in a
+    thread of its own: it tidies `root` here and returns the future of the pick
+    (CheckpointManager.find_resume takes it as `chosen`). The thread only reads, so the lock
+    need not wait for it, and it is a daemon: a start that fails first exits without it.
 
     Where the pick needed no checksum pass (the same job wrote it: trust.py), nothing has read
     it yet; a vanilla file, which every rank's restore reads whole, is then read once into the
     page cache after the future is set, so the restore does not wait on storage."""
+    tidy(root, on_event)
     future: Future = Future()
     environ = dict(os.environ)
-    if any(root.glob(SNAPSHOT_GLOB)):  # imported here, not in the thread: two threads
-        import pyrecover.checkpoint.memory  # noqa: F401  importing at once can deadlock
 
     def work() -> None:
         try:
-            choice = choose(root, None, on_event, environ)
+            choice = pick(root, None, environ)
         except BaseException as exc:  # handed to the thread that waits for it
             future.set_exception(exc)
             return

@@ -1,36 +1,54 @@
 """Rank 0's choice of the checkpoint to resume, begun in the background while the model is
-built (resume.choose_in_background): it picks what the plain pass picks, reports what it
-skipped once, and a resume that uses it restores the same state."""
+built (resume.choose_in_background): it picks what the plain pass picks, the resume uses that
+pick and reports what it skipped once, a same-job vanilla file is read ahead into the page
+cache, and a resume that restores nothing puts back what it must."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
 import torch
 
 from pyrecover.bench.state import build_state
-from pyrecover.checkpoint import CheckpointManager, resume
+from pyrecover.checkpoint import CheckpointManager, resume, store
 from pyrecover.rundir import RunDir, read_jsonl
 
 CPU = torch.device("cpu")
 
 
-def saved_run(tmp_path, mode: str = "vanilla"):
-    """A run directory with checkpoints at steps 2 and 4 of one small state; step 4's file
-    has one byte flipped after its commit."""
+@pytest.fixture(autouse=True)
+def outside_slurm(monkeypatch):
+    """Outside SLURM every pick reads its checksums (trust.py), wherever the tests run."""
+    for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def saved_run(tmp_path, flip: bool = True):
+    """A run directory with vanilla checkpoints at steps 2 and 4 of one small state (other
+    weights at each); with `flip`, step 4's file has one byte flipped after its commit."""
     src = build_state(400_000, seed=0)
     run = RunDir(tmp_path / "run")
     run.create()
-    saver = CheckpointManager(run, mode, 2, 3, 0, 1, src.parts, CPU, False)
+    saver = CheckpointManager(run, "vanilla", 2, 3, 0, 1, src.parts, CPU, False)
     saver.at_step(2)
     with torch.no_grad():
         for p in src.parts.model.parameters():
-            p.add_(1.0)  # step 4 holds other weights than step 2
+            p.add_(1.0)
     saver.at_step(4)
     saver.finish(4)
-    state = run.checkpoints / "step-4" / "state.pt"
-    data = bytearray(state.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    state.write_bytes(bytes(data))
+    if flip:
+        state = run.checkpoints / "step-4" / "state.pt"
+        data = bytearray(state.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        state.write_bytes(bytes(data))
     return run
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def test_the_pick_begun_in_the_background_is_the_plain_pick(tmp_path):
@@ -43,36 +61,84 @@ def test_the_pick_begun_in_the_background_is_the_plain_pick(tmp_path):
         assert [(step, "corrupt" in problem) for step, _, problem in choice.invalid] == [(4, True)]
 
 
-def test_a_resume_given_the_early_pick_restores_it_and_reports_the_skipped_one_once(tmp_path):
+def test_a_resume_restores_the_early_pick_and_reports_the_skipped_one_once(tmp_path):
     run = saved_run(tmp_path)
-    want = build_state(400_000, seed=0)  # the weights of step 2
     dst = build_state(400_000, seed=1)
     loader = CheckpointManager(run, "vanilla", 2, 3, 0, 1, dst.parts, CPU, False)
     loader.chosen = resume.choose_in_background(run.checkpoints, run.event)
     found = loader.resume(keep_weights=False)
     assert found is not None and found[0].step == 2
-    for got, saved in zip(dst.parts.model.parameters(), want.parts.model.parameters(),
-                          strict=True):
-        assert torch.equal(got, saved)
+    assert same_weights(dst.parts.model, build_state(400_000, seed=0).parts.model)
     invalid = [e for e in read_jsonl(run.events) if e["event"] == "checkpoint_invalid"]
     assert [e["step"] for e in invalid] == [4]
+
+
+def test_the_resume_takes_the_pick_it_is_given_rather_than_choosing_again(tmp_path):
+    run = saved_run(tmp_path, flip=False)  # a fresh pass would choose step 4
+    given: Future = Future()
+    given.set_result(resume.Choice(store.verify(run.checkpoints / "step-2"),
+                                   [(4, run.checkpoints / "step-4", "named by the test")]))
+    dst = build_state(400_000, seed=1)
+    loader = CheckpointManager(run, "vanilla", 2, 3, 0, 1, dst.parts, CPU, False)
+    loader.chosen = given
+    assert loader.find_resume().step == 2
     assert loader.chosen is None  # used once: a fall-back past step 2 chooses afresh
+    reported = [(e["step"], e["reason"]) for e in read_jsonl(run.events)
+                if e["event"] == "checkpoint_invalid"]
+    assert reported == [(4, "named by the test")]
+    assert loader.find_resume(below=4).step == 2 and loader.find_resume().step == 4
 
 
-def test_a_resume_that_restores_nothing_puts_the_optimizer_back_weights_left_to_the_caller(
+def read_chars() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_a_same_job_vanilla_pick_is_read_into_the_page_cache_without_a_checksum_pass(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node1")
+    run = saved_run(tmp_path, flip=False)  # committed by "job 4242": recorded (trust.py)
+    size = (run.checkpoints / "step-4" / "state.pt").stat().st_size
+    before = read_chars()
+    choice = resume.choose_in_background(run.checkpoints, run.event).result(timeout=60)
+    for thread in threading.enumerate():
+        if thread.name == "pyrecover-choose":
+            thread.join(60)
+    assert choice.found is not None and choice.found.step == 4
+    assert choice.found.checked == "same-job record"
+    assert size <= read_chars() - before < 2 * size  # read once: the warm-up, no checksums
+
+
+def test_a_resume_that_restores_nothing_puts_back_the_optimizer_and_the_weights_it_kept(
         tmp_path):
-    src = build_state(400_000, seed=0)
-    run = RunDir(tmp_path / "run")
-    run.create()
-    CheckpointManager(run, "vanilla", 2, 3, 0, 1, src.parts, CPU, False).finish(2)
-    other = build_state(1_600_000, seed=1)  # another shape: its restore fails part way
-    before = {k: v.clone() for k, v in other.parts.model.state_dict().items()}
-    optimizer = other.parts.optimizer.state_dict()
-    loader = CheckpointManager(run, "vanilla", 2, 3, 0, 1, other.parts, CPU, False)
-    assert loader.resume(keep_weights=True) is None
-    assert all(torch.equal(v, before[k]) for k, v in other.parts.model.state_dict().items())
-    assert loader.resume(keep_weights=False) is None
-    after = other.parts.optimizer.state_dict()
-    assert after["param_groups"] == optimizer["param_groups"]
-    for i, slots in optimizer["state"].items():
-        assert all(torch.equal(after["state"][i][k], v) for k, v in slots.items())
+    run = saved_run(tmp_path, flip=False)
+    saved = build_state(400_000, seed=0)
+    with torch.no_grad():
+        for p in saved.parts.model.parameters():
+            p.add_(1.0)  # step 4's weights
+
+    def refuse(_restored):
+        raise ValueError("refused by the test")  # after the whole state was loaded
+
+    for keep_weights in (True, False):
+        other = build_state(400_000, seed=1)
+        for s in other.parts.optimizer.state.values():
+            s["exp_avg"].mul_(3.0)  # moments no checkpoint holds: a restore changes them
+        weights = {k: v.clone() for k, v in other.parts.model.state_dict().items()}
+        optimizer = other.parts.optimizer.state_dict()
+        slots = {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer["state"].items()}
+        loader = CheckpointManager(run, "vanilla", 2, 3, 0, 1, other.parts, CPU, False)
+        assert loader.resume(accept=refuse, keep_weights=keep_weights) is None
+        after = other.parts.optimizer.state_dict()
+        assert after["param_groups"] == optimizer["param_groups"]
+        for i, s in slots.items():
+            assert all(torch.equal(after["state"][i][k], v) for k, v in s.items())
+        now = other.parts.model.state_dict()
+        if keep_weights:
+            assert all(torch.equal(now[k], v) for k, v in weights.items())
+        else:  # left as the last restore made them (step 2's): the caller initializes them
+            assert not same_weights(other.parts.model, saved.parts.model)
+            assert same_weights(other.parts.model, build_state(400_000, seed=0).parts.model)
