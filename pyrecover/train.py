@@ -13,7 +13,6 @@ import os
 import socket
 import sys
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -130,12 +129,9 @@ def main(cfg: Config, run_dir: Path) -> None:
                             progress=lambda: watchdog.io_bytes() +
                             watchdog.saving_bytes(run.checkpoints)).start()
     lock = RunLock(run)
-    chosen: Future | None = None
     try:
         hold_run_dir(lock, env)
-        if env.rank == 0:  # read while the model is built: resume.choose_in_background
-            chosen = choose_in_background(run.checkpoints, run.event)
-        _train(cfg, run, env, device, tokens, managers, flag, dog, phases, chosen)
+        _train(cfg, run, env, device, tokens, managers, flag, dog, phases)
     except (RunLocked, StorageError):
         raise  # the run directory is another run's, or cannot be written: record nothing
     except StopRequested as stop:
@@ -220,9 +216,10 @@ def _first_line(exc: BaseException) -> str:
 
 def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
            tokens: torch.Tensor, managers: list[CheckpointManager],
-           flag: preempt.StopFlag, dog: watchdog.Watchdog, phases: Phases,
-           chosen: Future | None = None) -> None:
+           flag: preempt.StopFlag, dog: watchdog.Watchdog, phases: Phases) -> None:
     t = cfg.train
+    # Rank 0 reads the checkpoint to resume while the model is built (find_resume takes it).
+    chosen = choose_in_background(run.checkpoints, run.event) if env.rank == 0 else None
     torch.manual_seed(t.seed)  # same initial weights on every rank
     shape = GPTConfig(**config_mod.to_dict(cfg)["model"])
     sharded = t.parallel == "fsdp" and env.world_size > 1
@@ -260,7 +257,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                                 cfg.checkpoint.async_save, cfg.checkpoint.snapshot_interval,
                                 cfg.checkpoint.replicas, env.local_world_size)
     manager.auto = auto
-    manager.chosen = chosen  # rank 0's pick, begun in main
+    manager.chosen = chosen
     managers.append(manager)  # main() persists through it if a peer dies
     layout = "fsdp" if sharded else "ddp"  # how the ranks share the model (parallel.py)
     if env.rank == 0:

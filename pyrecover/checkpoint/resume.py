@@ -70,13 +70,12 @@ def pick(root: Path, below: int | None, environ: Mapping[str, str]) -> Choice:
     return choice
 
 
-def choose(root: Path, below: int | None, on_event: Callable[..., Any],
-           environ: Mapping[str, str] | None = None) -> Choice:
+def choose(root: Path, below: int | None, on_event: Callable[..., Any]) -> Choice:
     """choose is rank 0's part of a resume: `tidy` on a start's first pick (`below` None),
     then `pick`. Only under the run directory's lock."""
     if below is None:
         tidy(root, on_event)
-    return pick(root, below, os.environ if environ is None else environ)
+    return pick(root, below, os.environ)
 
 
 def choose_in_background(root: Path, on_event: Callable[..., Any]) -> Future:
@@ -90,11 +89,10 @@ def choose_in_background(root: Path, on_event: Callable[..., Any]) -> Future:
     page cache after the future is set, so the restore does not wait on storage."""
     tidy(root, on_event)
     future: Future = Future()
-    environ = dict(os.environ)
 
     def work() -> None:
         try:
-            choice = pick(root, None, environ)
+            choice = pick(root, None, os.environ)
         except BaseException as exc:  # handed to the thread that waits for it
             future.set_exception(exc)
             return
