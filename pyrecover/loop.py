@@ -62,6 +62,12 @@ class Outcome:
         return loss, norm
 
 
+def bad_steps_after(bad_steps: int, loss: float, grad_norm: float) -> int:
+    """bad_steps_after is the count of non-finite steps in a row once a step with these
+    numbers is counted: 0 after a finite one."""
+    return 0 if math.isfinite(loss) and math.isfinite(grad_norm) else bad_steps + 1
+
+
 @dataclass
 class TrainState:
     step: int = 0
@@ -226,10 +232,9 @@ class Loop:
     def _settle(self, outcome: Outcome) -> bool:
         """_settle takes in a step's numbers; False for a non-finite step (skipped)."""
         loss, norm = self.last = outcome.read()
-        if math.isfinite(loss) and math.isfinite(norm):
-            self.state.bad_steps = 0
+        self.state.bad_steps = bad_steps_after(self.state.bad_steps, loss, norm)
+        if not self.state.bad_steps:
             return True
-        self.state.bad_steps += 1
         if self.rank == 0:
             log.warning("step %d: non-finite loss %s or gradient norm %s; update skipped "
                         "(%d in a row)", outcome.step, loss, norm, self.state.bad_steps)
@@ -250,6 +255,24 @@ class Loop:
         reads it through this: a save waits for the last step's two numbers)."""
         self.settle()
         return self.state.to_dict()
+
+    def state_later(self) -> Callable[[], dict[str, int]]:
+        """state_later is what `settled_state` would return now, without waiting for the step
+        still on its way from the device: a function to call once that step is done (memory
+        mode's snapshot calls it in its copy's thread, after the copy, which the device runs
+        after the step). It reads; the loop still counts the step when it settles it.
+
+        A snapshot every step used to settle every step, and the GPU stood idle while the
+        host took the snapshot and queued the next step (H200, gpt-125m: 0.924 of no
+        checkpoint)."""
+        now = self.state.to_dict()
+        pending = self.pending
+        if pending is None:
+            return lambda: now
+
+        def later() -> dict[str, int]:
+            return {**now, "bad_steps": bad_steps_after(now["bad_steps"], *pending.read())}
+        return later
 
     def _phase(self, name: str, step: int | None = None) -> None:
         """_phase tells the watchdog that `name` begins (and lets a test hang there)."""

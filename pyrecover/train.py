@@ -248,7 +248,9 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     loop: Loop | None = None  # below; a save reads the train state through it (settled_state)
     parts = Parts(model=model, optimizer=optimizer, scheduler=scheduler,
                   config=config_mod.to_dict(cfg), train_state=lambda: (
-                      loop.settled_state() if loop is not None else state.to_dict()))
+                      loop.settled_state() if loop is not None else state.to_dict()),
+                  train_state_later=lambda: (
+                      loop.state_later() if loop is not None else lambda: state.to_dict()))
     interval, auto = checkpoint_interval.for_config(
         cfg.checkpoint.interval, cfg.checkpoint.mtbf_hours, t.max_steps,
         run.read_events() if env.rank == 0 else [])

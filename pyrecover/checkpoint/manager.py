@@ -102,7 +102,10 @@ class CheckpointManager:
             self._try_commit(wait=False)
         if self.snapshot_interval and step % self.snapshot_interval == 0:
             assert isinstance(self.mode, Snapshotting)
-            self.mode.snapshot(step, self.parts, self.parts.train_state())
+            later = self.parts.train_state_later
+            # No wait for the step's numbers: the snapshot's copy thread reads them after it.
+            self.mode.snapshot(step, self.parts,
+                               later() if later is not None else self.parts.train_state())
         if self._due(step) or final:
             if self.inflight is not None:
                 if self.rank == 0:

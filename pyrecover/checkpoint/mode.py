@@ -36,6 +36,10 @@ class Parts:
     scheduler: Any
     config: dict[str, Any]
     train_state: Callable[[], dict[str, Any]]
+    # The same without waiting for the step the device still runs: a function that gives
+    # it once that step is done (the loop's `state_later`); snapshots take it. None: the
+    # settled one.
+    train_state_later: Callable[[], Callable[[], dict[str, Any]]] | None = None
 
 
 @dataclass
@@ -102,8 +106,10 @@ class Mode(Protocol):
 class Snapshotting(Mode, Protocol):
     """A mode that also keeps in-memory snapshots between its disk checkpoints."""
 
-    def snapshot(self, step: int, parts: Parts, train: dict[str, Any]) -> None:
-        """Take this rank's snapshot of the state at `step`."""
+    def snapshot(self, step: int, parts: Parts,
+                 train: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
+        """Take this rank's snapshot of the state at `step`; `train` may be a function that
+        gives the train state once the copy of the step's state is done."""
 
     def persist_survivor(self, root: Path) -> list[int]:
         """Write what this rank holds after a peer died, with no collective; the steps."""

@@ -37,9 +37,11 @@ def make_loop(tmp_path, corpus, name: str, on_device: bool, *sets: str) -> Loop:
     loop: Loop | None = None
     parts = Parts(model=model, optimizer=optimizer, scheduler=scheduler,
                   config=config_mod.to_dict(cfg),
-                  train_state=lambda: loop.settled_state() if loop else state.to_dict())
-    manager = CheckpointManager(run, "vanilla", cfg.checkpoint.interval, cfg.checkpoint.keep,
-                                0, 1, parts, torch.device("cpu"))
+                  train_state=lambda: loop.settled_state() if loop else state.to_dict(),
+                  train_state_later=lambda: loop.state_later())
+    c = cfg.checkpoint
+    manager = CheckpointManager(run, c.mode, c.interval, c.keep, 0, 1, parts,
+                                torch.device("cpu"), snapshot_interval=c.snapshot_interval)
     loop = Loop(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                 batches=Batches(load_tokens(cfg.data.path, cfg.data.column), cfg.model.block_size,
                                 cfg.train.seed),
@@ -88,6 +90,39 @@ def test_the_device_s_skip_of_a_non_finite_step_is_the_host_s_skip_bit_for_bit(
         assert all(torch.equal(a[k], b[k]) for k in b)
     assert {int(s["step"]) for s in device.optimizer.state.values()} == {6}  # 10 - 4 skipped
     assert sum(device.unread) >= 5 and not any(host.unread)
+
+
+def test_a_snapshot_every_step_holds_the_settled_state_without_waiting_for_the_step(
+        tmp_path, corpus, monkeypatch):
+    """Memory mode snapshotting every step takes each step's count of bad steps once the
+    snapshot's copy is done (the loop's `state_later`), not by reading the step first: every
+    snapshot holds what it holds where the host reads each step before its update, and only
+    the disk save at the end asks for the settled state."""
+    monkeypatch.setenv("PYRECOVER_NAN_AT_STEPS", "2,3,7,9")
+    held, loops = {}, {}
+    for on_device in (True, False):
+        loop = loops[on_device] = make_loop(
+            tmp_path, corpus, f"device-{on_device}", on_device, "train.max_steps=10",
+            "checkpoint.mode=memory", "checkpoint.snapshot_interval=1",
+            "checkpoint.interval=100")
+        mode = loop.manager.mode
+        seen = held[on_device] = []
+        settled = loop.settled_state
+        loop.settled_asked = []
+        monkeypatch.setattr(loop, "settled_state", lambda settled=settled, loop=loop: (
+            loop.settled_asked.append(loop.state.step), settled())[1])
+
+        def count(target, step, meta, count=mode._count, seen=seen):
+            seen.append((step, dict(meta["train"])))  # each snapshot as it comes to count
+            count(target, step, meta)
+        monkeypatch.setattr(mode, "_count", count)
+        loop.run_steps()
+        loop.manager.finish(loop.state.step)
+    assert held[True] == held[False]
+    assert [step for step, _ in held[True]] == list(range(1, 11))
+    assert [t["bad_steps"] for _, t in held[True]] == [0, 1, 2, 0, 0, 0, 1, 0, 1, 0]
+    assert [t["step"] for _, t in held[True]] == list(range(1, 11))
+    assert set(loops[True].settled_asked) == {10}  # the final save's, not a snapshot's
 
 
 @pytest.mark.parametrize("on_device", [True, False])

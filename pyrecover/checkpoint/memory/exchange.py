@@ -5,6 +5,7 @@ replicas with its peers over a dedicated gloo group, next to training.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -95,14 +96,17 @@ class Snapshots:
         sets = (self.current, self.previous, self.spare)
         self.copier.allocate(lambda: [self._buffer(s, self.rank) for s in sets])
 
-    def snapshot(self, step: int, parts, train: dict[str, Any]) -> None:
+    def snapshot(self, step: int, parts,
+                 train: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
         """snapshot copies this rank's slice of the state at `step`; replicas follow in the
         background.
 
         The copy runs on a side stream on CUDA, and in a background thread on CPU for a large
         slice, while the loop goes on with the next forward and backward: the loop calls
         `wait_staged` (through the manager's `before_update`) before the optimizer changes the
-        state. A small slice on CPU is copied here.
+        state. A small slice on CPU is copied here. `train` may be a function (the loop's
+        `state_later`): it is called once the copy is done, so the host does not wait here
+        for the step's loss and gradient norm.
         Then the exchange with the peers is posted to gloo over `self.group` and moves in
         gloo's own threads while training goes on. At most one exchange is in flight, so this
         first waits for the previous one; a snapshot counts (becomes `current`) once its
@@ -143,6 +147,8 @@ class Snapshots:
         return self.copier.device_waits(drain)
 
     def _post(self, target: Snapshot, step: int, meta: dict[str, Any]) -> None:
+        if callable(meta["train"]):  # the step is done on the device: its numbers are in
+            meta = {**meta, "train": meta["train"]()}
         works = []
         if self.group is not None:
             faults.maybe_kill(step, self.rank, point="exchange")
