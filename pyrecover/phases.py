@@ -22,6 +22,9 @@ START_PHASES = ("process_start", "imports_done", "data_ready", "group_up", "chec
                 "restored", "first_step")
 STOP_PHASES = ("signal_seen", "stop_agreed", "save_done", "exit")
 PHASES = START_PHASES + STOP_PHASES
+# What `checkpoint_chosen` also records (seconds): the model and optimizer built, the
+# background checksum pass beside them, and rank 0's wait for that pass once they were.
+CHOICE_TIMES = ("built_s", "verify_s", "wait_s")
 
 _IMPORTED_AT = time.time()  # fallback start time where /proc is not there
 
@@ -103,6 +106,9 @@ def _phase_rows(attempt: list[dict[str, Any]], names: tuple[str, ...]) -> list[d
     for e in attempt:
         if e.get("event") == "phase" and e.get("phase") in names:
             row = {"phase": e["phase"], "time": float(e["time"])}
+            for key in CHOICE_TIMES:  # checkpoint_chosen: where its seconds went
+                if type(e.get(key)) in (int, float):
+                    row[key] = float(e[key])
             cache = e.get("compile_cache")
             if isinstance(cache, dict) and all(type(cache.get(k)) is int
                                                for k in ("hits", "misses")):

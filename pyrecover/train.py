@@ -218,6 +218,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
            tokens: torch.Tensor, managers: list[CheckpointManager],
            flag: preempt.StopFlag, dog: watchdog.Watchdog, phases: Phases) -> None:
     t = cfg.train
+    began = time.perf_counter()
     # Rank 0 reads the checkpoint to resume while the model is built (find_resume takes it).
     chosen = choose_in_background(run.checkpoints, run.event) if env.rank == 0 else None
     torch.manual_seed(t.seed)  # same initial weights on every rank
@@ -272,13 +273,17 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         log.info("%s", line)  # versions, devices, layout, SLURM job, resolved config
     dog.phase("load")
     restore_started = time.perf_counter()
+    # Where the phase's seconds went: building the model and the optimizer (built_s), the
+    # background checksum pass beside it (verify_s), and the wait for that pass (wait_s).
+    built = {"built_s": round(restore_started - began, 3)}
     found = manager.resume(accept=lambda r: train_state_of(r.train),
-                           on_chosen=lambda c: phases.mark("checkpoint_chosen", step=c.step),
+                           on_chosen=lambda c: phases.mark("checkpoint_chosen", step=c.step,
+                                                           **built, **manager.choice_times),
                            keep_weights=sharded)  # an empty_gpt is initialized below instead
     if found is None:
         if not sharded:
             initialize(model, t.seed)
-        phases.mark("checkpoint_chosen", step=0)
+        phases.mark("checkpoint_chosen", step=0, **built, **manager.choice_times)
         rng.seed_rank(t.seed, env.rank)
         if env.rank == 0:
             run.event("start", step=0, world_size=env.world_size, mode=cfg.checkpoint.mode,

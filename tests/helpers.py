@@ -92,6 +92,12 @@ def check_restart_cycles(report: dict) -> None:
         assert all(r["gap"] >= 0 for r in rows), rows
         assert abs(sum(r["gap"] for r in rows) - cycle["total_s"]) < 0.01, cycle
         assert 0 <= cycle["observed_s"] - cycle["total_s"] <= 10.0, cycle
+        # The choice says where its seconds went: building the model and the optimizer, then
+        # waiting for the checksum pass begun beside them; both inside the phase's gap.
+        chosen = next(r for r in rows if r["phase"] == "checkpoint_chosen")
+        assert {"built_s", "verify_s", "wait_s"} <= chosen.keys(), chosen
+        assert 0 <= chosen["built_s"] + chosen["wait_s"] <= chosen["gap"] + 0.01, chosen
+        assert chosen["verify_s"] >= 0, chosen
 
 
 def saved_and_restored(root: Path, mode: str, src, dst):

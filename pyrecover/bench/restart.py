@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pyrecover.bench.common import BenchError, Note, machine, num, quiet
-from pyrecover.phases import attempts, last_interruption
+from pyrecover.phases import CHOICE_TIMES, attempts, last_interruption
 from pyrecover.rundir import RunDir
 from pyrecover.slurm import query
 
@@ -295,6 +295,9 @@ def summarize(cycles: list[dict[str, Any]], state_gb: float | None) -> dict[str,
         for c in mine:
             for row in c["rows"][1:]:
                 figures.setdefault(row["phase"], []).append(row["gap"])
+                for key in CHOICE_TIMES:  # inside checkpoint_chosen's gap, where recorded
+                    if key in row:
+                        figures.setdefault(key, []).append(row[key])
             for key in ("total_s", "requeue_delay_s", "rest_s"):
                 if c[key] is not None:
                     figures.setdefault(key, []).append(c[key])
@@ -312,6 +315,8 @@ LABELS = {"signal_seen": "signal -> seen by the trainer",
           "exit": "-> process exit", "process_start": "-> next process started",
           "imports_done": "-> imports done", "data_ready": "-> data ready",
           "group_up": "-> process group up", "checkpoint_chosen": "-> checkpoint chosen",
+          "built_s": "     model + optimizer built", "verify_s": "     checksum pass (beside)",
+          "wait_s": "     then waited for it",
           "restored": "-> restored", "first_step": "-> first step done",
           "total_s": "total", "requeue_delay_s": "  of which SLURM's requeue delay",
           "rest_s": "  rest (total - delay)"}

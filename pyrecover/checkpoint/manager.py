@@ -79,6 +79,7 @@ class CheckpointManager:
         self._auto_clock: tuple[int, float] | None = None  # (last save or first step, time)
         self._prepared = False  # the mode's buffers are allocated (at the first step boundary)
         self.chosen: Future | None = None  # rank 0's first pick, begun early (find_resume)
+        self.choice_times: dict[str, float] = {}  # rank 0's newest pick: its seconds
 
     # --- saving --------------------------------------------------------------------------
 
@@ -337,8 +338,13 @@ class CheckpointManager:
         found: Checkpoint | None = None
         if self.rank == 0:
             chosen, self.chosen = self.chosen, None
+            asked = time.perf_counter()
             picked = (chosen.result() if chosen is not None and below is None
                       else choose(self.root, below, self.run.event))
+            # Where the seconds of a start's choice went (the checkpoint_chosen phase).
+            self.choice_times = {"wait_s": round(time.perf_counter() - asked, 3)}
+            if picked.seconds is not None:
+                self.choice_times["verify_s"] = round(picked.seconds, 3)
             for step, folder, problem in picked.invalid:
                 self._report_invalid(step, folder, problem)
             if picked.found is not None:

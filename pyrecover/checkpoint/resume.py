@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class Choice:
 
     found: Checkpoint | None
     invalid: list[tuple[int, Path, str]] = field(default_factory=list)
+    seconds: float | None = None  # how long the pick took, where it ran in the background
 
 
 def tidy(root: Path, on_event: Callable[..., Any]) -> None:
@@ -91,11 +93,13 @@ def choose_in_background(root: Path, on_event: Callable[..., Any]) -> Future:
     future: Future = Future()
 
     def work() -> None:
+        started = time.perf_counter()
         try:
             choice = pick(root, None, os.environ)
         except BaseException as exc:  # handed to the thread that waits for it
             future.set_exception(exc)
             return
+        choice.seconds = time.perf_counter() - started
         future.set_result(choice)
         ckpt = choice.found
         if ckpt is not None and ckpt.checked != "checksums" and ckpt.mode == "vanilla":
