@@ -28,6 +28,7 @@ import torch.distributed as tdist
 from pyrecover.checkpoint import store
 from pyrecover.checkpoint.mode import Parts, Restored
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
+from pyrecover.readahead import read_through
 
 log = logging.getLogger("pyrecover")
 
@@ -108,18 +109,6 @@ def choose_in_background(root: Path, on_event: Callable[..., Any]) -> Future:
 
     threading.Thread(target=work, name="pyrecover-choose", daemon=True).start()
     return future
-
-
-def read_through(path: Path, block: int = 8 << 20) -> None:
-    """read_through reads `path` once into a reused buffer (page cache warm-up); errors are
-    left for the restore, which reports them."""
-    buf = bytearray(block)
-    try:
-        with path.open("rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-    except OSError:
-        pass
 
 
 def resume_newest(manager: Any, accept: Callable[[Restored], Any],

@@ -60,6 +60,11 @@ def train(
     if nproc > 1:
         typer.echo(f"note: --nproc {nproc} ignored; this process is rank {env.rank} of "
                    f"{env.world_size} under {env.launcher}", err=True)
+    from pyrecover import readahead
+    from pyrecover.rundir import RunDir
+
+    # The checkpoint to resume comes off storage while torch is imported (readahead.py).
+    readahead.start(RunDir(target).checkpoints, env.rank, env.local_rank)
     from pyrecover import train as train_mod
 
     train_mod.main(cfg, target)

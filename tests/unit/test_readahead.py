@@ -1,0 +1,134 @@
+"""The read-ahead `pyrecover train` starts before it imports the trainer (readahead.py): the
+newest committed checkpoint comes into the page cache while torch is imported, on the ranks
+that read it whole, and nothing else is read."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from pyrecover import readahead
+from pyrecover.bench.state import build_state
+from pyrecover.checkpoint import CheckpointManager
+from pyrecover.rundir import RunDir
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+
+
+def resident(path: Path) -> float:
+    """resident is the share of `path`'s pages in the page cache (mincore(2))."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        try:
+            assert _libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+        finally:
+            _libc.munmap(addr, size)
+        return sum(v & 1 for v in vec) / pages
+    finally:
+        os.close(fd)
+
+
+def evict(path: Path) -> None:
+    """evict drops `path`'s clean pages from the page cache (a restart's cold storage)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def vanilla_run(tmp_path: Path) -> RunDir:
+    """A run directory with real vanilla checkpoints of a 4 MB state at steps 2 and 4."""
+    src = build_state(1_000_000, seed=0)
+    run = RunDir(tmp_path / "run")
+    run.create()
+    saver = CheckpointManager(run, "vanilla", 2, 3, 0, 1, src.parts, torch.device("cpu"), False)
+    saver.at_step(2)
+    saver.at_step(4)
+    saver.finish(4)
+    return run
+
+
+def fake_step(root: Path, step: int, mode: str, files: dict[str, bytes],
+              listed: list[str] | None = None) -> Path:
+    folder = root / f"step-{step}"
+    folder.mkdir(parents=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    names = listed if listed is not None else list(files)
+    (folder / "manifest.json").write_text(json.dumps(
+        {"mode": mode, "step": step, "files": {n: {"size": 1} for n in names}}))
+    return folder
+
+
+def test_a_start_reads_the_newest_checkpoint_into_the_page_cache_and_nothing_older(tmp_path):
+    run = vanilla_run(tmp_path)
+    newest, older = (run.checkpoints / f"step-{s}" / "state.pt" for s in (4, 2))
+    for path in (newest, older):
+        evict(path)
+        assert resident(path) < 0.5, "the file system kept the pages: nothing to measure"
+    thread = readahead.start(run.checkpoints, rank=0, local_rank=0)
+    assert thread is not None
+    thread.join()
+    assert resident(newest) > 0.95
+    assert resident(older) < 0.5
+
+
+def test_who_reads_ahead_what(tmp_path):
+    root = tmp_path / "checkpoints"
+    old = fake_step(root, 2, "vanilla", {"state.pt": b"v" * 100})
+    new = fake_step(root, 4, "dcp", {".metadata": b"m", "__0_0.distcp": b"d" * 100})
+    assert readahead.plan(root, 0, 0) == [new / ".metadata", new / "__0_0.distcp"]
+    # DCP's parts are each rank's own: another node's first rank leaves them alone; a vanilla
+    # file, which every rank reads whole, it reads.
+    assert readahead.plan(root, 8, 0) == []
+    (new / "manifest.json").write_text("{torn")  # unreadable: the pick falls back past it
+    assert readahead.plan(root, 8, 0) == [old / "state.pt"]
+    assert readahead.plan(root, 1, 1) == []  # one reader per node
+
+
+def test_a_manifest_naming_a_file_outside_its_folder_reads_nothing_of_it(tmp_path):
+    root = tmp_path / "checkpoints"
+    (tmp_path / "secret").write_bytes(b"s")
+    old = fake_step(root, 2, "vanilla", {"state.pt": b"v"})
+    fake_step(root, 4, "vanilla", {"state.pt": b"v"}, listed=["../../secret"])
+    assert readahead.plan(root, 0, 0) == [old / "state.pt"]
+    link = fake_step(root, 6, "vanilla", {}, listed=["state.pt"])
+    (link / "state.pt").symlink_to(tmp_path / "secret")
+    assert readahead.plan(root, 0, 0) == [link / "state.pt"]  # listed; the open refuses it
+    readahead.read_through(link / "state.pt")  # O_NOFOLLOW: refused without an error
+
+
+def test_a_checkpoint_larger_than_a_quarter_of_the_free_memory_is_not_read_ahead(
+        tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    fake_step(root, 2, "vanilla", {"state.pt": b"v" * 1000})
+    monkeypatch.setattr(readahead, "available_bytes", lambda: 4000)
+    assert readahead.plan(root, 0, 0) != []
+    monkeypatch.setattr(readahead, "available_bytes", lambda: 3999)
+    assert readahead.plan(root, 0, 0) == []
+    assert readahead.plan(tmp_path / "none", 0, 0) == []  # no checkpoints yet
+
+
+def test_the_read_ahead_imports_nothing_that_would_make_it_wait_for_torch():
+    out = subprocess.run([sys.executable, "-c", "import pyrecover.readahead, pyrecover.rundir, "
+                          "sys; print(*sys.modules)"], capture_output=True, text=True, check=True)
+    assert "torch" not in out.stdout.split()
