@@ -2,66 +2,93 @@
 imports torch.
 
 A restart imports torch before it can do anything else (3.7 s of the 1 GB restart on the
-16-core H200 machine, 2-4 s on the 2-core VM), and then reads the newest checkpoint whole:
+16-core H200 machine, 1.2-1.4 s on the 2-core VM), and then reads the newest checkpoint whole:
 rank 0's checksum pass, and the restore. The stop checkpoint was written past the page cache,
 so both wait on storage. `start`, called by `pyrecover train` before it imports the trainer,
-reads the newest committed checkpoint's files once in a daemon thread: the imports hold the
-interpreter, the read waits on the disk (and lets go of the interpreter while it does), so
-the two overlap, and the checksum pass and the restore then read memory.
+starts a daemon thread that finds the newest committed checkpoint and reads its files once:
+the imports hold the interpreter, the read waits on the disk (and lets go of the interpreter
+while it does), so the two overlap, and the checksum pass and the restore then read memory.
 
-Which files: the newest `step-<N>` folder with a readable manifest, every file it lists, on
-the rank that checksums them (rank 0); on the first rank of every other node only a vanilla
-checkpoint (one file every rank's restore reads whole: DCP and memory mode read their own
-parts). Nothing where those files are larger than a quarter of the memory available (the
-page cache would only evict them again before they are read). It only reads, and reads
-nothing outside the folder: listed names are plain file names, opened without following
-links. Errors are ignored: the pick and the restore read the files again and report them.
+What is read: the newest `step-<N>` folder (a real folder, not a link) with a readable
+manifest; on rank 0, which checksums every file, all of a vanilla or DCP checkpoint; on the
+first rank of every other node, only a vanilla one (one file every rank's restore reads
+whole; a DCP checkpoint's shards may be other ranks'). Nothing of memory mode's (its parts
+are every slice twice over, and a survivors' snapshot, committed only once the run directory
+is locked, may be newer), nothing where a snapshot waits to be committed, nothing larger than
+a quarter of the memory available (the page cache would evict it again before it is read).
+Only regular files the manifest names plainly, opened without following links.
 
-Only the standard library: this runs before torch is imported.
+Best effort: nothing here may stop a start. Errors are ignored; the pick and the restore read
+the files again and report them. Only the standard library: this runs before torch is
+imported.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 from pathlib import Path
 
 BLOCK = 8 << 20
 MEMORY_SHARE = 4  # read ahead only what fits in 1/MEMORY_SHARE of the available memory
+MODES = {"vanilla": "every node", "dcp": "rank 0"}  # what is read ahead, and by whom
+SNAPSHOT_PREFIX = ".snap-step-"  # memory mode's survivors' snapshots (memory/layout.py)
+
+
+def plain_name(name: object) -> bool:
+    """plain_name: a name a manifest may list (store.plain_name_problem's rule)."""
+    return (isinstance(name, str) and name != "" and not any(c in name for c in "/\\\0")
+            and name not in (".", "..", "manifest.json"))
 
 
 def newest_files(checkpoints: Path) -> tuple[str, list[Path]]:
     """newest_files is (mode, files) of the newest committed checkpoint under `checkpoints`
-    whose manifest reads; ("", []) where there is none."""
+    whose manifest reads; ("", []) where there is none, or a snapshot waits to be committed."""
+    folders = []
     try:
-        folders = sorted(((int(p.name[5:]), p) for p in checkpoints.iterdir()
-                          if p.name.startswith("step-") and p.name[5:].isdigit()),
-                         reverse=True)
-    except OSError:
+        entries = list(checkpoints.iterdir())
+    except OSError:  # no checkpoints yet (or none this process may list)
         return "", []
-    for _, folder in folders:
+    for p in entries:
+        if p.name.startswith(SNAPSHOT_PREFIX):
+            return "", []
+        digits = p.name[5:]
+        if p.name.startswith("step-") and digits.isascii() and digits.isdigit() \
+                and not p.is_symlink() and p.is_dir():
+            folders.append((int(digits), p))
+    for _, folder in sorted(folders, reverse=True):
         try:
             manifest = json.loads((folder / "manifest.json").read_text())
-            names = list(manifest["files"])
-            mode = str(manifest.get("mode", ""))
+            files = manifest["files"]
+            mode = manifest["mode"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # the pick will say why; an older one may be what it takes
-        if all(isinstance(n, str) and n == Path(n).name and n not in ("", ".", "..")
-               for n in names):
-            return mode, [folder / n for n in sorted(names)]
+        if isinstance(files, dict) and isinstance(mode, str) and all(map(plain_name, files)):
+            return mode, [folder / n for n in sorted(files)]
     return "", []
 
 
 def available_bytes() -> int | None:
-    """available_bytes is the kernel's estimate of memory available without swapping."""
+    """available_bytes is the memory available without swapping: the kernel's estimate, or
+    less where this process's cgroup (a SLURM job's) has less room left under its limit."""
+    room = []
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                room.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    try:  # cgroup v2: "0::/path" in /proc/self/cgroup
+        own = Path("/proc/self/cgroup").read_text().splitlines()[0].split("::", 1)[1]
+        group = Path("/sys/fs/cgroup") / own.lstrip("/")
+        limit = (group / "memory.max").read_text().strip()
+        if limit != "max":
+            room.append(int(limit) - int((group / "memory.current").read_text()))
+    except (OSError, ValueError, IndexError):
+        pass
+    return min(room) if room else None
 
 
 def plan(checkpoints: Path, rank: int, local_rank: int) -> list[Path]:
@@ -69,14 +96,9 @@ def plan(checkpoints: Path, rank: int, local_rank: int) -> list[Path]:
     if local_rank != 0:
         return []
     mode, files = newest_files(checkpoints)
-    if rank != 0 and mode != "vanilla":
+    if MODES.get(mode) != "every node" and not (rank == 0 and mode in MODES):
         return []
-    total = 0
-    for path in files:
-        try:
-            total += path.lstat().st_size
-        except OSError:
-            return []
+    total = sum(path.lstat().st_size for path in files)
     room = available_bytes()
     if room is not None and total > room // MEMORY_SHARE:
         return []
@@ -84,14 +106,16 @@ def plan(checkpoints: Path, rank: int, local_rank: int) -> list[Path]:
 
 
 def read_through(path: Path, block: int = BLOCK) -> None:
-    """read_through reads `path` once into a reused buffer (page cache warm-up), without
-    following a symbolic link; errors are left for whoever reads it next."""
-    buf = bytearray(block)
+    """read_through reads `path` once into a reused buffer (page cache warm-up): a regular
+    file only, not through a symbolic link; errors are left for whoever reads it next."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: no wait
     except OSError:
         return
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
+        buf = bytearray(block)
         with open(fd, "rb", buffering=0, closefd=False) as f:
             while f.readinto(buf):
                 pass
@@ -102,14 +126,18 @@ def read_through(path: Path, block: int = BLOCK) -> None:
 
 
 def start(checkpoints: Path, rank: int, local_rank: int) -> threading.Thread | None:
-    """start reads ahead, in a daemon thread, what `plan` lists; the thread, or None."""
-    files = plan(checkpoints, rank, local_rank)
-    if not files:
+    """start reads ahead what `plan` lists, both in a daemon thread (the listing too: on a
+    network file system its metadata calls may take a while); the thread, or None where this
+    rank reads nothing."""
+    if local_rank != 0:
         return None
 
     def work() -> None:
-        for path in files:
-            read_through(path)
+        try:
+            for path in plan(checkpoints, rank, local_rank):
+                read_through(path)
+        except Exception:  # best effort (module docstring): the start goes on regardless
+            pass
 
     thread = threading.Thread(target=work, name="pyrecover-readahead", daemon=True)
     thread.start()

@@ -218,9 +218,9 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
            tokens: torch.Tensor, managers: list[CheckpointManager],
            flag: preempt.StopFlag, dog: watchdog.Watchdog, phases: Phases) -> None:
     t = cfg.train
-    began = time.perf_counter()
     # Rank 0 reads the checkpoint to resume while the model is built (find_resume takes it).
     chosen = choose_in_background(run.checkpoints, run.event) if env.rank == 0 else None
+    began = time.perf_counter()
     torch.manual_seed(t.seed)  # same initial weights on every rank
     shape = GPTConfig(**config_mod.to_dict(cfg)["model"])
     sharded = t.parallel == "fsdp" and env.world_size > 1
@@ -251,7 +251,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                   config=config_mod.to_dict(cfg), train_state=lambda: (
                       loop.settled_state() if loop is not None else state.to_dict()),
                   train_state_later=lambda: (
-                      loop.state_later() if loop is not None else lambda: state.to_dict()))
+                      loop.state_later() if loop is not None
+                      else (lambda now: lambda: now)(state.to_dict())))
     interval, auto = checkpoint_interval.for_config(
         cfg.checkpoint.interval, cfg.checkpoint.mtbf_hours, t.max_steps,
         run.read_events() if env.rank == 0 else [])
@@ -273,17 +274,22 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         log.info("%s", line)  # versions, devices, layout, SLURM job, resolved config
     dog.phase("load")
     restore_started = time.perf_counter()
-    # Where the phase's seconds went: building the model and the optimizer (built_s), the
-    # background checksum pass beside it (verify_s), and the wait for that pass (wait_s).
-    built = {"built_s": round(restore_started - began, 3)}
+    # Where the phase's seconds went, on its first mark: building the model, the optimizer
+    # and the checkpoint manager (built_s), the background checksum pass beside them
+    # (verify_s), and the wait for that pass (wait_s). A fall-back's pick is not timed.
+    times = [{"built_s": round(restore_started - began, 3)}]
+
+    def chosen_phase(step: int) -> None:
+        phases.mark("checkpoint_chosen", step=step,
+                    **({**times.pop(), **manager.choice_times} if times else {}))
+
     found = manager.resume(accept=lambda r: train_state_of(r.train),
-                           on_chosen=lambda c: phases.mark("checkpoint_chosen", step=c.step,
-                                                           **built, **manager.choice_times),
+                           on_chosen=lambda c: chosen_phase(c.step),
                            keep_weights=sharded)  # an empty_gpt is initialized below instead
     if found is None:
         if not sharded:
             initialize(model, t.seed)
-        phases.mark("checkpoint_chosen", step=0, **built, **manager.choice_times)
+        chosen_phase(0)
         rng.seed_rank(t.seed, env.rank)
         if env.rank == 0:
             run.event("start", step=0, world_size=env.world_size, mode=cfg.checkpoint.mode,

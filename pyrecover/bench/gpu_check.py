@@ -26,7 +26,7 @@ import sys
 import sysconfig
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,7 @@ class Step:
     returncode: int | None = None
     report: dict[str, Any] | None = None
     tail: str = ""
+    env: dict[str, str] = field(default_factory=dict)  # on top of the check's own
 
 
 def parallel_tests() -> list[str]:
@@ -112,7 +113,8 @@ def run_step(step: Step, out: Path, env: dict[str, str], json_out: bool,
     started = time.perf_counter()
     mark = f"{os.getpid()}-{step.name}-{time.monotonic_ns()}"
     proc = subprocess.Popen(step.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**env, STEP_MARK: mark}, start_new_session=True)
+                            text=True, env={**env, **step.env, STEP_MARK: mark},
+                            start_new_session=True)
     late = ""
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
@@ -235,8 +237,11 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
                                      sysconfig.get_paths()["stdlib"], str(corpus)]), False))
     if run_tests and (not only or "tests" in only):
         repo = Path(__file__).resolve().parents[2]
+        # One Inductor cache for every worker (tests/gpu/conftest.py: a cache set wins), so
+        # the tiny model compiles once, not once per worker.
         plan.append((Step("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                    *parallel_tests(), str(repo / "tests" / "gpu")]), False))
+                                    *parallel_tests(), str(repo / "tests" / "gpu")],
+                          env={"TORCHINDUCTOR_CACHE_DIR": str(out / "inductor-tests")}), False))
     storage = out / "runs"
     train = [*python_argv(), "bench", "train", "--config", str(config), "--set",
              f"run.storage={storage}", "--steps", str(steps), "--warmup", str(warmup),

@@ -104,7 +104,7 @@ class CheckpointManager:
         if self.snapshot_interval and step % self.snapshot_interval == 0:
             assert isinstance(self.mode, Snapshotting)
             later = self.parts.train_state_later
-            # No wait for the step's numbers: the snapshot's copy thread reads them after it.
+            # No wait for the step's numbers: the snapshot reads them once its copy is done.
             self.mode.snapshot(step, self.parts,
                                later() if later is not None else self.parts.train_state())
         if self._due(step) or final:

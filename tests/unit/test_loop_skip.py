@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -92,20 +93,24 @@ def test_the_device_s_skip_of_a_non_finite_step_is_the_host_s_skip_bit_for_bit(
     assert sum(device.unread) >= 5 and not any(host.unread)
 
 
+@pytest.mark.parametrize("in_thread", [True, False], ids=["copy-thread", "caller"])
 def test_a_snapshot_every_step_holds_the_settled_state_without_waiting_for_the_step(
-        tmp_path, corpus, monkeypatch):
+        tmp_path, corpus, monkeypatch, in_thread):
     """Memory mode snapshotting every step takes each step's count of bad steps once the
     snapshot's copy is done (the loop's `state_later`), not by reading the step first: every
     snapshot holds what it holds where the host reads each step before its update, and only
-    the disk save at the end asks for the settled state."""
+    the disk save at the end asks for the settled state. The copy runs in the copier's thread
+    (as on a GPU, and for a large slice on a CPU) or in the loop's (a small CPU slice)."""
     monkeypatch.setenv("PYRECOVER_NAN_AT_STEPS", "2,3,7,9")
-    held, loops = {}, {}
+    held, loops, threads = {}, {}, set()
     for on_device in (True, False):
         loop = loops[on_device] = make_loop(
             tmp_path, corpus, f"device-{on_device}", on_device, "train.max_steps=10",
             "checkpoint.mode=memory", "checkpoint.snapshot_interval=1",
             "checkpoint.interval=100")
         mode = loop.manager.mode
+        if in_thread:
+            mode.background_copy_bytes = 0
         seen = held[on_device] = []
         settled = loop.settled_state
         loop.settled_asked = []
@@ -115,7 +120,12 @@ def test_a_snapshot_every_step_holds_the_settled_state_without_waiting_for_the_s
         def count(target, step, meta, count=mode._count, seen=seen):
             seen.append((step, dict(meta["train"])))  # each snapshot as it comes to count
             count(target, step, meta)
+
+        def post(target, step, meta, post=mode._post):  # where the train state is read
+            threads.add(threading.current_thread().name.startswith("pyrecover-stage"))
+            post(target, step, meta)
         monkeypatch.setattr(mode, "_count", count)
+        monkeypatch.setattr(mode, "_post", post)
         loop.run_steps()
         loop.manager.finish(loop.state.step)
     assert held[True] == held[False]
@@ -123,6 +133,7 @@ def test_a_snapshot_every_step_holds_the_settled_state_without_waiting_for_the_s
     assert [t["bad_steps"] for _, t in held[True]] == [0, 1, 2, 0, 0, 0, 1, 0, 1, 0]
     assert [t["step"] for _, t in held[True]] == list(range(1, 11))
     assert set(loops[True].settled_asked) == {10}  # the final save's, not a snapshot's
+    assert threads == {in_thread}
 
 
 @pytest.mark.parametrize("on_device", [True, False])

@@ -10,8 +10,10 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from pyrecover import readahead
@@ -84,7 +86,8 @@ def test_a_start_reads_the_newest_checkpoint_into_the_page_cache_and_nothing_old
     newest, older = (run.checkpoints / f"step-{s}" / "state.pt" for s in (4, 2))
     for path in (newest, older):
         evict(path)
-        assert resident(path) < 0.5, "the file system kept the pages: nothing to measure"
+        if resident(path) >= 0.5:  # tmpfs, ZFS: (a skip fails under CI, tests/conftest.py)
+            pytest.skip("this file system keeps a file's pages: nothing to measure")
     thread = readahead.start(run.checkpoints, rank=0, local_rank=0)
     assert thread is not None
     thread.join()
@@ -103,6 +106,13 @@ def test_who_reads_ahead_what(tmp_path):
     (new / "manifest.json").write_text("{torn")  # unreadable: the pick falls back past it
     assert readahead.plan(root, 8, 0) == [old / "state.pt"]
     assert readahead.plan(root, 1, 1) == []  # one reader per node
+    # Memory mode's parts hold every slice twice over: not read ahead, not even by rank 0;
+    # nor anything while a survivors' snapshot waits to be committed (it may be newer).
+    fake_step(root, 6, "memory", {"meta-r0.pt": b"m", "part-s0-r0.bin": b"p"})
+    assert readahead.plan(root, 0, 0) == []
+    (root / ".snap-step-8-r0").mkdir()
+    (root / "step-6" / "manifest.json").write_text("{torn")
+    assert readahead.plan(root, 8, 0) == []
 
 
 def test_a_manifest_naming_a_file_outside_its_folder_reads_nothing_of_it(tmp_path):
@@ -111,10 +121,34 @@ def test_a_manifest_naming_a_file_outside_its_folder_reads_nothing_of_it(tmp_pat
     old = fake_step(root, 2, "vanilla", {"state.pt": b"v"})
     fake_step(root, 4, "vanilla", {"state.pt": b"v"}, listed=["../../secret"])
     assert readahead.plan(root, 0, 0) == [old / "state.pt"]
+    fake_step(root, 5, "vanilla", {"state.pt": b"v"}, listed=["state\0.pt"])
+    assert readahead.plan(root, 0, 0) == [old / "state.pt"]
+    (root / "step-7").symlink_to(old, target_is_directory=True)  # verify refuses it too
+    assert readahead.plan(root, 0, 0) == [old / "state.pt"]
     link = fake_step(root, 6, "vanilla", {}, listed=["state.pt"])
     (link / "state.pt").symlink_to(tmp_path / "secret")
     assert readahead.plan(root, 0, 0) == [link / "state.pt"]  # listed; the open refuses it
-    readahead.read_through(link / "state.pt")  # O_NOFOLLOW: refused without an error
+    os.mkfifo(link / "fifo")
+    for path in (link / "state.pt", link / "fifo"):  # refused without an error or a wait
+        reader = threading.Thread(target=readahead.read_through, args=(path,), daemon=True)
+        reader.start()
+        reader.join(timeout=60)
+        assert not reader.is_alive(), path
+
+
+def test_nothing_in_a_run_directory_stops_a_start(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    fake_step(root, 2, "vanilla", {"state.pt": b"v"}, listed=["gone.pt"])  # listed, missing
+    (root / "step-\u00b2").mkdir()  # a digit that int() cannot read is no step folder
+    with pytest.raises(FileNotFoundError):
+        readahead.plan(root, 0, 0)
+    escaped = []
+    monkeypatch.setattr(threading, "excepthook", escaped.append)
+    thread = readahead.start(root, rank=0, local_rank=0)
+    assert thread is not None
+    thread.join(timeout=60)
+    assert not thread.is_alive() and not escaped
+    assert readahead.start(root, rank=0, local_rank=1) is None
 
 
 def test_a_checkpoint_larger_than_a_quarter_of_the_free_memory_is_not_read_ahead(

@@ -104,8 +104,8 @@ class Snapshots:
         The copy runs on a side stream on CUDA, and in a background thread on CPU for a large
         slice, while the loop goes on with the next forward and backward: the loop calls
         `wait_staged` (through the manager's `before_update`) before the optimizer changes the
-        state. A small slice on CPU is copied here. `train` may be a function (the loop's
-        `state_later`): it is called once the copy is done, so the host does not wait here
+        state. A small slice on CPU is copied here. `train` may be a function (what the loop's
+        `state_later` returns): it is called once the copy is done, so the host does not wait here
         for the step's loss and gradient norm.
         Then the exchange with the peers is posted to gloo over `self.group` and moves in
         gloo's own threads while training goes on. At most one exchange is in flight, so this
