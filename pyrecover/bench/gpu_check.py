@@ -16,21 +16,18 @@ time). `make gpu-check` calls it with the defaults.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import sysconfig
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pyrecover.bench.common import num
+from pyrecover.bench.steps import Step, run_step
 
 Note = Callable[[str], None]
 
@@ -66,28 +63,12 @@ STEPS = ("tests", "train", "memory-every-step", "ckpt", "memory-cpu", "compile",
          "restart-cpu-4", "restart-cpu-1gb", "restart-gpu")
 TINY = Path(__file__).resolve().parents[2] / "launch" / "experiments" / "tiny.yaml"
 NEVER = 1_000_000  # a checkpoint interval no measured run reaches
-# After SIGTERM, how long a timed-out step may take to stop what it started before its
-# process group is killed: longer than bench restart's own stop (its trainer gets 60 s to save
-# and exit, then SIGKILL, then 60 s more for its watcher), so that one finishes first.
-STOP_GRACE_S = 150.0
-# Every process a step starts inherits this variable (a name the tests' CLI helper keeps):
-# what a timed-out step left running in sessions of its own is found by it and killed.
-STEP_MARK = "GPU_CHECK_STEP"
-
-
+# --budget: a step starts only with this much of the budget left, and must end this long
+# before it runs out (a timed-out bench gets SIGTERM and usually stops within seconds).
+MIN_STEP_S = 60.0
+BUDGET_MARGIN_S = 20.0
 class GpuCheckError(ValueError):
     """The check cannot run here (no CUDA GPU, no such config); one line for a person."""
-
-
-@dataclass
-class Step:
-    name: str
-    argv: list[str]
-    seconds: float = 0.0
-    returncode: int | None = None
-    report: dict[str, Any] | None = None
-    tail: str = ""
-    env: dict[str, str] = field(default_factory=dict)  # on top of the check's own
 
 
 def parallel_tests() -> list[str]:
@@ -101,83 +82,6 @@ def parallel_tests() -> list[str]:
 
 def python_argv() -> list[str]:
     return [sys.executable, "-m", "pyrecover"]
-
-
-def run_step(step: Step, out: Path, env: dict[str, str], json_out: bool,
-             timeout_s: float | None = None) -> Step:
-    """run_step runs one command, its whole output saved to `<out>/<name>.log`. Past
-    `timeout_s` the command's process group gets SIGTERM (a bench stops what it started in
-    sessions of their own, such as bench restart's trainer), then SIGKILL after
-    `STOP_GRACE_S` (a hang must not take the rest of the check with it), and the step says
-    so."""
-    started = time.perf_counter()
-    mark = f"{os.getpid()}-{step.name}-{time.monotonic_ns()}"
-    proc = subprocess.Popen(step.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**env, **step.env, STEP_MARK: mark},
-                            start_new_session=True)
-    late = ""
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):  # it may have ended just now
-            os.killpg(proc.pid, signal.SIGTERM)
-        stdout, stderr = stop(proc, mark)
-        kill_marked(mark)  # what it started elsewhere, holding its pipes or not
-        late = f"killed after {timeout_s:.0f}s (--step-timeout)"
-    step.seconds = time.perf_counter() - started
-    step.returncode = proc.returncode
-    (out / f"{step.name}.log").write_text(
-        f"$ {' '.join(step.argv)}\n{stdout}\n--- stderr ---\n{stderr}\n{late}")
-    step.tail = "\n".join([*(stdout + stderr).strip().splitlines()[-5:], *[late][:bool(late)]])
-    if json_out and stdout.strip():
-        try:  # a bench that measured some rows and failed others still reports them
-            step.report = json.loads(stdout)
-        except json.JSONDecodeError:
-            if proc.returncode == 0:
-                step.tail = "its output was not the JSON report"
-    return step
-
-
-def stop(proc: subprocess.Popen, mark: str) -> tuple[str, str]:
-    """stop collects the output of a step that was sent SIGTERM, once it ended: its process
-    group gets SIGKILL after STOP_GRACE_S, and what it started elsewhere is killed as soon as it
-    has ended (a test's CLI in its own session outlives pytest's SIGTERM; a trainer left
-    running would hold the GPU under the next steps, and its pipes would keep this waiting)."""
-    deadline = time.monotonic() + STOP_GRACE_S
-    while True:
-        try:
-            return proc.communicate(timeout=1.0)  # output read so far is kept between tries
-        except subprocess.TimeoutExpired:
-            if proc.poll() is None and time.monotonic() < deadline:
-                continue
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            kill_marked(mark)
-            if time.monotonic() > deadline + 30:  # the pipes are held by what we cannot find
-                for pipe in (proc.stdout, proc.stderr):
-                    if pipe is not None:
-                        pipe.close()
-                proc.wait()
-                return "", "(its output was lost: something it started held the pipes open)"
-
-
-def kill_marked(mark: str) -> list[int]:
-    """kill_marked SIGKILLs every process whose environment carries `STEP_MARK=mark`: what
-    one step started, wherever it went (another session, another parent); their pids."""
-    wanted = f"{STEP_MARK}={mark}".encode()
-    killed = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if wanted not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            os.kill(int(entry.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):  # gone meanwhile, or not ours to read
-            continue
-        killed.append(int(entry.name))
-    return killed
 
 
 def figure(steps: dict[str, Step], source: str, row: str) -> float | None:
@@ -211,9 +115,14 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
               interval: int, size_gb: float, run_tests: bool = True, allow_cpu: bool = False,
               note: Note = lambda _: None, only: tuple[str, ...] = (),
               cpu_repeat: int = 2, cpu_state_gb: float = 1.0,
-              step_timeout: float | None = None) -> dict[str, Any]:
+              step_timeout: float | None = None, budget_s: float | None = None,
+              clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
     """gpu_check runs every step (or those in `only`) and writes the report into `out`
-    after each one (a check cut short still leaves what it measured); returns the report."""
+    after each one (a check cut short still leaves what it measured); returns the report.
+
+    With `budget_s`, the seconds a lease leaves: a step starts only while MIN_STEP_S of it
+    are left, with its time limit cut to what is left but BUDGET_MARGIN_S; the steps not
+    run are listed in the report (`not_run`)."""
     import torch
 
     unknown = [name for name in only if name not in STEPS]
@@ -297,14 +206,23 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
     done = earlier_steps(out / "report.json", device, note) if only else {}
     head = {"kind": "gpu-check", "device": device, "torch": torch.__version__,
             "cuda": torch.version.cuda, "cpus": os.cpu_count(), "config": str(config)}
-    report: dict[str, Any] = {}
+    head["not_run"] = []
+    started = clock()
     for step, json_out in plan:
+        limit = step_timeout
+        if budget_s is not None:
+            left = budget_s - (clock() - started)
+            if left < MIN_STEP_S:
+                head["not_run"].append(step.name)
+                note(f"{step.name}: not run, {max(left, 0):.0f}s of --budget left")
+                continue
+            limit = min(limit or left, left - BUDGET_MARGIN_S)
         note(f"{step.name}: {' '.join(step.argv[2:])}")
-        done[step.name] = run_step(step, out, env, json_out, step_timeout)
+        done[step.name] = run_step(step, out, env, json_out, limit)
         status = "ok" if step.returncode == 0 else f"FAILED (exit {step.returncode})"
         note(f"{step.name}: {status} in {step.seconds:.0f}s")
-        report = write_report(out, head, done)
-    return report
+        write_report(out, head, done)
+    return write_report(out, head, done)
 
 
 def write_report(out: Path, head: dict[str, Any], done: dict[str, Step]) -> dict[str, Any]:
@@ -351,6 +269,10 @@ def format_report(report: dict[str, Any]) -> str:
         state = "ok" if s["returncode"] == 0 else f"FAILED (exit {s['returncode']})"
         extra = f": {tests_summary(s['tail'])}" if name == "tests" else ""
         lines.append(f"{name:<18} {state}{extra} ({s['seconds']:.0f}s; log {name}.log)")
+    if report.get("not_run"):
+        again = " ".join(f"--only {name}" for name in report["not_run"])
+        lines.append(f"not run (--budget spent): {', '.join(report['not_run'])}; "
+                     f"next time: {again}")
     lines += ["", f"{'figure':<58} {'value':>7} {'bound':>8}  verdict"]
     for b in report["bounds"]:
         value = "-" if b["value"] is None else f"{b['value']:.3f}"

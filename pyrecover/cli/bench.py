@@ -293,6 +293,10 @@ def gpu_check(
     step_timeout: Annotated[float, typer.Option(
         help="Seconds one step may take; past it the step is stopped (SIGTERM, then SIGKILL), "
         "reported as failed, and the check goes on with the next; 0: no limit.")] = 1800.0,
+    budget: Annotated[float, typer.Option(
+        help="Seconds the whole check may take (a lease's minutes): a step starts only with "
+        "60 s of it left and is stopped 20 s before it runs out; the steps not run are "
+        "listed, with the --only to run them next time. 0: no budget.")] = 0.0,
 ) -> None:
     """Every GPU path on this machine in one report: tests/gpu, bench train (all modes, memory
     with a snapshot every step, the plain compiled loop), bench ckpt, bench memory (on the CPU
@@ -306,12 +310,15 @@ def gpu_check(
 
     if not math.isfinite(step_timeout) or step_timeout < 0:
         raise user_error(f"--step-timeout {step_timeout:g}: give seconds, or 0 for no limit")
+    if not math.isfinite(budget) or budget < 0:
+        raise user_error(f"--budget {budget:g}: give seconds, or 0 for no budget")
     try:
         report = check.gpu_check(out, config, overrides or [], steps, warmup, interval, size_gb,
                                  tests, allow_cpu, note=_note, only=tuple(only or ()),
                                  cpu_repeat=cpu_repeat,
                                  cpu_state_gb=cpu_state_gb,
-                                 step_timeout=step_timeout if step_timeout > 0 else None)
+                                 step_timeout=step_timeout if step_timeout > 0 else None,
+                                 budget_s=budget if budget > 0 else None)
     except check.GpuCheckError as exc:
         raise user_error(exc) from None
     typer.echo(check.format_report(report), nl=False)

@@ -78,7 +78,7 @@ def test_a_step_past_its_timeout_is_killed_with_its_children_and_reported(tmp_pa
     import subprocess
     import sys
 
-    from pyrecover.bench.gpu_check import Step, run_step
+    from pyrecover.bench.steps import Step, run_step
 
     pidfile = tmp_path / "children.pid"
     sleeper = "[sys.executable, '-c', 'import time; time.sleep(600)']"
@@ -99,3 +99,22 @@ def test_a_step_past_its_timeout_is_killed_with_its_children_and_reported(tmp_pa
         state = subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True,
                                text=True).stdout.strip()
         assert state[:1] in ("", "Z"), (child, state)  # gone, or a zombie ('ZN' if niced)
+
+
+def test_a_budget_runs_the_steps_it_has_time_for_and_names_the_rest(tmp_path, corpus):
+    """--budget (a lease's seconds): a step starts only with a minute of it left, and its time
+    limit is what is left; the report names the steps not run and the --only that runs them.
+    The clock is the one stand-in: the budget is spent when the second step would start."""
+    from pyrecover.bench import gpu_check as check
+
+    ticks = iter([0.0, 0.0])  # the start, then before the first step; then 30 s gone
+    report = check.gpu_check(tmp_path, TINY, [f"data.path={corpus}"], 3, 1, 2, 0.01,
+                             run_tests=False, allow_cpu=True, only=("ckpt", "train"),
+                             budget_s=check.MIN_STEP_S + 20, clock=lambda: next(ticks, 30.0))
+    assert list(report["steps"]) == ["ckpt"] and report["steps"]["ckpt"]["returncode"] == 0
+    assert report["not_run"] == ["train"]
+    assert "not run (--budget spent): train; next time: --only train" in (
+        tmp_path / "report.txt").read_text()
+    refused = pyrecover("bench", "gpu-check", "--out", str(tmp_path), "--allow-cpu",
+                        "--budget", "-1")
+    assert refused.returncode == 2 and "--budget -1" in refused.stderr, refused.stderr
