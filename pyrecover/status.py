@@ -348,6 +348,11 @@ def _interruption_lines(rows: list[dict[str, Any]]) -> list[str]:
         cache = row.get("compile_cache")
         note = (f"  (compile cache: {cache['hits']} hits, {cache['misses']} misses)"
                 if cache else "")
+        if "built_s" in row:  # checkpoint_chosen: where its seconds went (phases.CHOICE_TIMES)
+            beside = (f", checksums beside it {row['verify_s']:.2f}s"
+                      if "verify_s" in row else "")
+            note = (f"  (model built {row['built_s']:.2f}s{beside}, then waited "
+                    f"{row.get('wait_s', 0.0):.2f}s)")
         out.append(f"  {row['phase']:<18} {clock}  +{row['gap']:7.3f}  "
                    f"{row['time'] - first:8.3f}{note}")
     return out

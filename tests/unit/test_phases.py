@@ -30,6 +30,25 @@ def test_the_last_interruption_lists_the_stop_then_the_next_start_with_gaps():
     assert [r["gap"] for r in rows] == [0.0, 0.5, 0.5, 0.25, 11.75, 1.0, 0.5, 0.5, 0.5, 0.5]
 
 
+def test_the_choice_of_the_checkpoint_says_where_its_seconds_went():
+    """checkpoint_chosen's own times (the model built, the checksum pass beside it, the wait
+    for that pass) come through to the interruption's rows and `pyrecover status`'s lines;
+    a field of the wrong type is left out, as any record not as pyrecover writes it."""
+    from pyrecover.status import _interruption_lines
+
+    chosen = {**ph("checkpoint_chosen", 21.0), "built_s": 0.4, "verify_s": 0.7,
+              "wait_s": 0.25, "step": 10}
+    rows = phases.last_interruption(STOPPED + [*RESUMED[:3], chosen, *RESUMED[4:]])
+    row = next(r for r in rows if r["phase"] == "checkpoint_chosen")
+    assert {k: row[k] for k in phases.CHOICE_TIMES} == {"built_s": 0.4, "verify_s": 0.7,
+                                                        "wait_s": 0.25}
+    line = next(x for x in _interruption_lines(rows) if "checkpoint_chosen" in x)
+    assert line.endswith("(model built 0.40s, checksums beside it 0.70s, then waited 0.25s)")
+    chosen["verify_s"] = "0.7"
+    rows = phases.last_interruption(STOPPED + [*RESUMED[:3], chosen, *RESUMED[4:]])
+    assert "verify_s" not in next(r for r in rows if r["phase"] == "checkpoint_chosen")
+
+
 def test_a_stop_not_yet_resumed_shows_its_stop_phases_only():
     rows = phases.last_interruption(STOPPED)
     assert [r["phase"] for r in rows] == ["signal_seen", "stop_agreed", "save_done", "exit"]
