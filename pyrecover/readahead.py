@@ -9,64 +9,47 @@ starts a daemon thread that finds the newest committed checkpoint and reads its 
 the imports hold the interpreter, the read waits on the disk (and lets go of the interpreter
 while it does), so the two overlap, and the checksum pass and the restore then read memory.
 
-What is read: the newest `step-<N>` folder (a real folder, not a link) with a readable
-manifest; on rank 0, which checksums every file, all of a vanilla or DCP checkpoint; on the
-first rank of every other node, only a vanilla one (one file every rank's restore reads
-whole; a DCP checkpoint's shards may be other ranks'). Nothing of memory mode's (its parts
+What is read: the newest `step-<N>` folder whose manifest is valid as the store reads it (a
+real folder, not a link; plain file names), on rank 0, which checksums every file, all of a
+vanilla or DCP checkpoint; on the first rank of every other node, only a vanilla one (one
+file every rank's restore reads whole; a DCP checkpoint's shards may be other ranks').
+Nothing of memory mode's (its parts
 are every slice twice over, and a survivors' snapshot, committed only once the run directory
 is locked, may be newer), nothing where a snapshot waits to be committed, nothing larger than
 a quarter of the memory available (the page cache would evict it again before it is read).
 Only regular files the manifest names plainly, opened without following links.
 
 Best effort: nothing here may stop a start. Errors are ignored; the pick and the restore read
-the files again and report them. Only the standard library: this runs before torch is
-imported.
+the files again and report them. No torch (the standard library and the store's pure
+modules): this runs before torch is imported.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import threading
 from pathlib import Path
 
+from pyrecover.checkpoint import store  # no torch: checkpoint/__init__.py imports it lazily
+
 BLOCK = 8 << 20
 MEMORY_SHARE = 4  # read ahead only what fits in 1/MEMORY_SHARE of the available memory
 MODES = {"vanilla": "every node", "dcp": "rank 0"}  # what is read ahead, and by whom
-SNAPSHOT_PREFIX = ".snap-step-"  # memory mode's survivors' snapshots (memory/layout.py)
-
-
-def plain_name(name: object) -> bool:
-    """plain_name: a name a manifest may list (store.plain_name_problem's rule)."""
-    return (isinstance(name, str) and name != "" and not any(c in name for c in "/\\\0")
-            and name not in (".", "..", "manifest.json"))
 
 
 def newest_files(checkpoints: Path) -> tuple[str, list[Path]]:
     """newest_files is (mode, files) of the newest committed checkpoint under `checkpoints`
-    whose manifest reads; ("", []) where there is none, or a snapshot waits to be committed."""
-    folders = []
-    try:
-        entries = list(checkpoints.iterdir())
-    except OSError:  # no checkpoints yet (or none this process may list)
+    whose manifest is valid (store.read_manifest: a real folder, plain names only); ("", [])
+    where there is none, or a survivors' snapshot waits to be committed."""
+    if any(checkpoints.glob(store.SNAPSHOT_GLOB)):
         return "", []
-    for p in entries:
-        if p.name.startswith(SNAPSHOT_PREFIX):
-            return "", []
-        digits = p.name[5:]
-        if p.name.startswith("step-") and digits.isascii() and digits.isdigit() \
-                and not p.is_symlink() and p.is_dir():
-            folders.append((int(digits), p))
-    for _, folder in sorted(folders, reverse=True):
+    for _, folder in store.committed_steps(checkpoints):
         try:
-            manifest = json.loads((folder / "manifest.json").read_text())
-            files = manifest["files"]
-            mode = manifest["mode"]
-        except (OSError, ValueError, KeyError, TypeError):
+            manifest = store.read_manifest(folder)
+        except store.CheckpointError:
             continue  # the pick will say why; an older one may be what it takes
-        if isinstance(files, dict) and isinstance(mode, str) and all(map(plain_name, files)):
-            return mode, [folder / n for n in sorted(files)]
+        return manifest["mode"], [folder / name for name in sorted(manifest["files"])]
     return "", []
 
 

@@ -274,14 +274,15 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         log.info("%s", line)  # versions, devices, layout, SLURM job, resolved config
     dog.phase("load")
     restore_started = time.perf_counter()
-    # Where the phase's seconds went, on its first mark: building the model, the optimizer
-    # and the checkpoint manager (built_s), the background checksum pass beside them
-    # (verify_s), and the wait for that pass (wait_s). A fall-back's pick is not timed.
-    times = [{"built_s": round(restore_started - began, 3)}]
+    built_s = round(restore_started - began, 3)
 
     def chosen_phase(step: int) -> None:
+        """Its first mark says where the seconds went: the model, the optimizer and the
+        manager built (built_s), the background checksum pass beside them (verify_s), and
+        the wait for it (wait_s). A fall-back's pick is not timed."""
+        first = "checkpoint_chosen" not in phases.seen
         phases.mark("checkpoint_chosen", step=step,
-                    **({**times.pop(), **manager.choice_times} if times else {}))
+                    **({"built_s": built_s, **manager.choice_times} if first else {}))
 
     found = manager.resume(accept=lambda r: train_state_of(r.train),
                            on_chosen=lambda c: chosen_phase(c.step),

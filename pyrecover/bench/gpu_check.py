@@ -67,6 +67,8 @@ NEVER = 1_000_000  # a checkpoint interval no measured run reaches
 # before it runs out (a timed-out bench gets SIGTERM and usually stops within seconds).
 MIN_STEP_S = 60.0
 BUDGET_MARGIN_S = 20.0
+
+
 class GpuCheckError(ValueError):
     """The check cannot run here (no CUDA GPU, no such config); one line for a person."""
 

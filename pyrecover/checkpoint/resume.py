@@ -32,8 +32,6 @@ from pyrecover.readahead import read_through
 
 log = logging.getLogger("pyrecover")
 
-# Where memory mode's surviving ranks leave snapshots (memory/layout.py's SNAP_PREFIX).
-SNAPSHOT_GLOB = ".snap-step-*"
 
 
 @dataclass
@@ -50,7 +48,7 @@ def tidy(root: Path, on_event: Callable[..., Any]) -> None:
     """tidy is what a start does to `root` before its first pick: remove the temporary folders
     killed saves left, and commit the snapshot memory mode's survivors persisted (`on_event`
     records that). Only under the run directory's lock."""
-    if any(root.glob(SNAPSHOT_GLOB)):
+    if any(root.glob(store.SNAPSHOT_GLOB)):
         from pyrecover.checkpoint.memory import finalize_snapshots
 
         finalize_snapshots(root, on_event)

@@ -39,6 +39,7 @@ from typing import Any, BinaryIO
 from pyrecover.checkpoint import trust
 
 MANIFEST = "manifest.json"
+SNAPSHOT_GLOB = ".snap-step-*"  # memory mode's survivors' snapshots (layout.py's SNAP_PREFIX)
 FORMAT = 1
 _CHUNK = 8 << 20
 TREE_BLOCK = 8 << 20
@@ -263,9 +264,10 @@ def committed_steps(root: Path) -> list[tuple[int, Path]]:
     out = []
     if root.is_dir():
         for p in root.iterdir():
-            if p.name.startswith("step-") and p.name[5:].isdigit() and (
+            digits = p.name[5:]  # ASCII only: int() cannot read every digit isdigit() knows
+            if p.name.startswith("step-") and digits.isascii() and digits.isdigit() and (
                     p.is_dir() or p.is_symlink()):
-                out.append((int(p.name[5:]), p))
+                out.append((int(digits), p))
     return sorted(out, reverse=True)
 
 

@@ -35,13 +35,16 @@ def vanilla_run(tmp_path: Path) -> RunDir:
 
 def fake_step(root: Path, step: int, mode: str, files: dict[str, bytes],
               listed: list[str] | None = None) -> Path:
+    """A step folder with `files` and a manifest of the shape the store writes, listing
+    `listed` (default: the files) with made-up checksums: read-ahead never checks them."""
     folder = root / f"step-{step}"
     folder.mkdir(parents=True)
     for name, data in files.items():
         (folder / name).write_bytes(data)
     names = listed if listed is not None else list(files)
     (folder / "manifest.json").write_text(json.dumps(
-        {"mode": mode, "step": step, "files": {n: {"size": 1} for n in names}}))
+        {"mode": mode, "step": step, "world_size": 1, "train_state": {},
+         "files": {n: {"size": 1, "sha256": "0" * 64} for n in names}}))
     return folder
 
 
@@ -62,8 +65,10 @@ def test_a_start_reads_the_newest_checkpoint_into_the_page_cache_and_nothing_old
 def test_who_reads_ahead_what(tmp_path):
     root = tmp_path / "checkpoints"
     old = fake_step(root, 2, "vanilla", {"state.pt": b"v" * 100})
-    new = fake_step(root, 4, "dcp", {".metadata": b"m", "__0_0.distcp": b"d" * 100})
-    assert readahead.plan(root, 0, 0) == [new / ".metadata", new / "__0_0.distcp"]
+    new = fake_step(root, 4, "dcp", {".metadata": b"m", "__0_0.distcp": b"d" * 100,
+                                     "extra.json": b"{}"})
+    assert readahead.plan(root, 0, 0) == [new / ".metadata", new / "__0_0.distcp",
+                                          new / "extra.json"]
     # DCP's parts are each rank's own: another node's first rank leaves them alone; a vanilla
     # file, which every rank reads whole, it reads.
     assert readahead.plan(root, 8, 0) == []
@@ -102,8 +107,8 @@ def test_a_manifest_naming_a_file_outside_its_folder_reads_nothing_of_it(tmp_pat
 
 def test_nothing_in_a_run_directory_stops_a_start(tmp_path, monkeypatch):
     root = tmp_path / "checkpoints"
-    fake_step(root, 2, "vanilla", {"state.pt": b"v"}, listed=["gone.pt"])  # listed, missing
-    (root / "step-\u00b2").mkdir()  # a digit that int() cannot read is no step folder
+    fake_step(root, 2, "vanilla", {"state.pt": b"v"}, listed=["state.pt", "gone.pt"])  # gone
+    (root / "step-\u00b2").mkdir()  # a digit int() cannot read: no step folder (store.py)
     with pytest.raises(FileNotFoundError):
         readahead.plan(root, 0, 0)
     escaped = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pyrecover.checkpoint import resume
+from pyrecover.checkpoint import store
 from pyrecover.checkpoint.memory import layout
 
 
@@ -39,4 +39,4 @@ def test_a_dcp_mode_is_still_made_on_demand():
 
 
 def test_the_manager_looks_for_snapshots_where_memory_mode_leaves_them():
-    assert resume.SNAPSHOT_GLOB == layout.SNAP_PREFIX + "*"
+    assert store.SNAPSHOT_GLOB == layout.SNAP_PREFIX + "*"

@@ -80,6 +80,15 @@ def test_recommitting_over_an_invalid_step_keeps_the_invalid_one_for_inspection(
     assert [s for s, _ in store.committed_steps(tmp_path)] == [10]
 
 
+def test_a_folder_named_with_a_digit_int_cannot_read_is_no_step(tmp_path):
+    """`step-\u00b2` passes str.isdigit(); taking it for a step made int() raise in every scan
+    of the run's checkpoints, and so every start of the run."""
+    commit(tmp_path, 10)
+    (tmp_path / "step-\u00b2").mkdir()
+    assert [s for s, _ in store.committed_steps(tmp_path)] == [10]
+    assert [step for step, *_ in store.scan(tmp_path)] == [10]
+
+
 @pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/b", "..", ".", "", "manifest.json"])
 def test_a_manifest_naming_a_file_outside_its_folder_is_refused(tmp_path, name):
     folder = commit(tmp_path, 10)
