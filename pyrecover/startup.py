@@ -1,16 +1,98 @@
 """What shortens a trainer's start: the garbage collector off while torch is imported (see
-pyrecover/__main__.py).
+pyrecover/__main__.py), and a bytecode cache where the installed packages have none.
 
 torch._dynamo (which torch's first Optimizer imports, 1.7-4 s here) was once imported in a
 background thread to overlap the start-up's waits. Python's per-module import locks made
 that unsafe: a main thread importing a module torch._dynamo also imports, while the thread
 held torch._dynamo's lock, failed with `_DeadlockError` (seen once in a full test run, in a
 compiled run's start). Measured on the 2-core VM it saved next to nothing (the time moved to
-the rendezvous), so it is gone."""
+the rendezvous), so it is gone.
+
+**The bytecode cache.** Python compiles every module it imports from source unless a `.pyc`
+is cached next to it, and it writes one only where it may (`PYTHONDONTWRITEBYTECODE` unset,
+the package folder writable). An environment installed without bytecode (`uv` does not
+compile by default) that runs with `PYTHONDONTWRITEBYTECODE=1`, or from a read-only image,
+compiles torch at every start: on the H200 machine of `make gpu-check` (such a uv
+environment) `import torch` and `import torch._dynamo` took 9.4-11.0 s of every start, and
+2.6-3.5 s once their bytecode came from a cache. `use_bytecode_cache` (at the CLI's entry,
+before torch is imported) points Python at a cache of our own where torch's bytecode is
+neither installed nor can be written next to it: `PYRECOVER_PYCACHE` (a folder; `off` to
+leave Python as it is), by default `$XDG_CACHE_HOME/pyrecover/pycache` (`~/.cache/...`).
+The first start writes it (about 50 MB for torch) and every restart reads it; Python checks
+each cached file against its source's size and time, so an upgraded package is compiled again.
+The variables go to the processes it starts (`train --nproc`'s workers, Inductor's compile
+workers) through the environment.
+"""
 
 from __future__ import annotations
 
 import gc
+import importlib.util
+import os
+import sys
+from collections.abc import MutableMapping
+from pathlib import Path
+
+PYCACHE_ENV = "PYRECOVER_PYCACHE"
+OFF = frozenset({"0", "off", "no", "false", "none"})
+PROBE = "torch"  # the import that costs a start its seconds
+
+# What `use_bytecode_cache` did in this process: the folder, and whether it made it.
+BYTECODE_CACHE: Path | None = None
+CACHE_CREATED = False
+
+
+def bytecode_cache_dir(environ: MutableMapping[str, str], source: str | None,
+                       dont_write: bool, prefix: str | None) -> Path | None:
+    """bytecode_cache_dir is the folder to cache bytecode in, or None where Python finds or
+    writes it next to the sources itself: `source` is the probe module's file (torch's
+    `__init__.py`), `dont_write` and `prefix` are sys.dont_write_bytecode and
+    sys.pycache_prefix. A prefix the user set is theirs; `PYRECOVER_PYCACHE=off` turns it off."""
+    choice = environ.get(PYCACHE_ENV, "").strip()
+    if choice.lower() in OFF or prefix or not source or not source.endswith(".py"):
+        return None
+    here = Path(source).parent
+    installed = Path(importlib.util.cache_from_source(source))  # (prefix is None here)
+    if installed.is_file():
+        return None
+    if not dont_write and os.access(here, os.W_OK):  # Python writes it there on first import
+        return None
+    if choice:
+        return Path(choice).expanduser()
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pyrecover" / "pycache"
+
+
+def use_bytecode_cache(environ: MutableMapping[str, str] = os.environ,
+                       probe: str = PROBE) -> Path | None:
+    """use_bytecode_cache turns the cache on for this process and the ones it starts, where
+    `bytecode_cache_dir` says so (module docstring); the folder, or None. Nothing here stops a
+    start: a folder that cannot be made or written leaves Python as it was."""
+    global BYTECODE_CACHE, CACHE_CREATED
+    spec = importlib.util.find_spec(probe)  # finds the package without importing it
+    folder = bytecode_cache_dir(environ, spec.origin if spec else None,
+                                sys.dont_write_bytecode, sys.pycache_prefix)
+    if folder is None:
+        return None
+    try:
+        created = not folder.is_dir()
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return None
+    except OSError:
+        return None
+    sys.pycache_prefix = str(folder)
+    sys.dont_write_bytecode = False
+    environ["PYTHONPYCACHEPREFIX"] = str(folder)
+    environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    BYTECODE_CACHE, CACHE_CREATED = folder, created
+    return folder
+
+
+def bytecode_note() -> dict[str, str]:
+    """bytecode_note is what the `imports_done` phase records of the cache: its folder, where
+    this process read and wrote its bytecode there."""
+    return {"bytecode_cache": str(BYTECODE_CACHE)} if BYTECODE_CACHE is not None else {}
 
 
 def end_startup_imports() -> None:

@@ -47,7 +47,7 @@ from pyrecover.optim import build_optimizer, build_scheduler
 from pyrecover.phases import Phases, process_start_time
 from pyrecover.preempt import StopRequested
 from pyrecover.rundir import RunDir, RunLock, RunLocked, StorageError, read_jsonl
-from pyrecover.startup import end_startup_imports
+from pyrecover.startup import bytecode_note, end_startup_imports
 
 log = logging.getLogger("pyrecover")
 
@@ -76,7 +76,7 @@ def main(cfg: Config, run_dir: Path) -> None:
     env = dist.detect(os.environ)
     phases = Phases(env.rank)  # phases.py: this start's timings, written as events by rank 0
     phases.mark("process_start", process_start_time())
-    phases.mark("imports_done")
+    phases.mark("imports_done", **bytecode_note())  # where torch was compiled from
     setup_logging(env.rank)
     run = RunDir(run_dir)
     try:  # config and data errors surface here, on every rank, before any collective

@@ -10,6 +10,7 @@ import sys
 
 import typer
 
+from pyrecover import startup
 from pyrecover.cli.bench import bench_app
 from pyrecover.cli.ckpt import ckpt_app
 from pyrecover.cli.data import data_app
@@ -57,6 +58,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main() -> None:
+    startup.use_bytecode_cache()  # before any command imports torch (startup.py)
     try:
         _main()
     except SystemExit as done:

@@ -36,12 +36,16 @@ def train(
       pyrecover train --config launch/experiments/tiny.yaml --set train.max_steps=100 --nproc 2
       pyrecover train --config my.yaml --run-dir runs/my-try --set train.lr=3e-4
     """
-    from pyrecover import batch, datasource, dist, spawn
+    from pyrecover import batch, datasource, dist, spawn, startup
     from pyrecover import config as config_mod
 
     cfg = config_mod.load(config, overrides or [])
     target = run_dir if run_dir is not None else cfg.run_dir()
     env = dist.detect(os.environ)
+    if startup.CACHE_CREATED and env.rank == 0:
+        typer.echo(f"pyrecover: torch's bytecode is neither installed nor writable next to "
+                   f"it: this first start compiles it into {startup.BYTECODE_CACHE}, which "
+                   f"every restart reads ({startup.PYCACHE_ENV}=off: no cache)", err=True)
     if nproc > 1 and env.launcher in ("single", "slurm"):  # slurm: one task per node
         workers = spawn.worker_envs(env, nproc)  # refuses a layout it cannot spawn
         batch.resolve(cfg, int(workers[0]["WORLD_SIZE"]))  # before spawning anything
