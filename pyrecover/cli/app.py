@@ -64,7 +64,7 @@ def main() -> None:
     except SystemExit as done:
         from pyrecover import dist
 
-        if dist.joined_a_group():  # a trainer: its group is left, its checkpoint saved
+        if dist.set_up_a_trainer():  # a trainer: its group is left, its checkpoint saved
             dist.exit_now(done.code)
         raise
 
