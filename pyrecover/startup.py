@@ -89,6 +89,26 @@ def use_bytecode_cache(environ: MutableMapping[str, str] = os.environ,
     return folder
 
 
+def bytecode_origin(probe: str = PROBE) -> str:
+    """bytecode_origin says where this process's torch bytecode comes from, for reports:
+    installed with it, written next to it, pyrecover's cache, or compiled at every start."""
+    if BYTECODE_CACHE is not None:
+        return f"pyrecover's cache {BYTECODE_CACHE}"
+    spec = importlib.util.find_spec(probe)
+    if spec is None or not spec.origin:
+        return "unknown"
+    source = Path(spec.origin)
+    installed = source.parent / "__pycache__" / (
+        f"{source.stem}.{sys.implementation.cache_tag}.pyc")
+    if sys.pycache_prefix:
+        return f"the cache {sys.pycache_prefix} (PYTHONPYCACHEPREFIX)"
+    if installed.is_file():
+        return "installed beside the sources"
+    if not sys.dont_write_bytecode and os.access(source.parent, os.W_OK):
+        return "written beside the sources"
+    return f"compiled at every start ({PYCACHE_ENV}=off or the cache unusable)"
+
+
 def bytecode_note() -> dict[str, str]:
     """bytecode_note is what the `imports_done` phase records of the cache: its folder, where
     this process read and wrote its bytecode there."""

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pyrecover import startup
 from pyrecover.bench.common import num
 from pyrecover.bench.steps import Step, run_step
 
@@ -207,7 +208,8 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     done = earlier_steps(out / "report.json", device, note) if only else {}
     head = {"kind": "gpu-check", "device": device, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "cpus": os.cpu_count(), "config": str(config)}
+            "cuda": torch.version.cuda, "cpus": os.cpu_count(), "config": str(config),
+            "bytecode": startup.bytecode_origin()}  # a restart's imports depend on it
     head["not_run"] = []
     started = clock()
     for step, json_out in plan:
@@ -266,7 +268,8 @@ def tests_summary(tail: str) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"gpu-check on {report['device']}, torch {report['torch']} (CUDA {report['cuda']}), "
-             f"{report['cpus']} CPUs; config {report['config']}", ""]
+             f"{report['cpus']} CPUs; config {report['config']}",
+             f"torch's bytecode: {report.get('bytecode', 'unknown')}", ""]
     for name, s in report["steps"].items():
         state = "ok" if s["returncode"] == 0 else f"FAILED (exit {s['returncode']})"
         extra = f": {tests_summary(s['tail'])}" if name == "tests" else ""

@@ -83,10 +83,14 @@ def test_a_start_without_bytecode_writes_it_to_the_cache_and_the_next_start_read
     os.utime(src, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     second = run_probe(tmp_path, env, "import probepkg\nprint(probepkg.VALUE)")
     assert second == ["41"]
-    # Turned off, the same start compiles the source again.
+    said = run_probe(tmp_path, env, "print(startup.bytecode_origin('probepkg') == "
+                     f"\"pyrecover's cache {cache}\")")
+    assert said == ["True"]  # what gpu-check's report says of it
+    # Turned off, the same start compiles the source again, and the report says so.
     off = run_probe(tmp_path, {**env, startup.PYCACHE_ENV: "off"},
-                    "import probepkg\nprint(folder, probepkg.VALUE)")
-    assert off == ["None", "99"]
+                    "import probepkg\nprint(folder, probepkg.VALUE)\n"
+                    "print(startup.bytecode_origin('probepkg').startswith('compiled at every'))")
+    assert off == ["None", "99", "True"]
 
 
 def test_a_cache_folder_that_cannot_be_made_leaves_python_as_it_was(tmp_path):
