@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from pyrecover import faults
 from pyrecover.checkpoint import dcp_io, rng, share
-from pyrecover.checkpoint.mode import Restored, WriteResult
+from pyrecover.checkpoint.mode import Restored, TrainArg, WriteResult, train_now
 from pyrecover.checkpoint.staging import StateStager
 from pyrecover.checkpoint.store import Checkpoint, Pending, sha256_file
 
@@ -96,13 +96,13 @@ class DcpMode:
         self._thread: threading.Thread | None = None
         self._result: WriteResult | None = None
 
-    def start(self, pending: Pending, parts, train: dict[str, Any]) -> None:
+    def start(self, pending: Pending, parts, train: TrainArg) -> None:
         folder = pending.tmp
         torch.save(rng.capture(), folder / rng_file(self.rank))
-        if self.rank == 0:
-            extra = {"scheduler": parts.scheduler.state_dict(), "config": parts.config,
-                     "train": train}
-            (folder / EXTRA_FILE).write_text(json.dumps(extra))
+        # Rank 0's extra.json is written by the save's thread (`_finish`): the train state may
+        # be a function that waits for the step's numbers (manager._start), so only there.
+        extra = ({"scheduler": parts.scheduler.state_dict(), "config": parts.config}
+                 if self.rank == 0 else None)
         state = self._state(parts)
         writer = dcp_io.Writer(folder)
         upload = None
@@ -117,7 +117,8 @@ class DcpMode:
         else:
             self._save(state, writer)
         self._result = None
-        self._thread = threading.Thread(target=self._finish, args=(upload, writer, pending),
+        self._thread = threading.Thread(target=self._finish,
+                                        args=(upload, writer, pending, extra, train),
                                         name="pyrecover-dcp-save", daemon=True)
         self._thread.start()
         if not self.asynchronous:
@@ -154,12 +155,15 @@ class DcpMode:
             dcp.save(state, storage_writer=writer, process_group=self.group,
                      no_dist=self.group is None)
 
-    def _finish(self, upload, writer: dcp_io.Writer, pending: Pending) -> None:
+    def _finish(self, upload, writer: dcp_io.Writer, pending: Pending,
+                extra: dict[str, Any] | None, train: TrainArg) -> None:
         folder = pending.tmp
         try:
             faults.maybe_kill(pending.step, self.rank, point="save")
             if upload is not None:
                 upload()
+            if extra is not None:  # after the copy, which the device ran after the step
+                (folder / EXTRA_FILE).write_text(json.dumps({**extra, "train": train_now(train)}))
             files = {}
             for name in own_files(list(writer.entries), self.rank):
                 path = folder / name

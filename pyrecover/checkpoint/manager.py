@@ -13,6 +13,7 @@ rank) and tells the others.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -30,7 +31,14 @@ import torch.distributed as tdist
 
 from pyrecover.checkpoint import store
 from pyrecover.checkpoint.interval import AutoInterval
-from pyrecover.checkpoint.mode import ModeSettings, Parts, Restored, Snapshotting
+from pyrecover.checkpoint.mode import (
+    ModeSettings,
+    Parts,
+    Restored,
+    Snapshotting,
+    TrainArg,
+    train_now,
+)
 from pyrecover.checkpoint.modes import make_mode
 from pyrecover.checkpoint.resume import choose, resume_newest
 from pyrecover.checkpoint.stall import StallClock
@@ -49,7 +57,7 @@ class SaveFailed(RuntimeError):
 @dataclass
 class _InFlight:
     pending: Pending
-    train: dict[str, Any]
+    train: TrainArg
     started: float
     blocked: float
 
@@ -113,7 +121,7 @@ class CheckpointManager:
                     log.warning("checkpoint of step %d is still being written; waiting for it "
                                 "before saving step %d", self.inflight.pending.step, step)
                 self._commit_now()
-            self._start(step)
+            self._start(step, final)
             if self.inflight is not None and (final or not self.mode.asynchronous):
                 self._commit_now()
         self.stall_seconds += self._clock.end(started)
@@ -184,12 +192,18 @@ class CheckpointManager:
             log.warning("rank %d persisted its in-memory snapshots of steps %s", self.rank, steps)
             self.run.event("snapshot_persisted", rank=self.rank, steps=steps)
 
-    def _start(self, step: int) -> None:
+    def _start(self, step: int, final: bool = False) -> None:
         started = time.perf_counter()
         pending = self._begin(step)
         if pending is None:  # the storage refused the folder: this save failed, on every rank
             return
-        train = self.parts.train_state()
+        later = self.parts.train_state_later
+        if later is not None and self.mode.asynchronous and not final:
+            # No wait for the step's numbers (the GPU would drain): the save's thread reads
+            # them after its copy, and the commit reads the same (cached) answer.
+            train: TrainArg = functools.cache(later())
+        else:
+            train = self.parts.train_state()
         self.mode.start(pending, self.parts, train)
         self.inflight = _InFlight(pending, train, started, time.perf_counter() - started)
 
@@ -288,7 +302,7 @@ class CheckpointManager:
             return
         for res in results:
             pending.files.update(res.files)
-        folder = pending.commit(self.mode_name, self.world_size, flight.train)
+        folder = pending.commit(self.mode_name, self.world_size, train_now(flight.train))
         seconds = time.perf_counter() - flight.started
         self.last_save_seconds = seconds
         size = sum(f["size"] for f in pending.files.values())

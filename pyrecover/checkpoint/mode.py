@@ -23,7 +23,16 @@ import torch
 from pyrecover.checkpoint.store import Checkpoint, Pending
 
 __all__ = ["Checkpoint", "Mode", "ModeSettings", "Parts", "Pending", "Restored",
-           "Snapshotting", "WriteResult"]
+           "Snapshotting", "TrainArg", "WriteResult", "train_now"]
+
+# A save's train state: the dict, or (an asynchronous save, a snapshot) a function that gives
+# it once the step the device still runs is done, so the loop need not wait for that step.
+TrainArg = dict[str, Any] | Callable[[], dict[str, Any]]
+
+
+def train_now(train: TrainArg) -> dict[str, Any]:
+    """train_now is the train state itself (the function called where it is one)."""
+    return train() if callable(train) else train
 
 
 @dataclass
@@ -77,8 +86,10 @@ class Mode(Protocol):
     name: str
     asynchronous: bool  # whether a save goes on after `start` returns
 
-    def start(self, pending: Pending, parts: Parts, train: dict[str, Any]) -> None:
-        """Begin writing this rank's files of the save into `pending.tmp`."""
+    def start(self, pending: Pending, parts: Parts, train: TrainArg) -> None:
+        """Begin writing this rank's files of the save into `pending.tmp`. An asynchronous
+        mode gets `train` as a function (the manager's `_start`): it calls it off the loop's
+        thread, once its copy of the state is done."""
 
     def prepare(self, parts: Parts) -> None:
         """Allocate, in the background, what saves (and snapshots) will reuse; called once the

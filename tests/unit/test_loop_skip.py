@@ -136,6 +136,38 @@ def test_a_snapshot_every_step_holds_the_settled_state_without_waiting_for_the_s
     assert threads == {in_thread}
 
 
+def test_an_async_dcp_save_holds_the_settled_state_without_waiting_for_the_step(
+        tmp_path, corpus, monkeypatch):
+    """An asynchronous DCP save takes the step's count of bad steps from its own thread,
+    after its copy (manager._start, `state_later`), instead of making the loop wait for the
+    step (on a GPU the device drained at every save: blocked per save 0.018 s -> 0.057 s on
+    the H200 once the loop itself stopped reading each step). Every checkpoint holds, in its
+    manifest and in extra.json, what the host's way holds; only the final save asks for the
+    settled state."""
+    monkeypatch.setenv("PYRECOVER_NAN_AT_STEPS", "2,3,7,9")
+    loops = {}
+    for on_device in (True, False):
+        loop = loops[on_device] = make_loop(
+            tmp_path, corpus, f"device-{on_device}", on_device, "train.max_steps=10",
+            "checkpoint.mode=dcp", "checkpoint.async_save=true", "checkpoint.interval=3",
+            "checkpoint.keep=10")
+        settled = loop.settled_state
+        loop.settled_asked = []
+        monkeypatch.setattr(loop, "settled_state", lambda settled=settled, loop=loop: (
+            loop.settled_asked.append(loop.state.step), settled())[1])
+        loop.run_steps()
+        loop.manager.finish(loop.state.step)
+    device, host = loops[True].run, loops[False].run
+    saved = saved_train_states(device)
+    assert saved == saved_train_states(host)
+    assert [saved[f"step-{s}"]["bad_steps"] for s in (3, 6, 9, 10)] == [2, 0, 1, 0]
+    for step, train in saved.items():  # extra.json, which a resume reads, says the same
+        assert json.loads((device.checkpoints / step / "extra.json").read_text())[
+            "train"] == train
+    assert loops[True].settled_asked == [10]  # the final save's, none of the three before
+    assert sum(loops[True].unread) >= 5
+
+
 @pytest.mark.parametrize("on_device", [True, False])
 def test_too_many_bad_steps_in_a_row_end_the_run_at_the_same_step_either_way(
         tmp_path, corpus, monkeypatch, on_device):
