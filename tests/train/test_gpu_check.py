@@ -19,10 +19,15 @@ def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus)
     assert {n: s["returncode"] for n, s in report["steps"].items()} == {
         "train": 0, "memory-every-step": 0, "ckpt": 0, "memory-cpu": 0, "compile": 0,
         "restart-cpu": 0, "restart-cpu-4": 0, "restart-cpu-1gb": 0, "restart-gpu": 0}
-    assert len(report["bounds"]) == 10
+    assert len(report["bounds"]) == 11
+    # The loop's blocked time per dcp-async save, against vanilla's per save, in training.
+    rows = {r["mode"]: r for r in report["steps"]["train"]["report"]["rows"]}
+    per_save = {m: rows[m]["blocked_s"] / rows[m]["saves"] for m in ("dcp-async", "vanilla")}
+    ratio = {b["figure"]: b["value"] for b in report["bounds"]}[
+        "loop blocked per dcp-async save in training vs vanilla's"]
+    assert ratio == per_save["dcp-async"] / per_save["vanilla"]
     assert all(isinstance(b["value"], float) and b["met"] in (True, False)
                for b in report["bounds"]), report["bounds"]
-    rows = {r["mode"]: r for r in report["steps"]["train"]["report"]["rows"]}
     assert rows["plain"]["vs_plain"] == 1.0 and rows["none"]["vs_plain"] > 0
     compiled = report["steps"]["compile"]["report"]  # the compile cache, measured on restarts
     assert {r["attempt"]: (r["hits"] > 0, r["misses"] > 0) for r in compiled["rows"]} == {
