@@ -14,14 +14,15 @@ the package folder writable). An environment installed without bytecode (`uv` do
 compile by default) that runs with `PYTHONDONTWRITEBYTECODE=1`, or from a read-only image,
 compiles torch at every start: on the H200 machine of `make gpu-check` (such a uv
 environment) `import torch` and `import torch._dynamo` took 9.4-11.0 s of every start, and
-2.6-3.5 s once their bytecode came from a cache. `use_bytecode_cache` (at the CLI's entry,
-before torch is imported) points Python at a cache of our own where torch's bytecode is
-neither installed nor can be written next to it: `PYRECOVER_PYCACHE` (a folder; `off` to
-leave Python as it is), by default `$XDG_CACHE_HOME/pyrecover/pycache` (`~/.cache/...`).
-The first start writes it (about 50 MB for torch) and every restart reads it; Python checks
-each cached file against its source's size and time, so an upgraded package is compiled again.
-The variables go to the processes it starts (`train --nproc`'s workers, Inductor's compile
-workers) through the environment.
+2.6-3.5 s once their bytecode came from a cache. `use_bytecode_cache` (at the CLI's entry
+for `train`, before torch is imported; not for `launch`, whose job would inherit it) points
+Python at a cache of our own where torch's bytecode is neither installed nor can be written
+next to it: `PYRECOVER_PYCACHE` (a folder; `off` to leave Python as it is), by default
+`$XDG_CACHE_HOME/pyrecover/pycache` (`~/.cache/...`), used only if no one else may write to
+it (Python checks a cached file only against its source's size and time, which anyone can
+read). The first start writes it (about 50 MB for torch) and every restart reads it, and an
+upgraded package is compiled again. The variables go to the processes it starts (`train
+--nproc`'s workers, Inductor's compile workers) through the environment.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def bytecode_cache_dir(environ: MutableMapping[str, str], source: str | None,
     """bytecode_cache_dir is the folder to cache bytecode in, or None where Python finds or
     writes it next to the sources itself: `source` is the probe module's file (torch's
     `__init__.py`), `dont_write` and `prefix` are sys.dont_write_bytecode and
-    sys.pycache_prefix. A prefix the user set is theirs; `PYRECOVER_PYCACHE=off` turns it off."""
+    sys.pycache_prefix. A prefix the user set is theirs; `PYRECOVER_PYCACHE=off` turns it
+    off; the default needs an absolute `XDG_CACHE_HOME` or `HOME` (none: no cache)."""
     choice = environ.get(PYCACHE_ENV, "").strip()
     if choice.lower() in OFF or prefix or not source or not source.endswith(".py"):
         return None
@@ -57,29 +59,35 @@ def bytecode_cache_dir(environ: MutableMapping[str, str], source: str | None,
         return None
     if not dont_write and os.access(here, os.W_OK):  # Python writes it there on first import
         return None
-    if choice:
-        return Path(choice).expanduser()
-    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pyrecover" / "pycache"
+    if choice:  # made absolute: a relative prefix would follow the working directory
+        return Path(os.path.abspath(os.path.expanduser(choice)))
+    xdg, home = environ.get("XDG_CACHE_HOME", ""), environ.get("HOME", "")
+    if os.path.isabs(xdg):  # (the XDG spec: a relative one is ignored)
+        return Path(xdg) / "pyrecover" / "pycache"
+    return Path(home) / ".cache" / "pyrecover" / "pycache" if os.path.isabs(home) else None
 
 
 def use_bytecode_cache(environ: MutableMapping[str, str] = os.environ,
-                       probe: str = PROBE) -> Path | None:
+                       probe: str | None = None) -> Path | None:
     """use_bytecode_cache turns the cache on for this process and the ones it starts, where
     `bytecode_cache_dir` says so (module docstring); the folder, or None. Nothing here stops a
-    start: a folder that cannot be made or written leaves Python as it was."""
+    start: a folder that cannot be made or written, or that is not this user's alone (another
+    user could put bytecode there that this process would run), leaves Python as it was."""
     global BYTECODE_CACHE, CACHE_CREATED
-    spec = importlib.util.find_spec(probe)  # finds the package without importing it
-    folder = bytecode_cache_dir(environ, spec.origin if spec else None,
-                                sys.dont_write_bytecode, sys.pycache_prefix)
-    if folder is None:
-        return None
     try:
+        spec = importlib.util.find_spec(probe or PROBE)  # found, not imported
+        folder = bytecode_cache_dir(environ, spec.origin if spec else None,
+                                    sys.dont_write_bytecode, sys.pycache_prefix)
+        if folder is None:
+            return None
         created = not folder.is_dir()
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        info = os.stat(folder)
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            return None
         if not os.access(folder, os.W_OK | os.X_OK):
             return None
-    except OSError:
+    except Exception:  # an odd HOME, a file in the way, no permission: no cache, no failure
         return None
     sys.pycache_prefix = str(folder)
     sys.dont_write_bytecode = False
@@ -103,16 +111,16 @@ def bytecode_origin(probe: str = PROBE) -> str:
     if sys.pycache_prefix:
         return f"the cache {sys.pycache_prefix} (PYTHONPYCACHEPREFIX)"
     if installed.is_file():
-        return "installed beside the sources"
+        return "cached beside the sources"
     if not sys.dont_write_bytecode and os.access(source.parent, os.W_OK):
-        return "written beside the sources"
+        return "written beside the sources at the first start"
     return f"compiled at every start ({PYCACHE_ENV}=off or the cache unusable)"
 
 
 def bytecode_note() -> dict[str, str]:
-    """bytecode_note is what the `imports_done` phase records of the cache: its folder, where
-    this process read and wrote its bytecode there."""
-    return {"bytecode_cache": str(BYTECODE_CACHE)} if BYTECODE_CACHE is not None else {}
+    """bytecode_note is what the `imports_done` phase records of a bytecode cache in use: its
+    folder (this process's own, or the one `train --nproc`'s launcher passed on)."""
+    return {"bytecode_cache": sys.pycache_prefix} if sys.pycache_prefix else {}
 
 
 def end_startup_imports() -> None:

@@ -22,6 +22,7 @@ written (dcp_io.py). The manager commits once every rank has reported its files 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import threading
@@ -100,9 +101,10 @@ class DcpMode:
         folder = pending.tmp
         torch.save(rng.capture(), folder / rng_file(self.rank))
         # Rank 0's extra.json is written by the save's thread (`_finish`): the train state may
-        # be a function that waits for the step's numbers (manager._start), so only there.
-        extra = ({"scheduler": parts.scheduler.state_dict(), "config": parts.config}
-                 if self.rank == 0 else None)
+        # be a function that waits for the step's numbers (manager._start), so only there;
+        # the scheduler's state and the config are copied now, as they are at this step.
+        extra = (copy.deepcopy({"scheduler": parts.scheduler.state_dict(),
+                                "config": parts.config}) if self.rank == 0 else None)
         state = self._state(parts)
         writer = dcp_io.Writer(folder)
         upload = None

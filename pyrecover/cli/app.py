@@ -58,7 +58,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main() -> None:
-    startup.use_bytecode_cache()  # before any command imports torch (startup.py)
+    if sys.argv[1:2] == ["train"]:  # what restarts; not `launch`, whose job would inherit it
+        startup.use_bytecode_cache()  # before torch is imported (startup.py)
     try:
         _main()
     except SystemExit as done:

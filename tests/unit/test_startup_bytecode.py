@@ -48,8 +48,15 @@ def test_the_user_chooses_the_folder_turns_it_off_or_has_set_a_prefix_already(tm
         assert decide(src, {startup.PYCACHE_ENV: off}) is None
     assert decide(src, {}, prefix=str(tmp_path / "theirs")) is None
     assert startup.bytecode_cache_dir({}, None, True, None) is None  # no torch to probe
-    home = decide(src, {})
-    assert home is not None and home == Path.home() / ".cache" / "pyrecover" / "pycache"
+    assert decide(src, {"HOME": "/home/u"}) == Path("/home/u/.cache/pyrecover/pycache")
+    # Nowhere absolute to put it (a container's arbitrary user, no HOME): no cache.
+    assert decide(src, {}) is None
+    assert decide(src, {"HOME": "relative"}) is None
+    # A relative XDG_CACHE_HOME is ignored (the XDG spec); a relative choice is made absolute,
+    # or the cache would follow the working directory of each start.
+    assert decide(src, {"XDG_CACHE_HOME": "rel", "HOME": "/h"}) == Path(
+        "/h/.cache/pyrecover/pycache")
+    assert decide(src, {startup.PYCACHE_ENV: "rel/cache"}) == Path.cwd() / "rel" / "cache"
 
 
 def run_probe(tmp_path: Path, env: dict[str, str], code: str) -> list[str]:
@@ -105,6 +112,46 @@ def test_a_cache_folder_that_cannot_be_made_leaves_python_as_it_was(tmp_path):
     assert out == ["None", "None", "True"]
 
 
+def test_a_cache_folder_others_may_write_to_is_not_used(tmp_path):
+    # Python checks a cached file only against its source's size and time, which anyone can
+    # read: bytecode another user put in a folder they can write to would run here.
+    package(tmp_path / "site")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO)]),
+           "PYTHONDONTWRITEBYTECODE": "1", startup.PYCACHE_ENV: str(shared)}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    out = run_probe(tmp_path, env, "print(folder, sys.pycache_prefix)")
+    assert out == ["None", "None"]
+    shared.chmod(0o700)  # this user's alone: used
+    assert run_probe(tmp_path, env, "print(folder)") == [str(shared)]
+
+
+def test_only_train_turns_it_on_so_launch_passes_nothing_to_its_job(tmp_path):
+    # `launch` submits with its environment: a prefix from it would follow the job onto
+    # nodes and into containers where torch has its bytecode (and Python would ignore it).
+    package(tmp_path / "site")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO)]),
+           "PYTHONDONTWRITEBYTECODE": "1", startup.PYCACHE_ENV: str(tmp_path / "cache")}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    code = "\n".join([
+        "import sys",
+        "from pyrecover import startup",
+        "startup.PROBE = 'probepkg'  # a package without bytecode stands for torch",
+        "sys.argv = ['pyrecover', sys.argv[1], '--help']",
+        "from pyrecover.cli import main",
+        "try:",
+        "    main()",
+        "except SystemExit:",
+        "    pass",
+        "print(sys.pycache_prefix, file=sys.stderr)"])
+    said = {cmd: subprocess.run([sys.executable, "-c", code, cmd], env=env, cwd=tmp_path,
+                                capture_output=True, text=True, check=True).stderr.split()[-1]
+            for cmd in ("train", "launch")}
+    assert said == {"train": str(tmp_path / "cache"), "launch": "None"}
+
+
 @pytest.mark.parametrize("dont_write", ["1", ""])
 def test_python_is_left_alone_where_torch_has_its_bytecode(dont_write, tmp_path):
     # This environment's torch was installed by pip, which compiles it: no cache of ours.
@@ -118,4 +165,5 @@ def test_python_is_left_alone_where_torch_has_its_bytecode(dont_write, tmp_path)
     out = subprocess.run([sys.executable, "-c", "from pyrecover import startup\n"
                           "print(startup.use_bytecode_cache())"], env=env,
                          capture_output=True, text=True, check=True)
-    assert (out.stdout.strip() == "None") == (installed or not dont_write)
+    writable = not dont_write and os.access(Path(spec.origin).parent, os.W_OK)
+    assert (out.stdout.strip() == "None") == (installed or writable)
