@@ -131,13 +131,14 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
               note: Note = lambda _: None, only: tuple[str, ...] = (),
               cpu_repeat: int = 2, cpu_state_gb: float = 1.0,
               step_timeout: float | None = None, budget_s: float | None = None,
-              clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+              clock: Callable[[], float] = time.monotonic, rounds: int = 1) -> dict[str, Any]:
     """gpu_check runs every step (or those in `only`) and writes the report into `out`
     after each one (a check cut short still leaves what it measured); returns the report.
 
     With `budget_s`, the seconds a lease leaves: a step starts only while MIN_STEP_S of it
     are left, with its time limit cut to what is left but BUDGET_MARGIN_S; the steps not
-    run are listed in the report (`not_run`)."""
+    run are listed in the report (`not_run`). `rounds`: runs of each mode in `train` and
+    `memory-every-step` (bench train --repeat: a rotated order each round, medians)."""
     import torch
 
     unknown = [name for name in only if name not in STEPS]
@@ -169,7 +170,7 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
     storage = out / "runs"
     train = [*python_argv(), "bench", "train", "--config", str(config), "--set",
              f"run.storage={storage}", "--steps", str(steps), "--warmup", str(warmup),
-             "--interval", str(interval), "--json"]
+             "--interval", str(interval), "--repeat", str(rounds), "--json"]
     if not own_data:
         train += ["--set", f"data.path={corpus}"]
     for item in overrides:

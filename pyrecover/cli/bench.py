@@ -293,6 +293,10 @@ def gpu_check(
     step_timeout: Annotated[float, typer.Option(
         help="Seconds one step may take; past it the step is stopped (SIGTERM, then SIGKILL), "
         "reported as failed, and the check goes on with the next; 0: no limit.")] = 1800.0,
+    rounds: Annotated[int, typer.Option(
+        min=1, help="Runs of each mode in the GPU's training steps (train, memory-every-step), "
+        "in a rotated order, medians: one run of a mode is about 4% apart from the next on "
+        "an H200, as far as some ratios are from their bounds.")] = 1,
     budget: Annotated[float, typer.Option(
         help="Seconds the whole check may take (a lease's minutes): a step starts only with "
         "60 s of it left and is stopped 20 s before it runs out; the steps not run are "
@@ -318,7 +322,7 @@ def gpu_check(
                                  cpu_repeat=cpu_repeat,
                                  cpu_state_gb=cpu_state_gb,
                                  step_timeout=step_timeout if step_timeout > 0 else None,
-                                 budget_s=budget if budget > 0 else None)
+                                 budget_s=budget if budget > 0 else None, rounds=rounds)
     except check.GpuCheckError as exc:
         raise user_error(exc) from None
     typer.echo(check.format_report(report), nl=False)

@@ -127,3 +127,21 @@ def test_a_budget_runs_the_steps_it_has_time_for_and_names_the_rest(tmp_path, co
     refused = pyrecover("bench", "gpu-check", "--out", str(tmp_path), "--allow-cpu",
                         "--budget", "-1")
     assert refused.returncode == 2 and "--budget -1" in refused.stderr, refused.stderr
+
+
+def test_rounds_run_each_mode_again_in_a_rotated_order_and_report_medians(tmp_path, corpus):
+    # A run of a mode on an H200 is about 4% apart from the next, as far as the memory
+    # figure was from its bound: --rounds gives the ratios as medians of several runs each.
+    done = pyrecover("bench", "gpu-check", "--out", str(tmp_path), "--config", str(TINY),
+                     "--set", f"data.path={corpus}", "--steps", "2", "--warmup", "1",
+                     "--allow-cpu", "--only", "memory-every-step", "--rounds", "2",
+                     timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    step = json.loads((tmp_path / "report.json").read_text())["steps"]["memory-every-step"]
+    assert step["argv"][step["argv"].index("--repeat") + 1] == "2"
+    assert step["report"]["repeat"] == 2
+    rows = {r["mode"]: r for r in step["report"]["rows"]}
+    assert set(rows) == {"none", "memory"} and rows["memory"]["vs_none"] > 0
+    refused = pyrecover("bench", "gpu-check", "--out", str(tmp_path), "--allow-cpu",
+                        "--rounds", "0")
+    assert refused.returncode == 2 and "--rounds" in refused.stderr, refused.stderr
