@@ -105,14 +105,11 @@ def bytecode_origin(probe: str = PROBE) -> str:
     spec = importlib.util.find_spec(probe)
     if spec is None or not spec.origin:
         return "unknown"
-    source = Path(spec.origin)
-    installed = source.parent / "__pycache__" / (
-        f"{source.stem}.{sys.implementation.cache_tag}.pyc")
     if sys.pycache_prefix:
         return f"the cache {sys.pycache_prefix} (PYTHONPYCACHEPREFIX)"
-    if installed.is_file():
+    if Path(importlib.util.cache_from_source(spec.origin)).is_file():  # (no prefix here)
         return "cached beside the sources"
-    if not sys.dont_write_bytecode and os.access(source.parent, os.W_OK):
+    if not sys.dont_write_bytecode and os.access(Path(spec.origin).parent, os.W_OK):
         return "written beside the sources at the first start"
     return f"compiled at every start ({PYCACHE_ENV}=off or the cache unusable)"
 

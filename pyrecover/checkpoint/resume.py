@@ -33,7 +33,6 @@ from pyrecover.readahead import read_through
 log = logging.getLogger("pyrecover")
 
 
-
 @dataclass
 class Choice:
     """Choice is rank 0's pick: the newest checkpoint that verifies (None: none does), and

@@ -35,6 +35,10 @@ def train(
     Examples:
       pyrecover train --config launch/experiments/tiny.yaml --set train.max_steps=100 --nproc 2
       pyrecover train --config my.yaml --run-dir runs/my-try --set train.lr=3e-4
+
+    Where torch has no compiled bytecode and none can be written next to it, every start
+    would compile torch again: train caches it in PYRECOVER_PYCACHE (default
+    ~/.cache/pyrecover/pycache; off: no cache).
     """
     from pyrecover import batch, datasource, dist, spawn, startup
     from pyrecover import config as config_mod
