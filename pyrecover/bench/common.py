@@ -34,6 +34,15 @@ class BenchError(ValueError):
 Note = Callable[[str], None]
 
 
+def trainer_env(drop: tuple[str, ...] = ("PYRECOVER_",)) -> dict[str, str]:
+    """trainer_env is this process's environment for a trainer a bench starts: without the
+    variables named by `drop`'s prefixes (test hooks, another job's SLURM settings), except
+    the user's bytecode cache setting, which belongs to the start being timed."""
+    from pyrecover.startup import PYCACHE_ENV
+
+    return {k: v for k, v in os.environ.items() if k == PYCACHE_ENV or not k.startswith(drop)}
+
+
 def quiet(_: str) -> None:
     pass
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pyrecover.bench.common import BenchError, Note, machine, num, quiet
+from pyrecover.bench.common import BenchError, Note, machine, num, quiet, trainer_env
 from pyrecover.bench.memory_ranks import FIGURES, SEQUENCE, WORLD_SIZE, run_ranks
 
 # The targets (README "Benchmarks"): the figure and the bound it must stay within.
@@ -121,7 +121,7 @@ def _train_runs(config: Path | None, overrides: Sequence[str], steps: int, warmu
     cfg, base = _train_config(config, overrides, steps, warmup)
     total = warmup + steps
     results: dict[str, list[dict[str, float]]] = {m: [] for m in TRAIN_MODES}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYRECOVER_")}
+    env = trainer_env()
     for r in range(repeat):
         modes = list(TRAIN_MODES)
         turn = r % len(modes)  # rotate, so no mode always runs first

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pyrecover.bench import restart
-from pyrecover.bench.common import BenchError, Note, machine, num, quiet
+from pyrecover.bench.common import BenchError, Note, machine, num, quiet, trainer_env
 from pyrecover.phases import attempts
 from pyrecover.rundir import RunDir
 from pyrecover.spawn import exit_status
@@ -134,7 +134,7 @@ def bench_restart_local(storage: Path, config: Path | None, sets: Sequence[str],
     name = f"bench-restart-{uuid.uuid4().hex[:8]}"
     run = RunDir(storage / name)
     run.logs.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PYRECOVER_"))}
+    env = trainer_env(("SLURM_", "PYRECOVER_"))
     env.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled",
                 "PYRECOVER_KILL_ON_FILE": str(run.root / restart.KILL_FILE),
                 "PYRECOVER_KILL_RANK": "last", "PYRECOVER_KILL_TARGET": "self"})

@@ -167,3 +167,18 @@ def test_python_is_left_alone_where_torch_has_its_bytecode(dont_write, tmp_path)
                          capture_output=True, text=True, check=True)
     writable = not dont_write and os.access(Path(spec.origin).parent, os.W_OK)
     assert (out.stdout.strip() == "None") == (installed or writable)
+
+
+def test_a_bench_passes_the_users_cache_setting_to_the_trainer_it_times(monkeypatch):
+    """`bench restart --local` and `bench memory` time the trainer's start: the user's choice
+    of bytecode cache is part of it, while the test hooks and SLURM settings are not."""
+    from pyrecover.bench.common import trainer_env
+
+    monkeypatch.setenv(startup.PYCACHE_ENV, "off")
+    monkeypatch.setenv("PYRECOVER_KILL_RANK", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    env = trainer_env(("SLURM_", "PYRECOVER_"))
+    assert env[startup.PYCACHE_ENV] == "off" and env["PYTHONDONTWRITEBYTECODE"] == "1"
+    assert "PYRECOVER_KILL_RANK" not in env and "SLURM_JOB_ID" not in env
+    assert "SLURM_JOB_ID" in trainer_env()  # bench memory keeps SLURM's own variables
