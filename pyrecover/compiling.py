@@ -16,6 +16,7 @@ restart on another kind of GPU misses instead of loading the wrong kernels.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 from pyrecover.config import Config, ConfigError
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+log = logging.getLogger("pyrecover")
 
 
 def compile_enabled(cfg: Config, device: torch.device, logger=None) -> bool:
@@ -77,3 +79,15 @@ def cache_counts() -> dict[str, int]:
     inductor: Any = counters.get("inductor", {})
     return {"hits": int(inductor.get("fxgraph_cache_hit", 0)),
             "misses": int(inductor.get("fxgraph_cache_miss", 0))}
+
+
+def first_step_fields(compiled: bool, run: Any) -> dict:
+    """first_step_fields: what the `first_step` phase records beside its time; for a compiled
+    model, how much of the compile the cache saved (said in the log too)."""
+    if not compiled:
+        return {}
+    counts = cache_counts()
+    log.info("first step done; compile cache %s: %d graphs from the cache, %d compiled",
+             os.environ.get(CACHE_ENV, run.compile_cache), counts["hits"],
+             counts["misses"])
+    return {"compile_cache": counts}

@@ -75,6 +75,10 @@ def validate(cfg: Config) -> None:
     _choice("train.device", t.device, DEVICES)
     _choice("train.compile", t.compile, ("auto", "true", "false"))
     _choice("train.parallel", t.parallel, PARALLELS)
+    try:
+        parse_profile_window(t.profile)
+    except ValueError as exc:
+        _bad("train.profile", t.profile, str(exc))
     c = cfg.checkpoint
     _choice("checkpoint.mode", c.mode, CHECKPOINT_MODES)
     if c.interval != "auto":
@@ -154,6 +158,22 @@ def check_local_gpus(cfg: Config, local_processes: int, visible_gpus: int) -> No
 # Sizes past these are typos, and would only fail later inside torch (or fill the memory).
 _MOST = {"model.vocab_size": 1 << 24, "model.block_size": 1 << 20, "model.n_layer": 1024,
          "model.n_head": 1024, "model.n_embd": 1 << 16}
+
+
+def parse_profile_window(text: str) -> tuple[int, int] | None:
+    """parse_profile_window is the (first, last) step of `train.profile`, None for "";
+    ValueError for anything but "A" or "A-B" with 1 <= A <= B."""
+    text = str(text).strip()
+    if not text:
+        return None
+    first, sep, last = text.partition("-")
+    try:
+        a, b = int(first), int(last) if sep else int(first)
+    except ValueError:
+        raise ValueError("steps A-B (e.g. 20-22) or one step A, or empty for none") from None
+    if not 1 <= a <= b:
+        raise ValueError("steps A-B with 1 <= A <= B")
+    return a, b
 
 
 def short(value: Any, limit: int = 80) -> str:

@@ -103,6 +103,9 @@ class TrainConfig:
     """`ddp`: every rank holds the whole model and optimizer; `fsdp`: FSDP2 shards both over
     the ranks (one unit per transformer block; on CUDA bf16 compute, fp32 master weights), for
     models that do not fit one GPU."""
+    profile: str = ""
+    """`A-B`: record steps A to B with torch.profiler on every rank, a trace per rank under
+    <run>/profile/ and the device's time per step in the log (profiling.py); empty: off."""
 
 
 @dataclass

@@ -77,6 +77,11 @@ class RunDir:
         return self.root / "compile-cache"
 
     @property
+    def profile(self) -> Path:
+        """torch.profiler's traces of `train.profile`'s steps, one per rank (profiling.py)."""
+        return self.root / "profile"
+
+    @property
     def lock_file(self) -> Path:
         return self.root / "run.lock"
 

@@ -26,6 +26,7 @@ from pyrecover import (
     heartbeat,
     parallel,
     preempt,
+    profiling,
     progress,
     rundir,
     straggler,
@@ -39,6 +40,7 @@ from pyrecover.checkpoint.manager import Parts
 from pyrecover.checkpoint.resume import choose_in_background
 from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
+from pyrecover.config_checks import parse_profile_window
 from pyrecover.data import Batches, DataError, check_tokens, load_tokens
 from pyrecover.experiment import prepare_run_dir, recorded_global_batch
 from pyrecover.loop import Loop, TrainingError, TrainState
@@ -320,6 +322,13 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     autocast = contextlib.nullcontext if sharded and parallel.mixed_precision(
         device, t.precision) else autocast_for(cfg, device)  # FSDP casts the blocks itself
 
+    profiler = profiling.StepProfiler(parse_profile_window(t.profile), run.profile, env.rank,
+                                      device, state.step, run.event if env.rank == 0 else None)
+
+    def after_step(step: int) -> None:
+        phases.once("first_step", lambda: compiling.first_step_fields(compiled, run))
+        profiler.after_step(step)
+
     loop = Loop(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
                 manager=manager, run=run, rank=env.rank, world_size=env.world_size,
                 device=device, state=state, autocast=autocast,
@@ -335,12 +344,11 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                     cfg.run.straggler_interval, cfg.run.straggler_factor,
                     cfg.run.straggler_windows, env.world_size,
                     dist.gather_objects(node_name(), env.world_size)),
-                on_step=lambda step: phases.once("first_step", lambda: first_step_fields(
-                    compiled, run)))
+                on_step=after_step)
     if state.step >= t.max_steps:
         log.info("nothing to do: step %d already reached train.max_steps=%d", state.step,
                  t.max_steps)
-    with loop.tracker:  # closes the wandb run, failed if the loop raised
+    with loop.tracker, profiler:  # closes the wandb run (failed if the loop raised), a profile
         loop.run_steps()
         dog.phase("checkpoint")
         manager.finish(state.step)
@@ -349,18 +357,6 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     if env.rank == 0:
         run.event("finish", step=state.step, tokens_seen=state.tokens_seen)
         log.info("finished at step %d; run directory %s", state.step, run.root)
-
-
-def first_step_fields(compiled: bool, run: RunDir) -> dict:
-    """first_step_fields: what the `first_step` phase records beside its time; for a compiled
-    model, how much of the compile the cache saved (said in the log too)."""
-    if not compiled:
-        return {}
-    counts = compiling.cache_counts()
-    log.info("first step done; compile cache %s: %d graphs from the cache, %d compiled",
-             os.environ.get(compiling.CACHE_ENV, run.compile_cache), counts["hits"],
-             counts["misses"])
-    return {"compile_cache": counts}
 
 
 def train_state_of(saved: dict) -> TrainState:

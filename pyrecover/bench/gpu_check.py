@@ -179,9 +179,12 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
     # A snapshot every step and no disk checkpoint in the measured steps (the issue's figure:
     # the snapshots' cost alone); the last --interval given wins. bench train may round the
     # steps up to multiples of the config's log interval, so "never" is far past any end.
+    # Then 3 steps more of each under torch.profiler: whether a snapshot makes the kernels
+    # slower or the device wait (profiling.py), with a trace of each in profile/.
     plan.append((Step("memory-every-step", [*train, "--mode", "memory", "--set",
                                             "checkpoint.snapshot_interval=1", "--interval",
-                                            str(NEVER)]), True))
+                                            str(NEVER), "--profile", "3", "--profile-dir",
+                                            str(out / "profile")]), True))
     plan.append((Step("ckpt", [*python_argv(), "bench", "ckpt", "--dir", str(out / "ckpt"),
                                "--size-gb", str(size_gb), "--json"]), True))
     # The benches on the CPU cores train their own small model on the same corpus.

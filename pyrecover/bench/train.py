@@ -29,7 +29,8 @@ TRAIN_MODES: dict[str, tuple[str, bool] | None] = {"none": None, **MODES}
 def bench_train(config: Path | None, overrides: Sequence[str], interval: int, steps: int,
                 warmup: int = 5, repeat: int = 1, modes: Sequence[str] = tuple(TRAIN_MODES),
                 workdir: Path | None = None, note: Note = quiet,
-                plain: bool = False) -> dict[str, Any]:
+                plain: bool = False, profile: int = 0,
+                profile_dir: Path | None = None) -> dict[str, Any]:
     """bench_train trains `warmup + steps` steps per mode and compares tokens/s with `none`.
 
     `none` saves nothing within the measured steps (its interval is past the end); the final
@@ -38,12 +39,15 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     A mode whose run fails is a row with its `error`, and the other modes still run; a failed
     `none` ends the bench (nothing to compare with). Every run of the bench shares one
     Inductor cache (unless the user set TORCHINDUCTOR_CACHE_DIR): the model compiles once,
-    not once per mode.
+    not once per mode. With `profile`, every run trains that many steps after the measured
+    ones, which the first round records with torch.profiler (`train.profile`, profiling.py):
+    its traces go to `profile_dir/<mode>/` and its figures per step into the row (`profile`).
     """
     from pyrecover import config as config_mod
 
-    if interval < 1 or steps < 1 or warmup < 0 or repeat < 1:
-        raise BenchError("--interval and --steps must be >= 1, --warmup >= 0, --repeat >= 1")
+    if interval < 1 or steps < 1 or warmup < 0 or repeat < 1 or profile < 0:
+        raise BenchError("--interval and --steps must be >= 1, --warmup and --profile >= 0, "
+                         "--repeat >= 1")
     unknown = [m for m in modes if m not in TRAIN_MODES]
     if unknown:
         raise BenchError(f"unknown mode {unknown[0]!r}; known: {', '.join(TRAIN_MODES)}")
@@ -63,12 +67,14 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
         note(f"train.log_interval is {every}: {rounded[0]} warm-up and {rounded[1]} measured "
              f"steps (multiples of it) instead of {warmup} and {steps}")
         warmup, steps = rounded
-    total = warmup + steps
+    measured_end = warmup + steps
+    total = measured_end + profile
     base = list(overrides) + [f"train.max_steps={total}", f"train.log_interval={every}",
                               "tracking.wandb=disabled", "checkpoint.keep=2"]
     cfg = config_mod.load(config, base)
     work = Path(tempfile.mkdtemp(prefix="pyrecover-bench-train-", dir=workdir))
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    profiles: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     plain_runs: list[dict[str, Any]] = []
     # Inductor sets TRITON_CACHE_DIR under its cache the first time it builds a Triton
@@ -89,9 +95,13 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
                 note(f"repeat {r + 1}/{repeat}: training {total} steps with checkpoints "
                      f"{'never' if spec is None else f'every {interval} steps ({name})'}")
                 run_dir = work / f"{name}-{r}"
+                if profile and r == 0:
+                    extra.append(f"train.profile={measured_end + 1}-{total}")
                 try:
                     _train_once(config, base + extra, run_dir)
-                    results[name].append(_throughput(run_dir, warmup))
+                    results[name].append(_throughput(run_dir, warmup, measured_end))
+                    if profile and r == 0:
+                        profiles[name] = _keep_profile(run_dir, profile_dir, name)
                 except BenchError as exc:
                     if name == "none":
                         raise
@@ -126,6 +136,7 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
             "blocked_s": statistics.median(x["blocked_s"] for x in results[name]),
             "blocked_share": statistics.median(x["blocked_share"] for x in results[name]),
             "checkpoint_bytes": max(x["checkpoint_bytes"] for x in results[name]),
+            **({"profile": profiles[name]} if name in profiles else {}),
         })
     if plain_runs:
         tps = [x["tokens_per_s"] for x in plain_runs]
@@ -138,6 +149,7 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     return {"kind": "train", "config": str(config) if config else "defaults",
             "machine": machine(work.parent), "steps": steps, "warmup": warmup,
             "interval": interval, "repeat": repeat, "world_size": 1, "log_interval": every,
+            "profile_steps": profile,
             "model": config_mod.to_dict(cfg)["model"], "rows": rows_out}
 
 
@@ -170,11 +182,28 @@ def _train_once(config: Path | None, overrides: Sequence[str], run_dir: Path) ->
             signal.signal(sig, handler)
 
 
-def _throughput(run_dir: Path, warmup: int) -> dict[str, float]:
+def _keep_profile(run_dir: Path, into: Path | None, name: str) -> dict[str, Any]:
+    """_keep_profile is the run's `profile` event, its traces moved to `into/<name>/`."""
     from pyrecover.rundir import RunDir
 
     run = RunDir(run_dir)
-    measured = [m for m in run.read_metrics() if m.get("step", 0) > warmup]
+    found = [e for e in run.read_events() if e.get("event") == "profile"]
+    if not found:
+        raise BenchError(f"{run.events}: the profiled run recorded no profile")
+    keep = {k: v for k, v in found[-1].items() if k not in ("event", "time", "host")}
+    if into is not None:
+        target = into / name
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(run.profile, target)
+        keep["trace"] = str(target / Path(keep["trace"]).name)
+    return keep
+
+
+def _throughput(run_dir: Path, warmup: int, end: int) -> dict[str, float]:
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(run_dir)
+    measured = [m for m in run.read_metrics() if warmup < m.get("step", 0) <= end]
     if not measured:
         raise BenchError(f"{run.metrics}: no steps after the warm-up were logged")
     last = max(m["step"] for m in measured)
@@ -224,5 +253,13 @@ def format_train(report: dict[str, Any]) -> str:
                      f"{num(r.get('vs_plain'), 3):>8} {num(r.get('mfu'), 3):>6} "
                      f"{r['saves']:>6.0f} {r['blocked_s']:>10.3f} "
                      f"{100 * r['blocked_share']:>10.2f} {r['checkpoint_bytes'] / 1e6:>8.1f}")
+    profiled = [r for r in report["rows"] if r.get("profile")]
+    if profiled:
+        from pyrecover.profiling import describe
+
+        lines += ["", f"torch.profiler, {report['profile_steps']} steps after the measured "
+                  "ones (first round), per step:"]
+        lines += [f"{r['mode']:<10} {describe(r['profile'])}; {r['profile']['trace']}"
+                  for r in profiled]
     return "\n".join(lines)
 

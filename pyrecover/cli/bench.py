@@ -75,6 +75,12 @@ def train(
         "--plain", help="Also time the same model as a plain hand-written loop (compiled, "
         "fused AdamW, bf16 where the trainer would be), and show each mode's ratio to it.")]
     = False,
+    profile: Annotated[int, typer.Option(
+        help="Train this many more steps after the measured ones and record them with "
+        "torch.profiler in the first round (train.profile): per mode, the device's kernel, "
+        "idle and copy time per step, and a trace for https://ui.perfetto.dev.")] = 0,
+    profile_dir: Annotated[Path, typer.Option(
+        help="Where --profile's traces go, one folder per mode.")] = Path("runs/bench-profile"),
     as_json: JsonOpt = False,
 ) -> None:
     """Training tokens/s with each checkpoint mode, as a ratio to no checkpoints at all.
@@ -92,7 +98,8 @@ def train(
     try:
         report = bench_train.bench_train(config, overrides or [], interval, steps, warmup,
                                          repeat, tuple(mode or bench_train.TRAIN_MODES),
-                                         note=_note, plain=plain)
+                                         note=_note, plain=plain, profile=profile,
+                                         profile_dir=profile_dir.resolve())
     except (common.BenchError, ConfigError) as exc:
         raise user_error(exc) from None
     except StopRequested as stop:  # SIGTERM or the stop signal, during one of its runs

@@ -245,6 +245,22 @@ def test_a_cuda_run_compiles_by_default_and_logs_its_mfu(tmp_path, corpus):
 
 
 @needs_gpus(1)
+def test_a_profiled_cuda_run_says_what_the_device_did_per_step(tmp_path, corpus):
+    """train.profile on a GPU: kernels, the copies of memory mode's snapshot (one a step, to
+    pinned host memory) and the device's idle time, per step, beside a trace."""
+    done = pyrecover("train", *gpu_args(tmp_path, corpus, "prof", 1, "train.max_steps=6",
+                                        "train.profile=3-4", "checkpoint.mode=memory",
+                                        "checkpoint.snapshot_interval=1"), timeout=TIMEOUT)
+    check(done)
+    [event] = [e for e in events(tmp_path / "prof") if e["event"] == "profile"]
+    assert (event["first"], event["last"]) == (3, 4)
+    assert event["kernels_s"] > 0 and event["to_host_s"] > 0 and event["idle_s"] >= 0, event
+    assert event["kernels_s"] <= event["wall_s"] * 1.5, event  # the window, not the run
+    assert (tmp_path / "prof" / "profile" / "steps-3-4-rank-0.trace.json.gz").is_file()
+    assert "copies to host" in done.stderr
+
+
+@needs_gpus(1)
 def test_a_compiled_cuda_restart_on_a_new_node_loads_its_kernels_from_the_run(tmp_path,
                                                                                corpus):
     """Each attempt gets a fresh TMPDIR (Inductor's default cache is the node's /tmp): the

@@ -76,16 +76,37 @@ def test_bench_train_logs_as_the_config_does_and_measures_whole_logged_windows(
     assert rows["none"]["tokens_per_s"] > 0
 
 
+def test_bench_train_profiles_steps_after_the_measured_ones_and_keeps_their_traces(
+        tmp_path, corpus):
+    done = pyrecover("bench", "train", "--config", str(TINY), "--set", f"data.path={corpus}",
+                     "--steps", "6", "--warmup", "1", "--interval", "2", "--mode", "vanilla",
+                     "--profile", "2", "--profile-dir", "prof", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert rows["vanilla"]["saves"] == 3  # steps 2, 4 and 6: not the profiled 8
+    for mode in ("none", "vanilla"):
+        profile = rows[mode]["profile"]
+        assert (profile["first"], profile["last"], profile["steps"]) == (8, 9, 2)
+        assert profile["wall_s"] > 0
+        assert profile["trace"] == str(tmp_path / "prof" / mode / "steps-8-9-rank-0.trace.json.gz")
+        assert (tmp_path / "prof" / mode / "steps-8-9-rank-0.txt").is_file()
+    from pyrecover.bench.train import format_train
+
+    assert "torch.profiler, 2 steps after the measured ones" in format_train(report)
+
+
 def test_a_logged_row_counts_for_every_step_of_its_window(tmp_path):
     from pyrecover.bench.train import _throughput
     from pyrecover.rundir import RunDir
 
     run = RunDir(tmp_path / "run")
     run.create()
-    for step, step_time, tok_s in ((4, 9.0, 1.0), (8, 0.1, 100.0), (12, 0.3, 50.0)):
+    for step, step_time, tok_s in ((4, 9.0, 1.0), (8, 0.1, 100.0), (12, 0.3, 50.0),
+                                   (14, 5.0, 2.0)):  # 14: a profiled step after the end
         run.metric(step=step, step_time=step_time, tokens_per_s=tok_s,
                    checkpoint_stall_total=step / 100)
-    got = _throughput(tmp_path / "run", warmup=4)
+    got = _throughput(tmp_path / "run", warmup=4, end=12)
     # 4 steps at 0.1 s (40 tokens) and 4 at 0.3 s (60 tokens): 100 tokens in 1.6 s.
     assert got["tokens_per_s"] == pytest.approx(100 / 1.6)
     assert got["blocked_s"] == pytest.approx(0.08) and got["blocked_share"] == pytest.approx(
