@@ -160,6 +160,9 @@ _MOST = {"model.vocab_size": 1 << 24, "model.block_size": 1 << 20, "model.n_laye
          "model.n_head": 1024, "model.n_embd": 1 << 16}
 
 
+PROFILE_MOST_STEPS = 50
+
+
 def parse_profile_window(text: str) -> tuple[int, int] | None:
     """parse_profile_window is the (first, last) step of `train.profile`, None for "";
     ValueError for anything but "A" or "A-B" with 1 <= A <= B."""
@@ -173,6 +176,9 @@ def parse_profile_window(text: str) -> tuple[int, int] | None:
         raise ValueError("steps A-B (e.g. 20-22) or one step A, or empty for none") from None
     if not 1 <= a <= b:
         raise ValueError("steps A-B with 1 <= A <= B")
+    if b - a + 1 > PROFILE_MOST_STEPS:  # the profiler holds every operator of them in memory
+        raise ValueError(f"at most {PROFILE_MOST_STEPS} steps (a few show a step's pattern; "
+                         "the profiler keeps every operator of every step in memory)")
     return a, b
 
 

@@ -104,7 +104,7 @@ class Loop:
     # Hang watchdog and straggler detection (issue 14): phases are reported through _phase.
     watchdog: Watchdog = field(default_factory=Watchdog)  # unstarted: keeps time only
     stragglers: StragglerWatch | None = None
-    on_step: Callable[[int], None] | None = None  # after each step's update (phase timings)
+    on_step: Callable[[int], None] | None = None  # after each step's update and log line
     pending: Outcome | None = None  # the last step, until its numbers are read (settle)
     last: tuple[float, float] = (math.nan, math.nan)  # the newest loss and norm read
 
@@ -137,8 +137,6 @@ class Loop:
             self.state.data_position = self.batches.position
             window_steps += 1
             step = self.state.step
-            if self.on_step is not None:
-                self.on_step(step)
             if self.progress is not None:
                 self.progress.update(step, loss, tokens_per_step)
             if self.rank == 0 and (step % t.log_interval == 0 or step == t.max_steps):
@@ -146,6 +144,8 @@ class Loop:
                 self._log(step, loss, grad_norm, tokens_per_step * window_steps / elapsed,
                           elapsed / window_steps)
                 window_start, window_steps = time.perf_counter(), 0
+            if self.on_step is not None:  # (after the log: a profile's start is no logged step's)
+                self.on_step(step)
             self._phase("checkpoint")
             self.manager.at_step(step, final=step == t.max_steps)
             self.check_bad_steps()  # a save there read this step: no checkpoint goes past it

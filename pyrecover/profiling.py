@@ -7,13 +7,15 @@ a GPU, every kernel and copy with its stream. Each rank writes
 chrome://tracing) and a table of its operators beside it (`...-rank-R.txt`); rank 0 says per
 step, in its log and in a `profile` event:
 
-- `wall_s`: host time per step, from before step A to after step B (the device synchronized),
+- `wall_s`: host time per step, from the end of step A-1 (its update queued and logged, the
+  device synchronized) to the end of step B (synchronized); so each step's time holds the
+  checkpoint or snapshot taken after the step before it,
 - `kernels_s`: time the device spent in kernels (the union of their intervals: two kernels at
-  once on two streams count once),
+  once on two streams count once; a collective's kernel counts while it waits for a peer),
 - `to_host_s` / `to_device_s`: copies from and to the device (a snapshot's or an asynchronous
   save's copy is `to_host_s`),
-- `idle_s`: wall time with no kernel running, where the device waited for the host or for a
-  copy: kernels that got slower show in `kernels_s`, waits in `idle_s`.
+- `idle_s`: wall time with no kernel running, where the device waited for the host or at a
+  checkpoint's fence: kernels that got slower show in `kernels_s`, such waits in `idle_s`.
 
 On a CPU there is no device: only `wall_s` and the operator table. The profiler slows the
 steps it records (the operators' bookkeeping), so do not read throughput from them;
@@ -30,23 +32,27 @@ from typing import Any
 
 import torch
 
+from pyrecover.preempt import StopRequested
+
 log = logging.getLogger("pyrecover")
 
 
 class StepProfiler:
-    """StepProfiler records the window's steps (module docstring). `after_step(step)` is
-    called once a step's update is queued (and with the step a start resumes from, before its
-    first step); used as a context manager it ends a window the run left early (a stop)."""
+    """StepProfiler records the window's steps (module docstring). Entered (`with`), it starts
+    where the run resumes just before the window; `after_step(step)` is called once a step's
+    update is queued and its log line written; leaving ends a window the run left early (the
+    last step, a stop). `phase` is the hang watchdog's: writing a trace is no hang."""
 
     def __init__(self, window: tuple[int, int] | None, folder: Path, rank: int,
-                 device: torch.device, done: int, event: Callable[..., Any] | None = None):
+                 device: torch.device, done: int, event: Callable[..., Any] | None = None,
+                 phase: Callable[[str], Any] | None = None):
         self.window, self.folder, self.rank, self.device = window, folder, rank, device
         self.event = event  # rank 0's run.event; None elsewhere
+        self.phase = phase
         self._prof: Any = None
         self._began = (0, 0.0)  # (the first step recorded, perf_counter then)
         self._done = done  # the last step done
         self.summary: dict[str, Any] | None = None
-        self.after_step(done)
 
     def after_step(self, step: int) -> None:
         self._done = step
@@ -59,14 +65,18 @@ class StepProfiler:
             self._stop(step)
 
     def __enter__(self) -> StepProfiler:
+        self.after_step(self._done)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._prof is not None:  # the run stopped inside the window: what it recorded
-            try:
-                self._stop(self._done)
-            except Exception as error:  # a failed export never hides why the run ended
-                log.warning("profile not written: %s: %s", type(error).__name__, error)
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if self._prof is None:
+            return
+        if kind is not None and not issubclass(kind, StopRequested):
+            # A failed run: a device that hangs would hang the profiler's flush too.
+            log.warning("profile of steps %d-%d not written: the run failed", self._began[0],
+                        self._done)
+            return
+        self._stop(self._done)  # the run ended (or stopped) inside the window
 
     def _start(self, first: int) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -74,18 +84,40 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
+            torch.cuda.synchronize(self.device)  # the step before is not in the window
         self._prof = profile(activities=activities)
         self._prof.start()
         self._began = (first, time.perf_counter())
 
     def _stop(self, last: int) -> None:
+        """_stop ends the recording and writes it; a write that fails (a full disk) is a
+        warning, never the run's end."""
+        if self.phase is not None:  # (the loop's next phase ends it)
+            self.phase("idle")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - self._began[1]
         prof, self._prof = self._prof, None
-        prof.stop()
         first = self._began[0]
-        steps = max(1, last - first + 1)
+        try:
+            prof.stop()
+            if last < first:  # stopped before the window's first step: nothing to say
+                self.summary = {}
+                return
+            self.summary = self._write(prof, first, last, wall)
+        except Exception as error:
+            self.summary = {}
+            log.warning("profile of steps %d-%d not written: %s: %s", first, last,
+                        type(error).__name__, error)
+            return
+        if self.rank == 0:
+            log.info("profile of steps %d-%d, per step: %s; trace %s", first, last,
+                     describe(self.summary), self.summary["trace"])
+            if self.event is not None:
+                self.event("profile", **self.summary)
+
+    def _write(self, prof: Any, first: int, last: int, wall: float) -> dict[str, Any]:
+        steps = last - first + 1
         self.folder.mkdir(parents=True, exist_ok=True)
         stem = self.folder / f"steps-{first}-{last}-rank-{self.rank}"
         trace = stem.with_name(stem.name + ".trace.json.gz")
@@ -93,14 +125,8 @@ class StepProfiler:
         sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=40)
         stem.with_name(stem.name + ".txt").write_text(table + "\n")
-        self.summary = {"first": first, "last": last, "steps": steps,
-                        **per_step(device_times(prof.events()), wall, steps),
-                        "trace": str(trace)}
-        if self.rank == 0:
-            log.info("profile of steps %d-%d, per step: %s; trace %s", first, last,
-                     describe(self.summary), trace)
-            if self.event is not None:
-                self.event("profile", **self.summary)
+        return {"first": first, "last": last, "steps": steps,
+                **per_step(device_times(prof.events()), wall, steps), "trace": str(trace)}
 
 
 def device_times(events: Any) -> dict[str, float]:
@@ -112,6 +138,8 @@ def device_times(events: Any) -> dict[str, float]:
     for e in events:
         if getattr(e, "device_type", None) is None or e.device_type.name == "CPU":
             continue
+        if getattr(e, "is_user_annotation", False):  # a span of kernels (an optimizer step,
+            continue  # a compiled region, a collective), gaps included: not a kernel
         start, end = e.time_range.start, e.time_range.end
         name = e.name
         if name.startswith("Memcpy DtoH"):

@@ -323,7 +323,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         device, t.precision) else autocast_for(cfg, device)  # FSDP casts the blocks itself
 
     profiler = profiling.StepProfiler(parse_profile_window(t.profile), run.profile, env.rank,
-                                      device, state.step, run.event if env.rank == 0 else None)
+                                      device, state.step, run.event if env.rank == 0 else None,
+                                      dog.phase)
 
     def after_step(step: int) -> None:
         phases.once("first_step", lambda: compiling.first_step_fields(compiled, run))

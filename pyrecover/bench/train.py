@@ -48,6 +48,10 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     if interval < 1 or steps < 1 or warmup < 0 or repeat < 1 or profile < 0:
         raise BenchError("--interval and --steps must be >= 1, --warmup and --profile >= 0, "
                          "--repeat >= 1")
+    from pyrecover.config_checks import PROFILE_MOST_STEPS
+
+    if profile > PROFILE_MOST_STEPS:
+        raise BenchError(f"--profile {profile}: at most {PROFILE_MOST_STEPS} steps")
     unknown = [m for m in modes if m not in TRAIN_MODES]
     if unknown:
         raise BenchError(f"unknown mode {unknown[0]!r}; known: {', '.join(TRAIN_MODES)}")
@@ -191,11 +195,13 @@ def _keep_profile(run_dir: Path, into: Path | None, name: str) -> dict[str, Any]
     if not found:
         raise BenchError(f"{run.events}: the profiled run recorded no profile")
     keep = {k: v for k, v in found[-1].items() if k not in ("event", "time", "host")}
-    if into is not None:
-        target = into / name
-        shutil.rmtree(target, ignore_errors=True)
-        shutil.copytree(run.profile, target)
-        keep["trace"] = str(target / Path(keep["trace"]).name)
+    if into is None:  # (the run directory goes once measured)
+        keep.pop("trace", None)
+        return keep
+    target = into / name
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(run.profile, target)
+    keep["trace"] = str(target / Path(keep["trace"]).name)
     return keep
 
 
@@ -259,7 +265,8 @@ def format_train(report: dict[str, Any]) -> str:
 
         lines += ["", f"torch.profiler, {report['profile_steps']} steps after the measured "
                   "ones (first round), per step:"]
-        lines += [f"{r['mode']:<10} {describe(r['profile'])}; {r['profile']['trace']}"
+        lines += [f"{r['mode']:<10} {describe(r['profile'])}"
+                  + (f"; {r['profile']['trace']}" if r["profile"].get("trace") else "")
                   for r in profiled]
     return "\n".join(lines)
 

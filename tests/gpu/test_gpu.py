@@ -254,8 +254,10 @@ def test_a_profiled_cuda_run_says_what_the_device_did_per_step(tmp_path, corpus)
     check(done)
     [event] = [e for e in events(tmp_path / "prof") if e["event"] == "profile"]
     assert (event["first"], event["last"]) == (3, 4)
-    assert event["kernels_s"] > 0 and event["to_host_s"] > 0 and event["idle_s"] >= 0, event
-    assert event["kernels_s"] <= event["wall_s"] * 1.5, event  # the window, not the run
+    assert event["kernels_s"] > 0 and event["to_host_s"] > 0, event
+    # The device synchronized at both ends: its kernels lie inside the window, and the tiny
+    # model's kernels are too short to keep it busy (annotations, spans with gaps, left out).
+    assert event["kernels_s"] < event["wall_s"] and event["idle_s"] > 0, event
     assert (tmp_path / "prof" / "profile" / "steps-3-4-rank-0.trace.json.gz").is_file()
     assert "copies to host" in done.stderr
 
