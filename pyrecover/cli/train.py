@@ -35,6 +35,7 @@ def train(
     Examples:
       pyrecover train --config launch/experiments/tiny.yaml --set train.max_steps=100 --nproc 2
       pyrecover train --config my.yaml --run-dir runs/my-try --set train.lr=3e-4
+      pyrecover train --config my.yaml --set train.profile=200-202   # trace 3 steps
 
     Where torch has no compiled bytecode and none can be written next to it, every start
     would compile torch again: train caches it in PYRECOVER_PYCACHE (default
