@@ -19,7 +19,8 @@ step, in its log and in a `profile` event:
 
 On a CPU there is no device: only `wall_s` and the operator table. The profiler slows the
 steps it records (the operators' bookkeeping), so do not read throughput from them;
-`pyrecover bench train --profile N` profiles N steps after its measured ones.
+`pyrecover bench train --profile N` profiles N steps after its measured ones. `pyrecover
+status` shows the newest profile (torch is imported only where a profile starts).
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pyrecover.preempt import StopRequested
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("pyrecover")
 
@@ -79,6 +81,7 @@ class StepProfiler:
         self._stop(self._done)  # the run ended (or stopped) inside the window
 
     def _start(self, first: int) -> None:
+        import torch
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU]
@@ -92,6 +95,8 @@ class StepProfiler:
     def _stop(self, last: int) -> None:
         """_stop ends the recording and writes it; a write that fails (a full disk) is a
         warning, never the run's end."""
+        import torch
+
         if self.phase is not None:  # (the loop's next phase ends it)
             self.phase("idle")
         if self.device.type == "cuda":

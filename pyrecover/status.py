@@ -17,6 +17,7 @@ from typing import Any
 
 from pyrecover import ledger as ledger_mod
 from pyrecover import phases
+from pyrecover.profiling import describe
 from pyrecover.rundir import RunDir, read_bad_nodes, read_jsonl
 
 
@@ -57,6 +58,8 @@ class Status:
     """Records of events.jsonl and metrics.jsonl left out: not as pyrecover writes them."""
     excluded_nodes: list[dict[str, str]] = field(default_factory=list)
     """The run's bad nodes (`node`, `time`, `reason`), which its jobs leave out."""
+    profile: dict[str, Any] | None = None
+    """The newest `profile` event (train.profile: per-step figures and rank 0's trace)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,6 +115,8 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
             sacct(job_id) if (sacct and job_id) else [])]).to_dict(),
         skipped_records=skipped_events + skipped_metrics,
         excluded_nodes=read_bad_nodes(run),
+        profile=next(({k: v for k, v in e.items() if k not in ("event", "host")}
+                      for e in reversed(events) if e.get("event") == "profile"), None),
     )
 
 
@@ -313,6 +318,11 @@ def render(s: Status) -> str:
                      f"{g.get('windows')} windows in a row)")
     for n in s.excluded_nodes:
         lines.append(f"excluded    {n['node']} since {n['time']}: {n['reason']}")
+    if s.profile:
+        p = s.profile
+        figures = describe({k: v for k, v in p.items() if _is_number(v)}) or "no figures"
+        lines.append(f"profile     steps {p.get('first')}-{p.get('last')}, per step: {figures}; "
+                     f"trace {p.get('trace')}")
     if s.last_error:
         lines.append(f"last error  {s.last_error}")
     if s.skipped_records:

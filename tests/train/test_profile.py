@@ -51,6 +51,10 @@ def test_a_profiled_run_trains_what_an_unprofiled_one_does_and_leaves_a_trace_pe
         assert optimizer_steps(stem.with_name(stem.name + ".trace.json.gz")) == 3
         assert "aten::mm" in stem.with_name(stem.name + ".txt").read_text()
     assert not (plain / "profile").exists()
+    shown = pyrecover("status", str(profiled))
+    assert "profile     steps 3-5, per step: wall " in shown.stdout, shown.stdout
+    assert json.loads(pyrecover("status", str(profiled), "--json").stdout)["profile"][
+        "trace"] == event["trace"]
 
 
 def optimizer_steps(trace) -> int:

@@ -25,6 +25,8 @@ def _a_real_history(run: RunDir) -> None:
     run.event("resume", step=10, steps_lost=2, restore_seconds=0.3)
     run.event("hang", rank=1, node="n1", phase="allreduce", step=14, seconds=61.0, limit=60.0)
     run.event("straggler", rank=2, node="n2", seconds=0.4, median=0.1, windows=3, step=14)
+    run.event("profile", first=12, last=14, steps=3, wall_s=0.5, kernels_s=0.4, idle_s=0.1,
+              to_host_s=0.02, to_device_s=0.001, trace="profile/steps-12-14-rank-0.trace.json.gz")
     for step in range(1, 16):
         run.metric(step=step, loss=2.0, step_time=0.1, checkpoint_stall_total=0.2)
 
