@@ -44,13 +44,12 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     its traces go to `profile_dir/<mode>/` and its figures per step into the row (`profile`).
     """
     from pyrecover import config as config_mod
+    from pyrecover.config_checks import PROFILE_MOST_STEPS
 
     if interval < 1 or steps < 1 or warmup < 0 or repeat < 1 or profile < 0:
         raise BenchError("--interval and --steps must be >= 1, --warmup and --profile >= 0, "
                          "--repeat >= 1")
-    from pyrecover.config_checks import PROFILE_MOST_STEPS
-
-    if profile > PROFILE_MOST_STEPS:
+    if profile > PROFILE_MOST_STEPS:  # (train.profile's own limit, said in bench's words)
         raise BenchError(f"--profile {profile}: at most {PROFILE_MOST_STEPS} steps")
     unknown = [m for m in modes if m not in TRAIN_MODES]
     if unknown:
@@ -187,7 +186,8 @@ def _train_once(config: Path | None, overrides: Sequence[str], run_dir: Path) ->
 
 
 def _keep_profile(run_dir: Path, into: Path | None, name: str) -> dict[str, Any]:
-    """_keep_profile is the run's `profile` event, its traces moved to `into/<name>/`."""
+    """_keep_profile is the run's `profile` event, its traces copied to `into/<name>/` (the
+    run directory is removed once measured; without `into` the row names no trace)."""
     from pyrecover.rundir import RunDir
 
     run = RunDir(run_dir)
