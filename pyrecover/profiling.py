@@ -134,6 +134,11 @@ class StepProfiler:
                 **per_step(device_times(prof.events()), wall, steps), "trace": str(trace)}
 
 
+# CUPTI's synchronization records (torch records them only with
+# `_ExperimentalConfig(enable_cuda_sync_events=True)`): a stream waiting is not a kernel.
+SYNC_KINDS = frozenset({"Stream Sync", "Event Sync", "Context Sync", "Stream Wait Event"})
+
+
 def device_times(events: Any) -> dict[str, float]:
     """device_times sums the device's activities among a profile's events, in seconds:
     kernels (the union of their intervals), copies to the host and to the device (each
@@ -145,6 +150,8 @@ def device_times(events: Any) -> dict[str, float]:
             continue
         if getattr(e, "is_user_annotation", False):  # a span of kernels (an optimizer step,
             continue  # a compiled region, a collective), gaps included: not a kernel
+        if e.name in SYNC_KINDS:  # a stream waiting, recorded where a profile asks for it
+            continue
         start, end = e.time_range.start, e.time_range.end
         name = e.name
         if name.startswith("Memcpy DtoH"):

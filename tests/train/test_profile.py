@@ -130,7 +130,7 @@ def test_the_device_times_count_overlapping_kernels_once_and_copies_by_direction
         ev("ampere_gemm", 0, 100), ev("triton_fused", 50, 150),  # two streams at once
         ev("triton_red", 200, 250), ev("Memcpy DtoH (Device -> Pinned)", 0, 300),
         ev("Memcpy HtoD (Pinned -> Device)", 300, 310), ev("Memset (Device)", 0, 5),
-        ev("aten::mm", 0, 1000, device="CPU"),
+        ev("aten::mm", 0, 1000, device="CPU"), ev("Stream Wait Event", 150, 200),
         ev("Optimizer.step#AdamW.step", 200, 900, annotation=True)])  # a span, not a kernel
     assert found == {"kernels": 200e-6, "to_host": 300e-6, "to_device": 10e-6,
                      "device_events": 3.0}
