@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -48,6 +48,26 @@ def reference_model(corpus: Path, tmp_path_factory: pytest.TempPathFactory
                     ) -> dict[str, torch.Tensor]:
     """The final weights of one uninterrupted local run: same config, world size 2."""
     return reference_run(corpus, tmp_path_factory.mktemp("reference"), 2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def time_limit_runs(local_slurm: LocalSlurm, corpus: Path,
+                    tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[dict[str, tuple[int, Path]]]:
+    """The two time-limit jobs, submitted as the module starts so that their minutes of
+    waiting for the limit overlap each other and the module's other tests (the cluster has
+    room for three such jobs at once): 20 steps x 5 s, about 100 s of training, in 2-minute
+    jobs; `signal` gets USR2 60-90 s before the limit, `deadline` no signal. (job id, run
+    directory) by name; both are cancelled when the module ends."""
+    ids: list[int] = []
+    try:
+        yield {name: launch(local_slurm, ids, tmp_path_factory.mktemp(name), name, corpus,
+                            "--time", "2", "--signal-seconds", seconds, "--max-restarts", "8",
+                            env={"PYRECOVER_STEP_DELAY": "5"})
+               for name, seconds in (("signal", "60"), ("deadline", "0"))}
+    finally:
+        for job_id in ids:
+            local_slurm.cancel(str(job_id))
 
 
 def reference_run(corpus: Path, storage: Path, nproc: int) -> dict[str, torch.Tensor]:
@@ -295,12 +315,8 @@ def test_a_data_error_in_the_job_exits_2_and_is_not_requeued(local_slurm, jobs, 
 
 
 def test_a_run_longer_than_the_time_limit_stops_on_the_warning_signal_and_completes(
-        local_slurm, jobs, corpus, reference_model, tmp_path):
-    # 20 steps x 5 s: about 100 s of training, in 2-minute jobs whose USR2 comes 60-90 s
-    # before the limit.
-    job_id, run_dir = launch(local_slurm, jobs, tmp_path, "time-limit", corpus, "--time", "2",
-                             "--signal-seconds", "60", "--max-restarts", "8",
-                             env={"PYRECOVER_STEP_DELAY": "5"})
+        local_slurm, time_limit_runs, reference_model):
+    job_id, run_dir = time_limit_runs["signal"]
     assert "#SBATCH --signal=USR2@60" in (run_dir / "job.sbatch").read_text()
     info = wait_end(local_slurm, job_id, run_dir, timeout=900)
 
@@ -315,10 +331,8 @@ def test_a_run_longer_than_the_time_limit_stops_on_the_warning_signal_and_comple
 
 
 def test_without_a_warning_signal_the_trainer_stops_on_its_deadline_and_completes(
-        local_slurm, jobs, corpus, reference_model, tmp_path):
-    job_id, run_dir = launch(local_slurm, jobs, tmp_path, "deadline", corpus, "--time", "2",
-                             "--signal-seconds", "0", "--max-restarts", "8",
-                             env={"PYRECOVER_STEP_DELAY": "5"})
+        local_slurm, time_limit_runs, reference_model):
+    job_id, run_dir = time_limit_runs["deadline"]
     assert "--signal" not in (run_dir / "job.sbatch").read_text()
     info = wait_end(local_slurm, job_id, run_dir, timeout=900)
 
