@@ -13,10 +13,12 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from localslurm import LocalSlurm
 from test_requeue_e2e import (
     MAX_STEPS,
     assert_completed,
@@ -90,14 +92,34 @@ def test_the_headline_command_runs_the_demo_with_a_profile_from_init_cluster(
     assert "global_batch_size: 64" in recorded
 
 
-@pytest.mark.parametrize("launcher, per_node", [("torchrun", "1"), ("spawn", "2")])
-def test_usr2_under_torchrun_and_spawn_stops_requeues_and_resumes_to_the_same_model(
-        local_slurm, jobs, corpus, tmp_path, reference, launcher, per_node):
-    job_id, run_dir = launch(local_slurm, jobs, tmp_path, f"usr2-{launcher}", corpus,
-                             "--launcher", launcher, "--gpus-per-node", per_node,
+LAUNCHERS = {"torchrun": "1", "spawn": "2"}  # launcher: tasks (GPUs) per node
+
+
+@pytest.fixture(scope="module")
+def usr2_runs(local_slurm: LocalSlurm, corpus: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[dict[str, tuple[int, Path]]]:
+    """One job per launcher, submitted together (the cluster has room for both) so their
+    requeues overlap, each sent USR2 once it is at step 4; (job id, run directory) by
+    launcher, both cancelled when the module ends."""
+    ids: list[int] = []
+    try:
+        runs = {name: launch(local_slurm, ids, tmp_path_factory.mktemp(name), f"usr2-{name}",
+                             corpus, "--launcher", name, "--gpus-per-node", per_node,
                              env={"PYRECOVER_STEP_DELAY": "1"})
-    wait_running_at_step(local_slurm, job_id, run_dir, 4)
-    local_slurm.run("scancel", "--signal=USR2", str(job_id))
+                for name, per_node in LAUNCHERS.items()}
+        for job_id, run_dir in runs.values():
+            wait_running_at_step(local_slurm, job_id, run_dir, 4)
+            local_slurm.run("scancel", "--signal=USR2", str(job_id))
+        yield runs
+    finally:
+        for job_id in ids:
+            local_slurm.cancel(str(job_id))
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_usr2_under_torchrun_and_spawn_stops_requeues_and_resumes_to_the_same_model(
+        local_slurm, usr2_runs, reference, launcher):
+    job_id, run_dir = usr2_runs[launcher]
     info = wait_end(local_slurm, job_id, run_dir, timeout=400)
 
     assert_completed(local_slurm, job_id, run_dir, info)
@@ -111,7 +133,7 @@ def test_usr2_under_torchrun_and_spawn_stops_requeues_and_resumes_to_the_same_mo
     assert stop["reason"] == "SIGUSR2" and 4 <= stop["step"] < MAX_STEPS
     assert (requeue["exit_code"], requeue["reason"]) == (75, "stopped cleanly")
     assert resume["step"] == stop["step"] and resume["steps_lost"] == 0
-    world = 2 * int(per_node)
+    world = 2 * int(LAUNCHERS[launcher])
     assert next(e for e in every if e["event"] == "start")["world_size"] == world
     log = (run_dir / "logs" / f"{job_id}.out").read_text()
     assert f"world size {world} ({launcher})" in log
