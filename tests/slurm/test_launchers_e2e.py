@@ -29,8 +29,9 @@ from test_requeue_e2e import (
     launch,
     launch_env,
     reference_run,
+    running_at_step,
     wait_end,
-    wait_running_at_step,
+    wait_for,
 )
 
 pytestmark = pytest.mark.slurm
@@ -99,7 +100,7 @@ LAUNCHERS = {"torchrun": "1", "spawn": "2"}  # launcher: tasks (GPUs) per node
 def usr2_runs(local_slurm: LocalSlurm, corpus: Path, tmp_path_factory: pytest.TempPathFactory
               ) -> Iterator[dict[str, tuple[int, Path]]]:
     """One job per launcher, submitted together (the cluster has room for both) so their
-    requeues overlap, each sent USR2 once it is at step 4; (job id, run directory) by
+    requeues overlap, each sent USR2 as soon as it is at step 4; (job id, run directory) by
     launcher, both cancelled when the module ends."""
     ids: list[int] = []
     try:
@@ -107,9 +108,18 @@ def usr2_runs(local_slurm: LocalSlurm, corpus: Path, tmp_path_factory: pytest.Te
                              corpus, "--launcher", name, "--gpus-per-node", per_node,
                              env={"PYRECOVER_STEP_DELAY": "1"})
                 for name, per_node in LAUNCHERS.items()}
-        for job_id, run_dir in runs.values():
-            wait_running_at_step(local_slurm, job_id, run_dir, 4)
-            local_slurm.run("scancel", "--signal=USR2", str(job_id))
+        pending = dict(runs)
+
+        def signal_those_at_step_4() -> bool:  # each as soon as it is there, in any order
+            for name, (job_id, run_dir) in list(pending.items()):
+                if running_at_step(local_slurm, job_id, run_dir, 4):
+                    local_slurm.run("scancel", "--signal=USR2", str(job_id))
+                    del pending[name]
+            return not pending
+
+        wait_for(signal_those_at_step_4, 240, "both jobs at step 4",
+                 lambda: "\n".join(explain(run_dir, job_id)
+                                   for job_id, run_dir in pending.values()))
         yield runs
     finally:
         for job_id in ids:

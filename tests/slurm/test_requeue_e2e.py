@@ -154,16 +154,20 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str, detail: Calla
         time.sleep(0.5)
 
 
+def running_at_step(cluster: LocalSlurm, job_id: int, run_dir: Path, step: int,
+                    after: int = 0) -> bool:
+    """Whether the job is RUNNING and metrics.jsonl shows `step` in an attempt that began
+    after `after` lifecycle events (so a resumed run's own progress counts, not old lines);
+    a job that already ended fails the test."""
+    state = cluster.job_state(job_id)
+    assert state not in TERMINAL_STATES, f"job ended early: {state}\n" + explain(run_dir, job_id)
+    return state == "RUNNING" and len(kinds(run_dir)) > after and last_step(run_dir) >= step
+
+
 def wait_running_at_step(cluster: LocalSlurm, job_id: int, run_dir: Path, step: int,
                          after: int = 0) -> None:
-    """Wait until the job is RUNNING and metrics.jsonl shows `step` in an attempt that began
-    after `after` lifecycle events (so a resumed run's own progress counts, not old lines)."""
-    def ready() -> bool:
-        state = cluster.job_state(job_id)
-        assert state not in TERMINAL_STATES, f"job ended early: {state}\n" + explain(
-            run_dir, job_id)
-        return state == "RUNNING" and len(kinds(run_dir)) > after and last_step(run_dir) >= step
-    wait_for(ready, 240, f"job {job_id} at step {step}", lambda: explain(run_dir, job_id))
+    wait_for(lambda: running_at_step(cluster, job_id, run_dir, step, after), 240,
+             f"job {job_id} at step {step}", lambda: explain(run_dir, job_id))
 
 
 def wait_end(cluster: LocalSlurm, job_id: int, run_dir: Path, timeout: float) -> dict[str, str]:
