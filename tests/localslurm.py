@@ -601,13 +601,14 @@ ProctrackType=proctrack/pgid
 TaskPlugin=task/none
 SwitchType=switch/none
 MpiDefault=none
-# No accounting daemon: no sacct. scontrol shows finished jobs for MinJobAge seconds and
-# jobcomp/filetxt keeps a record of them.
+# No accounting daemon: no sacct. scontrol shows finished jobs for MinJobAge seconds (an hour:
+# a test module's background jobs are read after the tests before them) and jobcomp/filetxt
+# keeps a record of them.
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc={root}/log/jobcomp.txt
-MinJobAge=300
+MinJobAge=3600
 # Advertise more CPUs than the machine has; without this the nodes go INVAL.
 SlurmdParameters=config_overrides
 SelectType=select/cons_tres

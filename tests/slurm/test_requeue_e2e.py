@@ -9,6 +9,7 @@ down so a run can be caught mid-way; it does not change what is computed.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -51,14 +52,20 @@ def reference_model(corpus: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="module", autouse=True)
-def time_limit_runs(local_slurm: LocalSlurm, corpus: Path,
+def time_limit_runs(request: pytest.FixtureRequest, local_slurm: LocalSlurm, corpus: Path,
                     tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[dict[str, tuple[int, Path]]]:
     """The two time-limit jobs, submitted as the module starts so that their minutes of
-    waiting for the limit overlap each other and the module's other tests (the cluster has
-    room for three such jobs at once): 20 steps x 5 s, about 100 s of training, in 2-minute
-    jobs; `signal` gets USR2 60-90 s before the limit, `deadline` no signal. (job id, run
-    directory) by name; both are cancelled when the module ends."""
+    waiting for the limit overlap each other and the module's other tests (each job takes
+    one of a node's four CPUs): 20 steps x 5 s, about 100 s of training, in 2-minute jobs;
+    `signal` gets USR2 60-90 s before the limit, `deadline` no signal. (job id, run
+    directory) by name; both are cancelled when the module ends. Nothing is submitted where
+    no selected test asks for them by name (`pytest -k` of another test)."""
+    wanted = any("time_limit_runs" in inspect.signature(item.function).parameters
+                 for item in request.session.items if item.module is request.module)
+    if not wanted:
+        yield {}
+        return
     ids: list[int] = []
     try:
         yield {name: launch(local_slurm, ids, tmp_path_factory.mktemp(name), name, corpus,
