@@ -136,7 +136,8 @@ class StepProfiler:
 
 # CUPTI's synchronization records (torch records them only with
 # `_ExperimentalConfig(enable_cuda_sync_events=True)`): a stream waiting is not a kernel.
-SYNC_KINDS = frozenset({"Stream Sync", "Event Sync", "Context Sync", "Stream Wait Event"})
+SYNC_KINDS = frozenset({"Stream Sync", "Event Sync", "Context Sync", "Stream Wait Event",
+                        "Unknown Sync"})
 
 
 def device_times(events: Any) -> dict[str, float]:
