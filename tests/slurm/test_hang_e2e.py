@@ -80,8 +80,12 @@ def test_a_stopped_task_is_reported_as_a_hang_requeued_and_the_job_completes_bit
     [requeue] = [e for e in every if e["event"] == "requeue"]
     assert (requeue["exit_code"], requeue["reason"]) == (76, "hang"), explain(run_dir, job_id)
     [resume] = [e for e in every if e["event"] == "resume"]
-    assert resume["step"] == 8, explain(run_dir, job_id)  # one snapshot interval back at most
-    assert any(e["event"] == "snapshot_recovered" and e["step"] == 8 for e in every)
+    # Rank 1 stopped in step 9: the newest snapshot is step 8's, or step 7's where step 8's
+    # exchange had not finished on the other ranks (the README: a snapshot interval, or two
+    # when the fault strikes while the newest one is being exchanged; seen once in CI).
+    assert resume["step"] in (7, 8), explain(run_dir, job_id)
+    assert any(e["event"] == "snapshot_recovered" and e["step"] == resume["step"]
+               for e in every), explain(run_dir, job_id)
     report = status(local_slurm, run_dir)
     assert report["state"] == "finished" and report["restarts_by_cause"] == {"hang": 1}
     assert_same_model(local_slurm, run_dir, reference_model_4)
