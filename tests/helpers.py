@@ -48,6 +48,15 @@ def pyrecover(*args: str, env: dict[str, str] | None = None, cwd: Path | None = 
                           start_new_session=True, preexec_fn=limit)
 
 
+def default_cluster(tmp_path: Path) -> dict[str, str]:
+    """default_cluster is the environment that names an empty cluster profile (the built-in
+    defaults: 1 node, 4 GPUs, srun) beside tmp_path, for `launch` and `sweep launch`, which
+    need one."""
+    defaults = tmp_path.parent / f"{tmp_path.name}-defaults-cluster.yaml"
+    defaults.write_text("")
+    return {"PYRECOVER_CLUSTER": str(defaults)}
+
+
 def tiny_args(storage: Path, corpus: Path, name: str, *extra: str) -> list[str]:
     """tiny_args is `--config tiny.yaml` pointed at a storage folder and corpus."""
     args = ["--config", str(TINY), "--set", f"run.storage={storage}",

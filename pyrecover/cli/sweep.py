@@ -27,14 +27,17 @@ def launch(
     config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="Experiment YAML every trial starts from.")] = None,
     cluster: Annotated[Path | None, typer.Option(
-        help="Cluster profile YAML; the options below override its keys.")] = None,
+        help="Cluster profile YAML (e.g. launch/clusters/local.yaml); the options below "
+        "override its keys. Default: $PYRECOVER_CLUSTER, else "
+        "~/.config/pyrecover/cluster.yaml, as for launch.")] = None,
     max_parallel: Annotated[int | None, typer.Option(
         help="Trials running at once (--array=0-N%M); default: the sweep file's "
         "max_parallel, else no limit.")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", "-s", metavar="KEY=VALUE",
         help="Override one experiment key for every trial. Repeatable.")] = None,
-    mode: Annotated[str | None, typer.Option(help="Checkpoint mode (checkpoint.mode).")] = None,
+    mode: Annotated[str | None, typer.Option(
+        help="Checkpoint mode, vanilla, dcp or memory (checkpoint.mode).")] = None,
     nodes: Annotated[int | None, typer.Option(help=f"Nodes per trial ({P}: nodes).")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(
         help=f"GPUs per node = tasks per node ({P}: gpus_per_node).")] = None,
@@ -43,9 +46,12 @@ def launch(
     partition: Annotated[str | None, typer.Option(help=f"Partition ({P}).")] = None,
     account: Annotated[str | None, typer.Option(help=f"Account ({P}).")] = None,
     time: Annotated[str | None, typer.Option(help=f"Time limit per trial ({P}).")] = None,
-    image: Annotated[str | None, typer.Option(help=f"Apptainer image ({P}).")] = None,
+    image: Annotated[str | None, typer.Option(
+        help=f"Apptainer image, .sif ({P}: image; else $PYRECOVER_IMAGE, else "
+        "./pyrecover.sif).")] = None,
     bind: Annotated[list[str] | None, typer.Option(
-        metavar="SRC[:DST]", help=f"Bind mount, repeatable ({P}: binds).")] = None,
+        metavar="SRC[:DST[:ro]]", help=f"Bind mount, e.g. --bind /datasets:/data:ro; "
+        f"repeatable ({P}: binds).")] = None,
     launcher: Annotated[str | None, typer.Option(
         help=f"srun, torchrun, spawn or none, as for launch ({P}: launcher).")] = None,
     max_restarts: Annotated[int | None, typer.Option(
@@ -79,11 +85,14 @@ def launch(
     sets = list(overrides or []) + ([f"checkpoint.mode={mode}"] if mode else [])
     cfg = config_mod.load(config, sets)
     cfg = trials.base_for(sweep, absolute_paths(cfg, cwd))
+    # The profile and the image are found as `launch` finds them.
+    found = profile.find_profile(cluster, os.environ, Path.home())
     prof = profile.with_overrides(
-        profile.load_profile(cluster, cwd), cwd, binds=tuple(bind or ()), nodes=nodes,
+        profile.load_profile(found, cwd), cwd, binds=tuple(bind or ()), nodes=nodes,
         gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, time=time,
         partition=partition, account=account, image=image, launcher=launcher,
         max_restarts=max_restarts, signal_seconds=signal_seconds)
+    prof = profile.find_image(prof, os.environ, cwd)
     profile.validate(prof)
     if max_parallel is not None and max_parallel < 1:
         raise LaunchError(f"--max-parallel={max_parallel} is not allowed: expected >= 1")

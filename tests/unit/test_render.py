@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, TINY, pyrecover
+from helpers import REPO, TINY, default_cluster, pyrecover
 
 from pyrecover import config as config_mod
 from pyrecover.slurm import LaunchError, profile, render
@@ -381,11 +381,9 @@ def test_launcher_srun_without_an_image_says_what_to_do():
 def launch(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
     """`pyrecover launch` the tiny run; the cluster profile is the built-in defaults (an
     empty file beside tmp_path) unless the test passes --cluster."""
-    defaults = tmp_path.parent / f"{tmp_path.name}-defaults-cluster.yaml"
-    defaults.write_text("")
     base = ["launch", "--config", str(TINY), "--set", f"run.storage={tmp_path / 'store'}",
             "--set", f"data.path={tmp_path / 'data.parquet'}"]
-    env = {"PYRECOVER_CLUSTER": str(defaults), **(env or {})}
+    env = {**default_cluster(tmp_path), **(env or {})}
     return pyrecover(*base, *args, env=env, cwd=tmp_path)
 
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import yaml
-from helpers import TINY, pyrecover
+from helpers import TINY, default_cluster, pyrecover
 from test_render import FIXED_CWD, HOSTILE, PYTHON, check_golden, run_step, shellcheck
 
 from pyrecover import config as config_mod
@@ -250,11 +250,38 @@ def test_dry_run_prints_the_array_script_and_the_trial_table_and_writes_nothing(
     path.write_text(yaml.safe_dump(GRID, sort_keys=False))
     done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--dry-run",
                      "--max-parallel", "3", "--launcher", "none",
-                     "--set", f"run.storage={tmp_path / 'st'}", cwd=tmp_path)
+                     "--set", f"run.storage={tmp_path / 'st'}", cwd=tmp_path,
+                     env=default_cluster(tmp_path))
     assert done.returncode == 0, done.stderr
     assert "#SBATCH --array=0-5%3" in done.stdout
     assert "#   trial-5: train.lr=0.01, train.seed=2, model.n_layer=2" in done.stdout
     assert not (tmp_path / "st").exists()
+
+def test_the_profile_and_the_image_are_found_as_launch_finds_them(tmp_path):
+    """Without --cluster and --image, `sweep launch` reads $PYRECOVER_CLUSTER and
+    $PYRECOVER_IMAGE, as `launch` does; with neither a profile nor ~/.config's, one line."""
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump(GRID, sort_keys=False))
+    (tmp_path / "cluster.yaml").write_text("partition: sweeps\nnodes: 1\ngpus_per_node: 2\n")
+    (tmp_path / "my.sif").write_text("")
+    argv = ["sweep", "launch", str(path), "--config", str(TINY), "--dry-run",
+            "--set", f"run.storage={tmp_path / 'st'}"]
+    done = pyrecover(*argv, cwd=tmp_path, env={
+        "HOME": str(tmp_path), "PYRECOVER_CLUSTER": str(tmp_path / "cluster.yaml"),
+        "PYRECOVER_IMAGE": str(tmp_path / "my.sif")})
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --partition=sweeps" in done.stdout
+    assert "#SBATCH --ntasks-per-node=2" in done.stdout
+    assert f"apptainer exec --nv --bind {tmp_path / 'st'}:{tmp_path / 'st'} " \
+           f"{tmp_path / 'my.sif'} " in done.stdout
+
+    done = pyrecover(*argv, cwd=tmp_path, env={"HOME": str(tmp_path)})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: no cluster profile: pass --cluster FILE, set "
+                               "PYRECOVER_CLUSTER"), lines[0]
+    assert not (tmp_path / "st").exists()
+
 
 
 @pytest.mark.parametrize("body, message", [
@@ -269,7 +296,8 @@ def test_a_bad_sweep_is_one_line_exit_2_and_writes_nothing(tmp_path, body, messa
     path = tmp_path / "bad.yaml"
     path.write_bytes(body.encode("latin-1"))
     done = pyrecover("sweep", "launch", str(path), "--config", str(TINY),
-                     "--set", f"run.storage={tmp_path / 'st'}", cwd=tmp_path)
+                     "--set", f"run.storage={tmp_path / 'st'}", cwd=tmp_path,
+                     env=default_cluster(tmp_path))
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and message in lines[0], done.stderr
     assert not (tmp_path / "st").exists()
@@ -290,7 +318,7 @@ def test_launch_writes_the_sweep_and_every_trial_then_refuses_a_second_live_arra
     path.write_text(yaml.safe_dump({**GRID, "name": "lr"}, sort_keys=False))
     args = ["sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
             "--set", f"run.storage={tmp_path / 'st'}"]
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **default_cluster(tmp_path)}
 
     done = pyrecover(*args, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, TINY, pyrecover
+from helpers import REPO, TINY, default_cluster, pyrecover
 from test_render import HOSTILE, run_step, shellcheck
 from test_sweep import base_config
 
@@ -138,7 +138,8 @@ def test_bayes_offline_or_without_a_key_is_refused_in_one_line(tmp_path, sets, e
         argv += ["--set", item]
     for dry in ([], ["--dry-run"]):
         done = pyrecover(*argv, *dry, cwd=tmp_path,
-                         env={"HOME": str(tmp_path), "WANDB_MODE": "", **env})
+                         env={"HOME": str(tmp_path), "WANDB_MODE": "",
+                              **default_cluster(tmp_path), **env})
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, done.stderr
         assert lines[0].startswith(f"error: method=bayes needs tracking.wandb online with an "
@@ -284,7 +285,7 @@ def test_launch_registers_the_sweep_and_each_trial_asks_wandbs_agent_protocol_on
         port = int(server.stdout.readline())
         env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
                "WANDB_MODE": "online", "WANDB_API_KEY": KEY,
-               "WANDB_BASE_URL": f"http://127.0.0.1:{port}"}
+               "WANDB_BASE_URL": f"http://127.0.0.1:{port}", **default_cluster(tmp_path)}
         argv = ["sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
                 "--set", f"run.storage={tmp_path / 'st'}", "--set", "tracking.wandb=online"]
         dry = pyrecover(*argv, "--dry-run", cwd=tmp_path, env=env)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from helpers import TINY, pyrecover
+from helpers import TINY, default_cluster, pyrecover
 from test_sweep import base_config
 
 from pyrecover.sweep import record, spec, trials, wandb_sweep
@@ -97,7 +97,8 @@ def test_a_key_the_server_refuses_is_one_line_and_nothing_is_written_or_submitte
                          "--set", "tracking.wandb=online", cwd=tmp_path,
                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
                               "WANDB_MODE": "online", "WANDB_API_KEY": "k" * 40,
-                              "WANDB_BASE_URL": f"http://127.0.0.1:{port}"})
+                              "WANDB_BASE_URL": f"http://127.0.0.1:{port}",
+                              **default_cluster(tmp_path)})
         assert server.wait(timeout=60) == 0  # it was asked, and refused
     finally:
         server.kill()
