@@ -25,11 +25,14 @@ system-deps:
 	  fi; \
 	fi
 
-# torch is pinned to the CPU build that is on disk first, so the package's torch range is
-# already met and pip never downloads a CUDA build. The container gets torch from its base.
+# torch is pinned and installed first, so the package's torch range is already met. pip takes
+# the CPU build where it has one on disk (find-links: CI never downloads a CUDA build) or from
+# TORCH_INDEX (e.g. https://download.pytorch.org/whl/cpu; its +cpu version sorts above
+# PyPI's). The container gets torch from its base.
+TORCH_INDEX ?=
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--extra-index-url "$(TORCH_INDEX)")
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
@@ -46,7 +49,7 @@ clean:
 	rm -rf $(VENV) runs data .pytest_cache
 
 # The Apptainer image: CUDA + NCCL + this package (containers/pyrecover.def).
-image:
+image: venv
 	$(VENV)/bin/pyrecover image build containers/pyrecover.def pyrecover.sif
 
 # GPU tests inside the image; they skip with a reason where there is no GPU.

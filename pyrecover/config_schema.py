@@ -57,10 +57,15 @@ class ModelConfig:
     block_size: int = 128
     """Context length in tokens."""
     n_layer: int = 4
+    """Transformer blocks."""
     n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
     n_embd: int = 128
+    """Width: the embedding and residual stream size."""
     dropout: float = 0.0
+    """Dropout probability in attention and MLP (0: none, the usual for pre-training)."""
     bias: bool = False
+    """Biases in the linear layers and layer norms."""
 
 
 @dataclass
@@ -74,6 +79,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 300
+    """Optimizer steps of the whole run; raising it later continues a finished run."""
     global_batch_size: int | str = "auto:16"
     """Sequences per optimizer step, summed over all ranks and accumulation micro-steps.
     `N`: exactly N, refused unless it splits over the ranks; `auto:N`: N where it splits,
@@ -83,20 +89,32 @@ class TrainConfig:
     micro_batch_size: int = 8
     """Sequences per forward pass on one rank."""
     seed: int = 1337
+    """Seeds the weights, the data order and every rank's dropout stream."""
     lr: float = 1e-3
+    """Peak learning rate, reached after warmup_steps, then a cosine decay to min_lr at
+    max_steps."""
     min_lr: float = 1e-4
+    """The learning rate at max_steps; at most lr."""
     warmup_steps: int = 20
+    """Steps of linear warm-up to lr."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay, on every parameter of 2 or more dimensions (matrices
+    and embeddings), not on norms or biases."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.95
+    """AdamW's second-moment decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
     max_bad_steps: int = 5
     """Stop with an error after this many consecutive steps with a NaN/inf loss or gradient."""
     log_interval: int = 10
+    """Steps between log lines and metrics.jsonl rows (the host reads a step's loss only at
+    these)."""
     precision: str = "auto"
     """`auto` is bf16 autocast on CUDA and fp32 on CPU."""
     device: str = "auto"
+    """`auto`: CUDA where torch sees a GPU (one per rank), else CPU; `cpu` or `cuda`."""
     compile: str = "auto"
     """`torch.compile` the model: `auto` is on for CUDA and off on CPU; `true` or `false`."""
     parallel: str = "ddp"
@@ -111,6 +129,9 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     mode: str = "vanilla"
+    """`vanilla`: one torch.save file, written by rank 0; `dcp`: torch.distributed.checkpoint,
+    every rank writes its part (sharded, asynchronous by default); `memory`: replicated CPU
+    snapshots every snapshot_interval steps, on disk every interval."""
     interval: int | str = 50
     """Save every this many optimizer steps (and always at the last step), or `auto`: the
     Young/Daly interval sqrt(2 x stall x MTBF) from the measured save stall and step time and
@@ -136,9 +157,11 @@ class TrackingConfig:
     wandb: str = "auto"
     """`auto`: WANDB_MODE if set, else online when a wandb API key is configured, else offline."""
     project: str = "pyrecover"
+    """wandb project."""
     entity: str = ""
     """wandb team or user; empty: the API key's default entity."""
     group: str = ""
+    """wandb group; a sweep's trials get the sweep's name unless it is set."""
     tags: str = ""
     """Comma-separated, e.g. `baseline,125m`."""
     name: str = ""

@@ -64,7 +64,8 @@ def train(
     config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="Experiment YAML; default: the embedded CPU demo.")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
-        "--set", "-s", help="Override one config key, e.g. --set data.path=corpus.parquet.")]
+        "--set", "-s", metavar="KEY=VALUE",
+        help="Override one config key, e.g. --set data.path=corpus.parquet. Repeatable.")]
     = None,
     interval: Annotated[int, typer.Option(help="Checkpoint every this many steps.")] = 20,
     steps: Annotated[int, typer.Option(help="Measured steps per mode.")] = 60,
@@ -127,8 +128,8 @@ def memory(
         "--config", "-c", help="Experiment YAML for the throughput runs; default: the "
         "embedded CPU demo.")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
-        "--set", "-s", help="Override one config key of the throughput runs, e.g. "
-        "--set data.path=corpus.parquet.")] = None,
+        "--set", "-s", metavar="KEY=VALUE", help="Override one config key of the throughput "
+        "runs, e.g. --set data.path=corpus.parquet. Repeatable.")] = None,
     steps: Annotated[int, typer.Option(help="Measured training steps per throughput run.")]
     = 60,
     warmup: Annotated[int, typer.Option(help="Steps before the measurement starts.")] = 5,
@@ -162,7 +163,8 @@ def restart(
         "--config", "-c", help="Experiment YAML to train (e.g. launch/experiments/tiny.yaml)."
         )] = None,
     overrides: Annotated[list[str] | None, typer.Option(
-        "--set", "-s", help="Override one experiment key, e.g. --set data.path=c.parquet.")]
+        "--set", "-s", metavar="KEY=VALUE",
+        help="Override one experiment key, e.g. --set data.path=c.parquet. Repeatable.")]
     = None,
     nodes: Annotated[int | None, typer.Option(help="Nodes (launch --nodes).")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(
@@ -247,7 +249,8 @@ def compile_(
     config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="Experiment YAML; default: the embedded CPU demo.")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
-        "--set", "-s", help="Override one config key, e.g. --set data.path=corpus.parquet.")]
+        "--set", "-s", metavar="KEY=VALUE",
+        help="Override one config key, e.g. --set data.path=corpus.parquet. Repeatable.")]
     = None,
     repeat: Annotated[int, typer.Option(help="Restarts of each kind (median shown).")] = 2,
     as_json: JsonOpt = False,
@@ -277,7 +280,8 @@ def gpu_check(
     config: Annotated[Path, typer.Option("--config", "-c", help="Experiment YAML to train.")]
     = Path("launch/experiments/gpt-125m.yaml"),
     overrides: Annotated[list[str] | None, typer.Option(
-        "--set", "-s", help="Override one config key of the training runs.")] = None,
+        "--set", "-s", metavar="KEY=VALUE",
+        help="Override one config key of the training runs. Repeatable.")] = None,
     steps: Annotated[int, typer.Option(help="Measured training steps per mode.")] = 30,
     warmup: Annotated[int, typer.Option(help="Steps before the measurement (compilation).")]
     = 5,

@@ -35,7 +35,8 @@ def launch(
         "where SLURM answers) and exit.")] = None,
     nodes: Annotated[int | None, typer.Option(help=f"Nodes ({P}: nodes).")] = None,
     mode: Annotated[str | None, typer.Option(
-        help="Checkpoint mode: shorthand for --set checkpoint.mode=MODE.")] = None,
+        help="Checkpoint mode, vanilla, dcp or memory: shorthand for --set "
+        "checkpoint.mode=MODE.")] = None,
     exp_name: Annotated[str | None, typer.Option(
         help="Experiment name, the run directory's name: shorthand for --set "
         "run.exp_name=NAME.")] = None,
@@ -55,8 +56,9 @@ def launch(
         help=f"Apptainer image, .sif ({P}: image; else $PYRECOVER_IMAGE, else "
         "./pyrecover.sif).")] = None,
     bind: Annotated[list[str] | None, typer.Option(
-        metavar="SRC[:DST]", help=f"Bind mount, added to the profile's binds; run.storage is "
-        f"always bound. Repeatable ({P}: binds).")] = None,
+        metavar="SRC[:DST[:ro]]", help=f"Bind mount, added to the profile's binds, e.g. "
+        f"--bind /datasets:/data:ro; run.storage is always bound. Repeatable ({P}: binds).")]
+    = None,
     max_restarts: Annotated[int | None, typer.Option(
         help=f"Requeues allowed after a stop or crash ({P}: max_restarts).")] = None,
     spare_nodes: Annotated[int | None, typer.Option(

@@ -13,7 +13,8 @@ ConfigOpt = Annotated[Path | None, typer.Option(
     "--config", "-c", help="Experiment YAML (e.g. launch/experiments/tiny.yaml). "
     "Without it the embedded CPU demo defaults are used.")]
 SetOpt = Annotated[list[str] | None, typer.Option(
-    "--set", "-s", help="Override one config key, e.g. --set train.max_steps=100. Repeatable.")]
+    "--set", "-s", metavar="KEY=VALUE",
+    help="Override one config key, e.g. --set train.max_steps=100. Repeatable.")]
 
 
 def train(
@@ -39,7 +40,7 @@ def train(
 
     Where torch has no compiled bytecode and none can be written next to it, every start
     would compile torch again: train caches it in PYRECOVER_PYCACHE (default
-    ~/.cache/pyrecover/pycache; off: no cache).
+    $XDG_CACHE_HOME/pyrecover/pycache, else ~/.cache/pyrecover/pycache; off: no cache).
     """
     from pyrecover import batch, datasource, dist, spawn, startup
     from pyrecover import config as config_mod
@@ -86,7 +87,7 @@ def demo(
 ) -> None:
     """Build a corpus from Python's own sources, train, kill -9 part-way, resume, finish.
 
-    Needs no cluster and no GPU. Takes a few minutes on a 2-core laptop.
+    Needs no cluster and no GPU. Takes about a minute on 2 cores.
     """
     from pyrecover.cli import demo as demo_mod
 
