@@ -84,20 +84,47 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; a megabyte is no config
 
 
-class _NoAliasLoader(yaml.SafeLoader):
-    """YAML's safe loader without aliases: a few hundred bytes of nested `*alias` lists (a
-    "billion laughs") expand to gigabytes in memory and in any message that repeats them."""
+class _Strict:
+    """What every config reader refuses on top of YAML's own rules: aliases (a few hundred
+    bytes of nested `*alias` lists, a "billion laughs", expand to gigabytes in memory and in any
+    message that repeats them) and a key given twice in one mapping (YAML keeps the last one
+    silently; in a config that is a mistake)."""
 
-    def compose_node(self, parent, index):  # type: ignore[override]
-        if self.check_event(yaml.events.AliasEvent):
-            mark = self.peek_event().start_mark
+    name: str
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        if self.check_event(yaml.events.AliasEvent):  # type: ignore[attr-defined]
+            mark = self.peek_event().start_mark  # type: ignore[attr-defined]
             raise ConfigError(f"{self.name} line {mark.line + 1}: YAML aliases (*name) are not "
                               "allowed in a config; write the value out")
-        return super().compose_node(parent, index)
+        return super().compose_node(parent, index)  # type: ignore[misc]
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)  # type: ignore[attr-defined]
+                if not isinstance(key, (str, int, float, bool)):
+                    continue  # YAML's constructor refuses an unhashable key itself
+                if key in seen:
+                    raise ConfigError(f"{self.name} line {key_node.start_mark.line + 1}: key "
+                                      f"{short(key)} appears twice in one mapping; keep one")
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)  # type: ignore[misc]
 
 
-def read_yaml(p: Path) -> Any:
-    """read_yaml parses a config file: UTF-8, at most MAX_CONFIG_BYTES, no aliases."""
+class _NoAliasLoader(_Strict, yaml.SafeLoader):
+    """YAML's safe loader, strict (_Strict)."""
+
+
+class _StringsLoader(_Strict, yaml.BaseLoader):
+    """Every scalar a string (YAML 1.1 would read `time: 1:00:00` as the base-60 integer
+    3600), strict (_Strict): for values each field converts itself, as cluster profiles do."""
+
+
+def read_yaml(p: Path, strings: bool = False) -> Any:
+    """read_yaml parses a config file: UTF-8, at most MAX_CONFIG_BYTES, no aliases, no key
+    twice; `strings`: every scalar as written. Raises ConfigError in one line."""
     try:
         size = p.stat().st_size
         if size > MAX_CONFIG_BYTES:
@@ -111,7 +138,7 @@ def read_yaml(p: Path) -> Any:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{p}: not UTF-8 text (byte {data[exc.start]:#04x} at offset "
                           f"{exc.start})") from None
-    loader = _NoAliasLoader(text)
+    loader = (_StringsLoader if strings else _NoAliasLoader)(text)
     loader.name = str(p)
     try:
         return loader.get_single_data()

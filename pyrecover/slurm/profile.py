@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pyrecover import container
+from pyrecover.config import ConfigError, read_yaml, short
 from pyrecover.container import Bind
 from pyrecover.slurm import LaunchError
 
@@ -105,27 +104,26 @@ def find_image(profile: ClusterProfile, environ: Mapping[str, str], cwd: str | P
 
 
 def load_profile(path: str | Path | None, cwd: str | Path) -> ClusterProfile:
-    """load_profile reads a cluster profile (the defaults when None); paths made absolute."""
+    """load_profile reads a cluster profile (the defaults when None); paths made absolute.
+    It is read as a config is (config.read_yaml: UTF-8, size-capped, no aliases, no key
+    twice), every scalar a string: each field converts its own (`_coerce`)."""
     if path is None:
         return ClusterProfile()
     p = Path(path)
     if not p.is_file():
-        raise LaunchError(f"cluster profile {str(p)!r} does not exist (see launch/clusters/)")
+        what = "is a folder, not a YAML file" if p.is_dir() else "does not exist"
+        raise LaunchError(f"cluster profile {str(p)!r} {what} (see launch/clusters/)")
     try:
-        # BaseLoader keeps every scalar a string: YAML 1.1 would read `time: 1:00:00` as the
-        # base-60 integer 3600. Values are converted per field below instead.
-        raw = yaml.load(p.read_text(), Loader=yaml.BaseLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise LaunchError(f"{p}{where}: not valid YAML") from None
+        raw = read_yaml(p, strings=True)
+    except ConfigError as exc:
+        raise LaunchError(str(exc)) from None
     return from_mapping(raw or {}, str(p), cwd)
 
 
 def from_mapping(raw: Any, source: str, cwd: str | Path) -> ClusterProfile:
     """from_mapping builds a ClusterProfile from a mapping of strings, rejecting unknown keys."""
     if not isinstance(raw, dict):
-        raise LaunchError(f"{source}: expected a mapping of profile keys, got {raw!r}")
+        raise LaunchError(f"{source}: expected a mapping of profile keys, got {short(raw)}")
     unknown = sorted(set(raw) - set(FIELDS))
     if unknown:
         raise LaunchError(f"{source}: unknown cluster profile key {unknown[0]!r}; known keys: "
@@ -136,8 +134,8 @@ def from_mapping(raw: Any, source: str, cwd: str | Path) -> ClusterProfile:
         if key == "binds":
             items = [value] if isinstance(value, str) else value
             if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
-                raise LaunchError(f"{source}: binds={value!r} is not allowed: expected a list "
-                                  "of SRC[:DST] paths")
+                raise LaunchError(f"{source}: binds={short(value)} is not allowed: expected a "
+                                  "list of SRC[:DST[:ro]] paths")
             values[key] = tuple(parse_bind(v, cwd) for v in items)
         else:
             values[key] = _coerce(source, key, value, hints[key])
@@ -225,10 +223,12 @@ def _coerce(source: str, key: str, value: Any, hint: Any) -> Any:
         return None
     base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
     if not isinstance(value, str):
-        raise LaunchError(f"{source}: {key}={value!r} is not allowed: expected a single value")
+        raise LaunchError(f"{source}: {key}={short(value)} is not allowed: expected a single "
+                          "value")
     if base is int:
         if not re.fullmatch(r"-?\d+", value.strip()):
-            raise LaunchError(f"{source}: {key}={value!r} is not allowed: expected an integer")
+            raise LaunchError(f"{source}: {key}={short(value)} is not allowed: expected an "
+                              "integer")
         return int(value)
     return value
 
@@ -239,5 +239,5 @@ def _at_least(key: str, value: int, low: int) -> None:
 
 
 def _bad(key: str, value: Any, allowed: str) -> typing.NoReturn:
-    raise LaunchError(f"{key}={value!r} is not allowed: expected {allowed} "
+    raise LaunchError(f"{key}={short(value)} is not allowed: expected {allowed} "
                       f"(cluster profile key {key}, option {option_name(key)})")

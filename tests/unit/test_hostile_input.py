@@ -53,6 +53,9 @@ def test_an_oversized_config_file_is_refused_unread(tmp_path):
     ("model: {vocab_size: 4000000000}\n", "model.vocab_size=4000000000 is not allowed"),
     ("run: {exp_name: [" + "1," * 5000 + "]}\n", "<a list of 5000 items>"),
     ("run: {exp_name: " + "x" * 5000 + "}\n", "... (5002 characters)"),
+    ("train:\n  lr: 1.0e-3\n  lr: 2.0e-3\n", "c.yaml line 3: key 'lr' appears twice in one "
+                                             "mapping; keep one"),
+    ("train: {lr: 0.1}\ntrain: {seed: 1}\n", "line 2: key 'train' appears twice"),
 ])
 def test_each_bad_value_is_one_short_line_naming_the_key(tmp_path, text, message):
     path = tmp_path / "c.yaml"
@@ -81,6 +84,11 @@ def write_corpus(folder, ids):
     (lambda d: write_corpus(d, [[1, -3, 3] * 100]),
      ["--config", str(TINY), "--set", "data.path=tok.parquet", "--set", "data.column=ids"],
      "token id -3 is outside"),
+    (lambda d: pq.write_table(pa.table({"ids": pa.array([[1, 2, 3] * 100 + [2**64 - 1]],
+                                                        type=pa.list_(pa.uint64()))}),
+                              d / "tok.parquet"),
+     ["--config", str(TINY), "--set", "data.path=tok.parquet", "--set", "data.column=ids"],
+     "token id 18446744073709551615 is outside"),
     (lambda d: write_corpus(d, [[1, 2, 3]]),
      ["--config", str(TINY), "--set", "data.path=tok.parquet", "--set", "data.column=ids"],
      "fewer than one window"),

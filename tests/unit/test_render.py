@@ -417,6 +417,28 @@ def test_bad_launch_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, 
     assert files_under(tmp_path) == before and done.stdout == ""
 
 
+@pytest.mark.parametrize("body, message", [
+    (b"\xbfpartition: debug\n", "p.yaml: not UTF-8 text (byte 0xbf at offset 0)"),
+    (b"nodes: 1\nnodes: 2\n", "p.yaml line 2: key 'nodes' appears twice in one mapping"),
+    (b"- &a [x, x]\n- [*a, *a]\n", "p.yaml line 2: YAML aliases (*name) are not allowed"),
+    (b"[" + b"x, " * 1000 + b"]\n", "expected a mapping of profile keys, got <a list of 1000"),
+    (b"partition: " + b"p " * 3000 + b"\n", "partition='p p p"),
+    (None, "cluster profile"),  # a folder
+])
+def test_a_hostile_cluster_profile_file_is_one_short_line(tmp_path, body, message):
+    profile_path = tmp_path / "p.yaml"
+    if body is None:
+        profile_path.mkdir()
+    else:
+        profile_path.write_bytes(body)
+    done = launch(tmp_path, "--cluster", str(profile_path), "--dry-run")
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("note: ")]
+    assert done.returncode == 2 and len(lines) == 1 and message in lines[0], lines
+    assert len(lines[0]) < 400 and done.stdout == ""
+    if body is None:
+        assert "is a folder, not a YAML file" in lines[0]
+
+
 def test_missing_sbatch_points_at_dry_run(tmp_path):
     done = launch(tmp_path, "--launcher", "none", env={"PATH": "/nonexistent"})
     assert done.returncode == 2
