@@ -24,8 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pyrecover.config_checks import short
 from pyrecover.sweep import SweepError
 
+MAX_TRIALS = 10_000
+"""The most trials a sweep file may ask for: one job array, whose size SLURM caps anyway
+(MaxArraySize, 1001 by default), and each trial's config built and checked at launch."""
 METHODS = ("grid", "random", "bayes")
 GOALS = ("minimize", "maximize")
 DISTRIBUTIONS = ("categorical", "constant", "uniform", "log_uniform_values", "int_uniform",
@@ -83,14 +87,15 @@ def parse(raw: Any, default_name: str, source: str = "sweep") -> Sweep:
         raise SweepError(f"{source}: expected a mapping with method and parameters")
     unknown = sorted(set(map(str, raw)) - set(_TOP_KEYS))
     if unknown:
-        raise SweepError(f"{source}: unknown key {unknown[0]!r}; known: {', '.join(_TOP_KEYS)}")
+        raise SweepError(f"{source}: unknown key {short(unknown[0])}; known: "
+                         f"{', '.join(_TOP_KEYS)}")
     name = str(raw.get("name") or default_name)
     if not _NAME.fullmatch(name) or ".." in name:
-        raise SweepError(f"{source}: name={name!r} is not allowed: letters, digits, '.', '_' "
+        raise SweepError(f"{source}: name={short(name)} is not allowed: letters, digits, '.', '_' "
                          "and '-' (it names the sweep's folder)")
     method = raw.get("method")
     if method not in METHODS:
-        raise SweepError(f"{source}: method={method!r} is not allowed: expected grid, random "
+        raise SweepError(f"{source}: method={short(method)} is not allowed: expected grid, random "
                          "or bayes")
     if method == "bayes" and raw.get("metric") is None:
         raise SweepError(f"{source}: method=bayes needs metric: {{name: loss, goal: minimize}}, "
@@ -110,9 +115,17 @@ def parse(raw: Any, default_name: str, source: str = "sweep") -> Sweep:
         if loose is not None:
             raise SweepError(f"{source}: parameters.{loose.key}: method=grid needs values or "
                              f"value, not distribution {loose.distribution}")
+    trials = run_cap or 0
+    if method == "grid":
+        combos = math.prod(len(p.values) for p in parsed)
+        trials = min(combos, run_cap) if run_cap else combos
+    if trials > MAX_TRIALS:
+        raise SweepError(f"{source}: {trials} trials; a sweep has at most {MAX_TRIALS} (one "
+                         "SLURM array, whose MaxArraySize is often 1001): lower run_cap or "
+                         "the number of values")
     seed = raw.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise SweepError(f"{source}: seed={seed!r} is not allowed: expected an integer >= 0")
+        raise SweepError(f"{source}: seed={short(seed)} is not allowed: expected an integer >= 0")
     return Sweep(name=name, method=method, metric=metric, goal=goal, params=parsed,
                  run_cap=run_cap, max_parallel=_count(raw, "max_parallel", source), seed=seed)
 
@@ -136,10 +149,10 @@ def _metric(raw: Any, source: str) -> tuple[str, str]:
         raise SweepError(f"{source}: metric must be {{name: loss, goal: minimize}}")
     name, goal = raw.get("name", "loss"), raw.get("goal", "minimize")
     if name not in METRICS:
-        raise SweepError(f"{source}: metric.name={name!r} is not allowed: expected one of "
+        raise SweepError(f"{source}: metric.name={short(name)} is not allowed: expected one of "
                          f"{', '.join(METRICS)} (what metrics.jsonl records)")
     if goal not in GOALS:
-        raise SweepError(f"{source}: metric.goal={goal!r} is not allowed: expected minimize "
+        raise SweepError(f"{source}: metric.goal={short(goal)} is not allowed: expected minimize "
                          "or maximize")
     return name, goal
 
@@ -149,7 +162,7 @@ def _count(raw: dict[str, Any], key: str, source: str) -> int | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise SweepError(f"{source}: {key}={value!r} is not allowed: expected an integer >= 1")
+        raise SweepError(f"{source}: {key}={short(value)} is not allowed: expected an integer >= 1")
     return value
 
 
@@ -161,7 +174,8 @@ def _param(key: str, raw: Any, source: str) -> Param:
     allowed = {"values", "value", "distribution", "min", "max", "q", "probabilities"}
     extra = sorted(set(map(str, raw)) - allowed)
     if extra:
-        raise SweepError(f"{where}: unknown key {extra[0]!r}; known: {', '.join(sorted(allowed))}")
+        raise SweepError(f"{where}: unknown key {short(extra[0])}; known: "
+                         f"{', '.join(sorted(allowed))}")
     if "probabilities" in raw:
         raise SweepError(f"{where}: probabilities are not supported; repeat a value in values "
                          "to weigh it")
@@ -170,7 +184,7 @@ def _param(key: str, raw: Any, source: str) -> Param:
         dist = ("categorical" if "values" in raw else "constant" if "value" in raw else
                 "int_uniform" if _all_ints(raw.get("min"), raw.get("max")) else "uniform")
     if dist not in DISTRIBUTIONS:
-        raise SweepError(f"{where}: distribution={dist!r} is not supported: expected one of "
+        raise SweepError(f"{where}: distribution={short(dist)} is not supported: expected one of "
                          f"{', '.join(DISTRIBUTIONS)}")
     if dist == "categorical":
         values = raw.get("values")
@@ -205,13 +219,19 @@ def _number(raw: dict[str, Any], key: str, where: str) -> float:
             value = float(value)
         except ValueError:
             pass
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise SweepError(f"{where}: {key}={value!r} is not allowed: expected a finite number")
-    return float(value)
+    try:  # an integer past float's range overflows here
+        number = float(value) if isinstance(value, (int, float)) and \
+            not isinstance(value, bool) else math.nan
+    except OverflowError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise SweepError(f"{where}: {key}={short(value)} is not allowed: expected a finite "
+                         "number")
+    return number
 
 
 def _scalar(value: Any, where: str) -> Scalar:
     if not isinstance(value, (str, int, float, bool)):
-        raise SweepError(f"{where}: {value!r} is not allowed: a config value is a number, a "
+        raise SweepError(f"{where}: {short(value)} is not allowed: a config value is a number, a "
                          "string or true/false")
     return value

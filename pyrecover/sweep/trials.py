@@ -33,9 +33,9 @@ def trial_name(index: int) -> str:
 def choose(sweep: Sweep) -> list[dict[str, Scalar]]:
     """choose returns each trial's parameter values, in trial order."""
     if sweep.method == "grid":
-        grid = itertools.product(*(p.values for p in sweep.params))
-        chosen = [dict(zip((p.key for p in sweep.params), combo, strict=True)) for combo in grid]
-        return chosen[: sweep.run_cap] if sweep.run_cap else chosen
+        grid = itertools.islice(itertools.product(*(p.values for p in sweep.params)),
+                                sweep.run_cap)  # None: every combination
+        return [dict(zip((p.key for p in sweep.params), combo, strict=True)) for combo in grid]
     rng = random.Random(sweep.seed)
     return [{p.key: draw(p, rng) for p in sweep.params} for _ in range(sweep.run_cap or 0)]
 

@@ -291,6 +291,15 @@ def test_the_profile_and_the_image_are_found_as_launch_finds_them(tmp_path):
     ("method: grid\xff\n", "not UTF-8 text (byte 0xff"),
     ("method: grid\nparameters:\n  train.lr: &v {values: [1]}\n  train.seed: *v\n",
      "YAML aliases (*name) are not allowed"),
+    ("method: random\nrun_cap: 2\nparameters:\n  train.lr: {min: 1, max: 1" + "0" * 400
+     + "}\n", "parameters.train.lr: max=1000"),
+    ("method: random\nrun_cap: 1000000000\nparameters:\n  train.lr: {min: 0.001, max: 0.01}\n",
+     "1000000000 trials; a sweep has at most 10000"),
+    ("method: grid\nparameters:\n" + "".join(f"  model.k{i}: {{values: {list(range(10))}}}\n"
+                                            for i in range(9)),
+     "1000000000 trials; a sweep has at most 10000"),
+    ("method: grid\nseed: " + "x" * 5000 + "\nparameters:\n  train.lr: {values: [1]}\n",
+     "seed='xxxx"),
 ])
 def test_a_bad_sweep_is_one_line_exit_2_and_writes_nothing(tmp_path, body, message):
     path = tmp_path / "bad.yaml"
