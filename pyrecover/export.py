@@ -18,6 +18,7 @@ import torch
 from pyrecover import hf
 from pyrecover.checkpoint import store, tools
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
+from pyrecover.config_checks import short
 from pyrecover.rundir import RunDir
 
 FORMATS = {
@@ -38,13 +39,15 @@ class Exported:
     size: int  # bytes written
 
 
-def export_model(run: RunDir, step: int | None, out: Path, fmt: str = "torch") -> Exported:
+def export_model(run: RunDir, step: int | None, out: Path, fmt: str = "torch",
+                 replace: bool = False) -> Exported:
     """export_model writes the model of the checkpoint of `step` (default: the newest that
     reads) to `out` in format `fmt`; a model `--format hf` cannot express is refused, naming
-    what GPT-2 lacks, and nothing is written."""
+    what GPT-2 lacks, and nothing is written. An existing file `out` is replaced only with
+    `replace` (--force)."""
     if fmt not in FORMATS:
-        raise CheckpointError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    out = _target(out, run, fmt)
+        raise CheckpointError(f"--format {short(fmt)}: expected one of {', '.join(FORMATS)}")
+    out = _target(out, run, fmt, replace)
     save_file = _safetensors(fmt) if fmt != "torch" else None
     ckpt, (state, model) = tools.first_that_works(run, step, _weights_and_config)
     if fmt == "hf":
@@ -79,13 +82,17 @@ def _weights_and_config(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], dict
     return tools.model_state(ckpt), dict(tools.config_of(ckpt)["model"])
 
 
-def _target(out: Path, run: RunDir, fmt: str) -> Path:
+def _target(out: Path, run: RunDir, fmt: str, replace: bool) -> Path:
     """_target is `out` made absolute, or a one-line refusal: a path in the run's checkpoints
-    folder or over a file of the run, or (for a folder format) over anything but an empty
-    folder."""
+    folder or over a file of the run, under a file, over an existing file without `replace`,
+    or (for a folder format) over anything but an empty folder."""
     out = Path(os.path.abspath(out))
     if not out.name:
         raise CheckpointError(f"--out {out}: name a file or folder to create")
+    above = next(p for p in out.parents if p.exists() or p.is_symlink())
+    if not above.is_dir():
+        raise CheckpointError(f"--out {out}: {above} is a file, not a folder; choose a path "
+                              "under a folder")
     root, real = run.root.resolve(), out.resolve()
     checkpoints = run.checkpoints.resolve()
     if real == checkpoints or checkpoints in real.parents:
@@ -101,6 +108,12 @@ def _target(out: Path, run: RunDir, fmt: str) -> Path:
         if any(out.iterdir()):
             raise CheckpointError(f"--out {out} already exists and is not empty; choose a new "
                                   "folder (nothing was written)")
+    elif out.is_dir() and not out.is_symlink():
+        raise CheckpointError(f"--out {out} is a folder; --format {fmt} writes a file: name "
+                              "one, e.g. --out model.pt")
+    elif (out.exists() or out.is_symlink()) and not replace:
+        raise CheckpointError(f"--out {out} already exists; choose a new path, or --force to "
+                              "replace it")
     return out
 
 

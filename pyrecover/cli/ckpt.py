@@ -83,6 +83,9 @@ def export(
         "--format", help="torch: a plain state_dict file; safetensors: the same as a "
         "safetensors file; hf: a Hugging Face GPT-2 folder (config.json, model.safetensors) "
         "that transformers.GPT2LMHeadModel.from_pretrained(OUT) loads.")] = "torch",
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace an existing --out file (never one of the run's files, never "
+        "a non-empty folder).")] = False,
 ) -> None:
     """Write the model weights for inference, readable without pyrecover.
 
@@ -100,7 +103,7 @@ def export(
     from pyrecover import export as export_mod
     from pyrecover.checkpoint import tools
 
-    done = export_mod.export_model(tools.open_run(run_dir), step, out, fmt)
+    done = export_mod.export_model(tools.open_run(run_dir), step, out, fmt, replace=force)
     how = {"torch": "", "safetensors": " as safetensors",
            "hf": " as a Hugging Face GPT-2 folder"}[fmt]
     typer.echo(f"exported step {done.ckpt.step} ({done.ckpt.mode}){how} to {done.out} "

@@ -214,6 +214,29 @@ def test_out_paths_that_would_cost_data_are_refused_and_left_as_they_were(vanill
     assert sorted(p.name for p in empty.iterdir()) == ["config.json", "model.safetensors"]
 
 
+def test_an_existing_file_is_replaced_only_with_force_and_a_file_is_no_folder(vanilla_run,
+                                                                             tmp_path):
+    for fmt in ("torch", "safetensors"):
+        mine = tmp_path / f"mine-{fmt}"
+        mine.write_text("mine")
+        done = export(vanilla_run, mine, fmt)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert "already exists; choose a new path, or --force to replace it" in done.stderr
+        assert mine.read_text() == "mine"
+        done = export(vanilla_run, mine, fmt, "--force")
+        assert done.returncode == 0, done.stderr
+        assert "exported step" in done.stdout and mine.stat().st_size > 1000
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine")
+    under = export(vanilla_run, blocker / "sub" / "m.pt", "torch")
+    assert under.returncode == 2 and under.stderr.count("\n") == 1, under.stderr
+    assert f"{blocker} is a file, not a folder" in under.stderr
+    folder = export(vanilla_run, tmp_path, "torch", "--force")
+    assert folder.returncode == 2 and "is a folder; --format torch writes a file" in folder.stderr
+    assert blocker.read_text() == "mine"
+
+
 def test_without_the_safetensors_package_the_export_says_how_to_get_it(vanilla_run, tmp_path):
     for fmt in ("hf", "safetensors"):
         out = tmp_path / f"out-{fmt}"
