@@ -28,7 +28,8 @@ def validate(cfg: Config) -> None:
     """validate checks values and their relations; raises ConfigError naming the first bad key."""
     name = cfg.run.exp_name
     if not isinstance(name, str) or not _EXP_NAME.fullmatch(name) or ".." in name:
-        _bad("run.exp_name", cfg.run.exp_name, "letters, digits, '.', '_' and '-', no '/' or '..'")
+        _bad("run.exp_name", cfg.run.exp_name, "1 to 128 letters, digits, '.', '_' and '-', "
+             "starting with a letter or digit, no '..'")
     if cfg.run.stop_signal.upper().removeprefix("SIG") not in ("USR1", "USR2", "TERM", "INT",
                                                                  "HUP", "XCPU"):
         _bad("run.stop_signal", cfg.run.stop_signal, "one of USR1, USR2, TERM, INT, HUP, XCPU")

@@ -37,7 +37,11 @@ def load_tokens(path: str | Path, column: str) -> torch.Tensor:
         tokens = _bytes_tokens(col)
     elif (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(
             kind.value_type):
-        tokens = torch.from_numpy(col.flatten().to_numpy(zero_copy_only=False).astype("int64"))
+        ids = col.flatten().to_numpy(zero_copy_only=False)
+        if ids.dtype.kind == "u" and ids.size and int(ids.max()) > 2**63 - 1:  # int64 wraps it
+            raise DataError(f"{p}: token id {int(ids.max())} is outside [0, model.vocab_size); "
+                            "fix the tokenization")
+        tokens = torch.from_numpy(ids.astype("int64"))
     else:
         raise DataError(f"{p}: column {column!r} has type {kind}; expected a string or a list "
                         "of integers")
@@ -168,7 +172,8 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         texts.append(text)
         total += len(text)
     if not texts:
-        raise DataError(f"no readable {'/'.join(suffixes) or ''} files under {src}")
+        kinds = "/".join(s or "suffix-less" for s in suffixes)
+        raise DataError(f"no readable {kinds} files under {src}")
     out_path = Path(out)
     if out_path.is_dir():
         raise DataError(f"{out_path} is a folder; give the parquet file to write, e.g. "

@@ -136,8 +136,9 @@ def write(run_dir: str | Path, out: str | Path, width: int = 960, height: int = 
     """write draws the plot of `run_dir` into `out`, in the format its suffix names."""
     run = RunDir(Path(run_dir))
     out = Path(out)
-    if not run.root.is_dir():
-        raise PlotError(f"run directory {str(run.root)!r} does not exist")
+    problem = run.problem()
+    if problem is not None:
+        raise PlotError(problem)
     if width < 320 or height < 200:
         raise PlotError(f"{width}x{height} is too small; use at least 320x200")
     if width > MAX_SIDE or height > MAX_SIDE:  # Agg allocates width x height x 4 bytes at once

@@ -100,7 +100,8 @@ class RunDir:
     def problem(self) -> str | None:
         """problem says why this is no run directory to read (None when it is one)."""
         if not self.root.is_dir():
-            return f"run directory {str(self.root)!r} does not exist"
+            what = "is a file, not a folder" if self.root.exists() else "does not exist"
+            return f"run directory {str(self.root)!r} {what}"
         if not self.is_run():
             return (f"{self.root} is not a pyrecover run directory (no run.yaml, events.jsonl "
                     "or checkpoints/)")

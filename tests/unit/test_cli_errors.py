@@ -41,6 +41,16 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message
         assert str(TINY) not in lines[0]
 
 
+def test_a_file_given_as_the_run_directory_is_called_a_file(tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    for args in (["status"], ["ckpt", "ls"], ["plot"]):
+        done = pyrecover(*args, str(tmp_path / "afile"), cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip() == (f"error: run directory '{tmp_path / 'afile'}' is a "
+                                       "file, not a folder"), done.stderr
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
 def test_ckpt_commands_on_a_folder_that_is_not_a_run_say_so(tmp_path):
     for args in (["ls", str(tmp_path)], ["verify", str(tmp_path / "nope")],
                  ["export", str(tmp_path), "--out", str(tmp_path / "m.pt")]):
