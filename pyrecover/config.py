@@ -70,7 +70,8 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
         if not p.is_file():
             what = "is a folder, not a YAML file" if p.is_dir() else "does not exist"
             raise ConfigError(f"config file {str(p)!r} {what}")
-        raw = read_yaml(p) or {}
+        raw = read_yaml(p)
+        raw = {} if raw is None else raw  # an empty file: the defaults
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: expected a mapping of sections, got {type(raw).__name__}")
         source = str(p)
@@ -205,7 +206,9 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
         hint = hints[name]
         key = prefix + name
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value or {}, key + ".", source)
+            # A section with every key commented out is null: its defaults. `train: 0` is
+            # no section.
+            kwargs[name] = _build(hint, {} if value is None else value, key + ".", source)
         else:
             kwargs[name] = _coerce(key, value, hint)
     return cls(**kwargs)
@@ -267,7 +270,9 @@ def _set_path(raw: dict[str, Any], dotted: str, value: Any, source: str) -> None
     *parents, leaf = dotted.split(".")
     node = raw
     for depth, part in enumerate(parents):
-        child = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or a section with every key commented out
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):  # the key is in the schema, so the file has it wrong
             where = ".".join(parents[:depth + 1])
             raise ConfigError(f"{source}: {where} must be a mapping, got {short(child)}")

@@ -56,6 +56,9 @@ def test_an_oversized_config_file_is_refused_unread(tmp_path):
     ("train:\n  lr: 1.0e-3\n  lr: 2.0e-3\n", "c.yaml line 3: key 'lr' appears twice in one "
                                              "mapping; keep one"),
     ("train: {lr: 0.1}\ntrain: {seed: 1}\n", "line 2: key 'train' appears twice"),
+    ("train: 0\n", "train must be a mapping, got 0"),
+    ("train: []\n", "train must be a mapping, got []"),
+    ("0\n", "expected a mapping of sections, got int"),
 ])
 def test_each_bad_value_is_one_short_line_naming_the_key(tmp_path, text, message):
     path = tmp_path / "c.yaml"
@@ -63,6 +66,13 @@ def test_each_bad_value_is_one_short_line_naming_the_key(tmp_path, text, message
     with pytest.raises(ConfigError) as info:
         config_mod.load(path)
     assert message in str(info.value) and len(str(info.value)) < 300, str(info.value)
+
+
+def test_a_section_with_every_key_commented_out_is_its_defaults_and_takes_set(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  # lr: 0.5\nmodel: {n_layer: 2}\n")
+    cfg = config_mod.load(path, ["train.seed=7"])
+    assert (cfg.train.seed, cfg.train.lr, cfg.model.n_layer) == (7, 1e-3, 2)
 
 
 def files_under(path):
