@@ -117,7 +117,7 @@ def load_profile(path: str | Path | None, cwd: str | Path) -> ClusterProfile:
         raw = read_yaml(p, strings=True)
     except ConfigError as exc:
         raise LaunchError(str(exc)) from None
-    return from_mapping(raw or {}, str(p), cwd)
+    return from_mapping({} if raw is None else raw, str(p), cwd)
 
 
 def from_mapping(raw: Any, source: str, cwd: str | Path) -> ClusterProfile:

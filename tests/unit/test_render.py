@@ -423,6 +423,7 @@ def test_bad_launch_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, 
     (b"- &a [x, x]\n- [*a, *a]\n", "p.yaml line 2: YAML aliases (*name) are not allowed"),
     (b"[" + b"x, " * 1000 + b"]\n", "expected a mapping of profile keys, got <a list of 1000"),
     (b"partition: " + b"p " * 3000 + b"\n", "partition='p p p"),
+    (b"0\n", "expected a mapping of profile keys, got '0'"),
     (None, "cluster profile"),  # a folder
 ])
 def test_a_hostile_cluster_profile_file_is_one_short_line(tmp_path, body, message):
