@@ -92,26 +92,35 @@ class _Strict:
     silently; in a config that is a mistake)."""
 
     name: str
+    what = "config file"
 
     def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
         if self.check_event(yaml.events.AliasEvent):  # type: ignore[attr-defined]
             mark = self.peek_event().start_mark  # type: ignore[attr-defined]
             raise ConfigError(f"{self.name} line {mark.line + 1}: YAML aliases (*name) are not "
-                              "allowed in a config; write the value out")
+                              f"allowed in a {self.what}; write the value out")
         return super().compose_node(parent, index)  # type: ignore[misc]
 
     def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
         if isinstance(node, yaml.MappingNode):
             seen: set[Any] = set()
             for key_node, _ in node.value:
+                if key_node.tag in _MERGE_TAGS:  # `<<: {...}` merges, which may override
+                    continue
                 key = self.construct_object(key_node, deep=True)  # type: ignore[attr-defined]
-                if not isinstance(key, (str, int, float, bool)):
+                try:
+                    hash(key)
+                except TypeError:
                     continue  # YAML's constructor refuses an unhashable key itself
-                if key in seen:
+                if key in seen:  # as a dict would merge them: 1 and 1.0, 1 and true
+                    written = key_node.value if isinstance(key_node.value, str) else key
                     raise ConfigError(f"{self.name} line {key_node.start_mark.line + 1}: key "
-                                      f"{short(key)} appears twice in one mapping; keep one")
+                                      f"{short(written)} appears twice in one mapping; keep one")
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)  # type: ignore[misc]
+
+
+_MERGE_TAGS = ("tag:yaml.org,2002:merge", "tag:yaml.org,2002:value")
 
 
 class _NoAliasLoader(_Strict, yaml.SafeLoader):
@@ -123,14 +132,15 @@ class _StringsLoader(_Strict, yaml.BaseLoader):
     3600), strict (_Strict): for values each field converts itself, as cluster profiles do."""
 
 
-def read_yaml(p: Path, strings: bool = False) -> Any:
-    """read_yaml parses a config file: UTF-8, at most MAX_CONFIG_BYTES, no aliases, no key
-    twice; `strings`: every scalar as written. Raises ConfigError in one line."""
+def read_yaml(p: Path, strings: bool = False, what: str = "config file") -> Any:
+    """read_yaml parses a config file (`what` names the kind in messages): UTF-8, at most
+    MAX_CONFIG_BYTES, no aliases, no key twice; `strings`: every scalar as written. Raises
+    ConfigError in one line."""
     try:
         size = p.stat().st_size
         if size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{p}: {size} bytes; a config file is at most "
-                              f"{MAX_CONFIG_BYTES} bytes")
+            raise ConfigError(f"{p}: {size} bytes; a {what} is at most {MAX_CONFIG_BYTES} "
+                              "bytes")
         data = p.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{p}: cannot be read ({exc.strerror})") from None
@@ -140,7 +150,7 @@ def read_yaml(p: Path, strings: bool = False) -> Any:
         raise ConfigError(f"{p}: not UTF-8 text (byte {data[exc.start]:#04x} at offset "
                           f"{exc.start})") from None
     loader = (_StringsLoader if strings else _NoAliasLoader)(text)
-    loader.name = str(p)
+    loader.name, loader.what = str(p), what
     try:
         return loader.get_single_data()
     except yaml.YAMLError as exc:

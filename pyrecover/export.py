@@ -91,7 +91,8 @@ def _target(out: Path, run: RunDir, fmt: str, replace: bool) -> Path:
         raise CheckpointError(f"--out {out}: name a file or folder to create")
     above = next(p for p in out.parents if p.exists() or p.is_symlink())
     if not above.is_dir():
-        raise CheckpointError(f"--out {out}: {above} is a file, not a folder; choose a path "
+        what = "a file" if above.exists() else "a broken symbolic link"
+        raise CheckpointError(f"--out {out}: {above} is {what}, not a folder; choose a path "
                               "under a folder")
     root, real = run.root.resolve(), out.resolve()
     checkpoints = run.checkpoints.resolve()

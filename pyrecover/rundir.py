@@ -95,7 +95,8 @@ class RunDir:
 
     def is_run(self) -> bool:
         """is_run tells whether this folder looks like a pyrecover run directory."""
-        return self.config.is_file() or self.events.is_file() or self.checkpoints.is_dir()
+        return (self.config.is_file() or self.events.is_file() or self.metrics.is_file()
+                or self.checkpoints.is_dir())
 
     def problem(self) -> str | None:
         """problem says why this is no run directory to read (None when it is one)."""
@@ -103,8 +104,8 @@ class RunDir:
             what = "is a file, not a folder" if self.root.exists() else "does not exist"
             return f"run directory {str(self.root)!r} {what}"
         if not self.is_run():
-            return (f"{self.root} is not a pyrecover run directory (no run.yaml, events.jsonl "
-                    "or checkpoints/)")
+            return (f"{self.root} is not a pyrecover run directory (no run.yaml, events.jsonl, "
+                    "metrics.jsonl or checkpoints/)")
         return None
 
     def event(self, event: str, **fields: Any) -> dict[str, Any]:

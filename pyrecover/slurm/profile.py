@@ -114,10 +114,12 @@ def load_profile(path: str | Path | None, cwd: str | Path) -> ClusterProfile:
         what = "is a folder, not a YAML file" if p.is_dir() else "does not exist"
         raise LaunchError(f"cluster profile {str(p)!r} {what} (see launch/clusters/)")
     try:
-        raw = read_yaml(p, strings=True)
+        raw = read_yaml(p, strings=True, what="cluster profile")
     except ConfigError as exc:
         raise LaunchError(str(exc)) from None
-    return from_mapping({} if raw is None else raw, str(p), cwd)
+    # Empty, or only comments: the defaults (every scalar is a string here, so an empty
+    # document after `---` reads as '').
+    return from_mapping({} if raw in (None, "") else raw, str(p), cwd)
 
 
 def from_mapping(raw: Any, source: str, cwd: str | Path) -> ClusterProfile:

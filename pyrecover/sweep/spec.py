@@ -75,7 +75,7 @@ def load(path: str | Path) -> Sweep:
     from pyrecover.config import ConfigError, read_yaml
 
     try:  # read as a config is: UTF-8, size-capped, no aliases, the bad line named
-        raw = read_yaml(p)
+        raw = read_yaml(p, what="sweep file")
     except ConfigError as exc:
         raise SweepError(str(exc)) from None
     return parse(raw, p.stem, str(p))
@@ -120,9 +120,9 @@ def parse(raw: Any, default_name: str, source: str = "sweep") -> Sweep:
         combos = math.prod(len(p.values) for p in parsed)
         trials = min(combos, run_cap) if run_cap else combos
     if trials > MAX_TRIALS:
+        fewer = "run_cap or the number of values" if method == "grid" else "run_cap"
         raise SweepError(f"{source}: {trials} trials; a sweep has at most {MAX_TRIALS} (one "
-                         "SLURM array, whose MaxArraySize is often 1001): lower run_cap or "
-                         "the number of values")
+                         f"SLURM array, whose MaxArraySize is often 1001): lower {fewer}")
     seed = raw.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise SweepError(f"{source}: seed={short(seed)} is not allowed: expected an integer >= 0")

@@ -232,6 +232,9 @@ def test_an_existing_file_is_replaced_only_with_force_and_a_file_is_no_folder(va
     under = export(vanilla_run, blocker / "sub" / "m.pt", "torch")
     assert under.returncode == 2 and under.stderr.count("\n") == 1, under.stderr
     assert f"{blocker} is a file, not a folder" in under.stderr
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    broken = export(vanilla_run, tmp_path / "dangling" / "m.pt", "torch")
+    assert broken.returncode == 2 and "dangling is a broken symbolic link" in broken.stderr
     folder = export(vanilla_run, tmp_path, "torch", "--force")
     assert folder.returncode == 2 and "is a folder; --format torch writes a file" in folder.stderr
     assert blocker.read_text() == "mine"

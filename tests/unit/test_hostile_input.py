@@ -59,6 +59,8 @@ def test_an_oversized_config_file_is_refused_unread(tmp_path):
     ("train: 0\n", "train must be a mapping, got 0"),
     ("train: []\n", "train must be a mapping, got []"),
     ("0\n", "expected a mapping of sections, got int"),
+    ("~: a\nnull: b\n", "line 2: key 'null' appears twice"),
+    ("train: {seed: 1, 1.0: 2, 1: 3}\n", "key '1' appears twice"),
 ])
 def test_each_bad_value_is_one_short_line_naming_the_key(tmp_path, text, message):
     path = tmp_path / "c.yaml"
@@ -73,6 +75,13 @@ def test_a_section_with_every_key_commented_out_is_its_defaults_and_takes_set(tm
     path.write_text("train:\n  # lr: 0.5\nmodel: {n_layer: 2}\n")
     cfg = config_mod.load(path, ["train.seed=7"])
     assert (cfg.train.seed, cfg.train.lr, cfg.model.n_layer) == (7, 1e-3, 2)
+
+
+def test_a_merge_key_is_no_duplicate_and_may_be_overridden(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train: {<<: {lr: 0.01, seed: 3}, seed: 4}\n")
+    cfg = config_mod.load(path)
+    assert (cfg.train.lr, cfg.train.seed) == (0.01, 4)
 
 
 def files_under(path):

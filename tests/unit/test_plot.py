@@ -108,6 +108,16 @@ def test_plot_command_writes_the_file_and_says_so(interrupted_run, tmp_path):
     assert read_png(out).size == (960, 540)
 
 
+def test_a_metrics_file_copied_off_the_cluster_alone_is_plotted(interrupted_run, tmp_path):
+    alone = tmp_path / "copied"
+    alone.mkdir()
+    (alone / "metrics.jsonl").write_bytes(interrupted_run.metrics.read_bytes())
+    out = tmp_path / "alone.png"
+    result = CliRunner().invoke(app, ["plot", str(alone), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert read_png(out).size == (960, 540)
+
+
 def test_a_run_with_no_logged_loss_is_one_clear_error(tmp_path):
     run = RunDir(tmp_path / "empty")
     run.create()

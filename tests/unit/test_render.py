@@ -440,6 +440,14 @@ def test_a_hostile_cluster_profile_file_is_one_short_line(tmp_path, body, messag
         assert "is a folder, not a YAML file" in lines[0]
 
 
+def test_a_cluster_profile_of_comments_only_is_the_defaults(tmp_path):
+    (tmp_path / "p.yaml").write_text("---\n# partition: gpu\n")
+    done = launch(tmp_path, "--cluster", str(tmp_path / "p.yaml"), "--launcher", "none",
+                  "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --ntasks-per-node=4" in done.stdout  # the built-in 4 GPUs per node
+
+
 def test_missing_sbatch_points_at_dry_run(tmp_path):
     done = launch(tmp_path, "--launcher", "none", env={"PATH": "/nonexistent"})
     assert done.returncode == 2
