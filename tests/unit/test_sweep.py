@@ -257,6 +257,7 @@ def test_dry_run_prints_the_array_script_and_the_trial_table_and_writes_nothing(
     assert "#   trial-5: train.lr=0.01, train.seed=2, model.n_layer=2" in done.stdout
     assert not (tmp_path / "st").exists()
 
+
 def test_the_profile_and_the_image_are_found_as_launch_finds_them(tmp_path):
     """Without --cluster and --image, `sweep launch` reads $PYRECOVER_CLUSTER and
     $PYRECOVER_IMAGE, as `launch` does; with neither a profile nor ~/.config's, one line."""
@@ -281,7 +282,6 @@ def test_the_profile_and_the_image_are_found_as_launch_finds_them(tmp_path):
     assert lines[0].startswith("error: no cluster profile: pass --cluster FILE, set "
                                "PYRECOVER_CLUSTER"), lines[0]
     assert not (tmp_path / "st").exists()
-
 
 
 @pytest.mark.parametrize("body, message", [
