@@ -105,15 +105,12 @@ def launch(
     sets += [f"run.exp_name={exp_name}"] if exp_name is not None else []
     cfg = config_mod.load(config, sets)
     cfg = config_mod.from_dict(config_mod.to_dict(render.absolute_paths(cfg, cwd)))
-    found = profile.find_profile(cluster, os.environ, Path.home())
-    prof = profile.with_overrides(
-        profile.load_profile(found, cwd), cwd, binds=tuple(bind or ()), nodes=nodes,
+    prof = profile.resolve(
+        cluster, os.environ, Path.home(), cwd, binds=tuple(bind or ()), nodes=nodes,
         gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, time=time,
         partition=partition, account=account, image=image, launcher=launcher,
         max_restarts=max_restarts, signal_seconds=signal_seconds, spare_nodes=spare_nodes,
         max_restarts_in_job=max_restarts_in_job)
-    prof = profile.find_image(prof, os.environ, cwd)
-    profile.validate(prof)
     cfg, batch_note = resolve_for_run(cfg, prof.nodes * prof.gpus_per_node)
     spec = render.job_spec(cfg, prof, sys.executable)
     script = render.render(spec)

@@ -85,15 +85,11 @@ def launch(
     sets = list(overrides or []) + ([f"checkpoint.mode={mode}"] if mode else [])
     cfg = config_mod.load(config, sets)
     cfg = trials.base_for(sweep, absolute_paths(cfg, cwd))
-    # The profile and the image are found as `launch` finds them.
-    found = profile.find_profile(cluster, os.environ, Path.home())
-    prof = profile.with_overrides(
-        profile.load_profile(found, cwd), cwd, binds=tuple(bind or ()), nodes=nodes,
+    prof = profile.resolve(  # as `launch` resolves it
+        cluster, os.environ, Path.home(), cwd, binds=tuple(bind or ()), nodes=nodes,
         gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, time=time,
         partition=partition, account=account, image=image, launcher=launcher,
         max_restarts=max_restarts, signal_seconds=signal_seconds)
-    prof = profile.find_image(prof, os.environ, cwd)
-    profile.validate(prof)
     if max_parallel is not None and max_parallel < 1:
         raise LaunchError(f"--max-parallel={max_parallel} is not allowed: expected >= 1")
     is_bayes = sweep.method == "bayes"

@@ -103,6 +103,18 @@ def find_image(profile: ClusterProfile, environ: Mapping[str, str], cwd: str | P
     return absolute(dataclasses.replace(profile, image=image), cwd)
 
 
+def resolve(option: str | Path | None, environ: Mapping[str, str], home: str | Path,
+            cwd: str | Path, binds: tuple[str, ...] = (), **overrides: Any) -> ClusterProfile:
+    """resolve is the profile a submission uses, the same for `launch` and `sweep launch`:
+    found (find_profile), read, the command line's options over it (None: not given), its
+    image found (find_image), every value checked (validate)."""
+    found = find_profile(option, environ, home)
+    profile = with_overrides(load_profile(found, cwd), cwd, binds=binds, **overrides)
+    profile = find_image(profile, environ, cwd)
+    validate(profile)
+    return profile
+
+
 def load_profile(path: str | Path | None, cwd: str | Path) -> ClusterProfile:
     """load_profile reads a cluster profile (the defaults when None); paths made absolute.
     It is read as a config is (config.read_yaml: UTF-8, size-capped, no aliases, no key
