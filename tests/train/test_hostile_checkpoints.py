@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import pyrecover, tiny_args
 
+from pyrecover.checkpoint.store import CheckpointError
+from pyrecover.checkpoint.tools import temporary
 from pyrecover.rundir import read_jsonl
 
 
@@ -156,12 +158,20 @@ def test_a_checkpoint_of_another_model_shape_is_skipped(run, finished_run, tmp_p
     assert_fell_back(resume(run, corpus), run, "cannot be restored")
 
 
-def test_an_export_whose_rename_fails_is_one_line_and_leaves_no_temporary_file(run, tmp_path):
+def test_an_export_over_a_folder_or_whose_rename_fails_is_one_line_and_leaves_nothing(
+        run, tmp_path):
     out = tmp_path / "out"
-    (out / "occupied").mkdir(parents=True)  # a non-empty folder: the rename cannot replace it
+    (out / "occupied").mkdir(parents=True)  # a non-empty folder: a rename cannot replace it
     done = pyrecover("ckpt", "export", str(run), "--out", str(out))
-    assert done.returncode == 2 and done.stderr.startswith(f"error: cannot write {out}: ")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "is a folder; --format torch writes a file" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+    # The folder appearing after that check: the rename fails, one line, no temporary left.
+    with pytest.raises(CheckpointError, match="cannot write .*/out: "):
+        with temporary(out) as tmp:
+            tmp.write_bytes(b"weights")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+    assert [p.name for p in out.iterdir()] == ["occupied"]
 
 
 def test_a_checkpoint_the_resume_went_back_past_is_kept_for_inspection(run, finished_run):
