@@ -85,6 +85,9 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; a megabyte is no config
 
 
+_MERGE_TAGS = ("tag:yaml.org,2002:merge", "tag:yaml.org,2002:value")
+
+
 class _Strict:
     """What every config reader refuses on top of YAML's own rules: aliases (a few hundred
     bytes of nested `*alias` lists, a "billion laughs", expand to gigabytes in memory and in any
@@ -113,14 +116,12 @@ class _Strict:
                 except TypeError:
                     continue  # YAML's constructor refuses an unhashable key itself
                 if key in seen:  # as a dict would merge them: 1 and 1.0, 1 and true
-                    written = key_node.value if isinstance(key_node.value, str) else key
+                    # A hashable key is a scalar: its node's value is the key as written.
                     raise ConfigError(f"{self.name} line {key_node.start_mark.line + 1}: key "
-                                      f"{short(written)} appears twice in one mapping; keep one")
+                                      f"{short(key_node.value)} appears twice in one mapping; "
+                                      "keep one")
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)  # type: ignore[misc]
-
-
-_MERGE_TAGS = ("tag:yaml.org,2002:merge", "tag:yaml.org,2002:value")
 
 
 class _NoAliasLoader(_Strict, yaml.SafeLoader):

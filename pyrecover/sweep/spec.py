@@ -219,11 +219,12 @@ def _number(raw: dict[str, Any], key: str, where: str) -> float:
             value = float(value)
         except ValueError:
             pass
-    try:  # an integer past float's range overflows here
-        number = float(value) if isinstance(value, (int, float)) and \
-            not isinstance(value, bool) else math.nan
-    except OverflowError:
-        number = math.nan
+    number = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer past float's range
+            pass
     if not math.isfinite(number):
         raise SweepError(f"{where}: {key}={short(value)} is not allowed: expected a finite "
                          "number")
