@@ -9,6 +9,12 @@ image's torch is older.) So this runs torchrun's own `main` in-process with a ha
 forwards the stop signal to the agent's children, the workers: they save and exit 75, the
 agent reports them failed, and `exit_code` turns that back into 75. A worker that crashed
 wins over the others' 75, so the job script requeues it as a crash.
+
+SIGTERM (preemption, `scancel`, a time limit) takes the same path: torch's own handling
+forwards it too, but then SIGKILLs the workers after a shutdown timeout, 30 s and fixed
+before torch 2.12, however long SLURM's grace time is, so a stop's checkpoint of a large model
+was killed mid-write. Here the workers get SIGTERM and as long as they take to save: SLURM's
+KillWait or preemption GraceTime is the bound, as it is for the srun launcher.
 """
 
 from __future__ import annotations
@@ -64,6 +70,26 @@ def forward_to_children(signum: int, _frame: object = None) -> None:
             pass
 
 
+def keep_workers_on_sigterm(api: object) -> None:
+    """keep_workers_on_sigterm makes torch's agent pass SIGTERM on to its workers and go on
+    waiting for them (they save and exit 75) instead of raising, which ends in SIGKILLing them
+    after its shutdown timeout. Its handler is a module-level function that every torch from
+    2.6 installs by name when it starts the workers, so it is replaced there; the other
+    signals keep torch's handling. A torch without it keeps its own, with a longer timeout."""
+    original = getattr(api, "_terminate_process_handler", None)
+    if original is None:
+        os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")  # torch 2.12 and later
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        if signum == signal.SIGTERM:
+            forward_to_children(signum)
+        else:
+            original(signum, frame)
+
+    api._terminate_process_handler = handler  # type: ignore[attr-defined]
+
+
 def main(argv: Sequence[str]) -> int:
     args = list(argv)
     if len(args) < 2 or args[0] != "--stop-signal":
@@ -72,9 +98,11 @@ def main(argv: Sequence[str]) -> int:
         return 2
     stop = parse_signal(args[1])
     from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    keep_workers_on_sigterm(api)
     if stop not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(stop, forward_to_children)  # torch's agent forwards those four itself
     try:

@@ -56,6 +56,22 @@ def test_the_stop_signal_to_the_agent_alone_stops_every_worker_cleanly(tmp_path,
     assert (tmp_path / "stop" / "checkpoints" / f"step-{stop['step']}" / "manifest.json").is_file()
 
 
+def test_sigterm_to_the_agent_gives_the_workers_all_the_time_their_save_takes(tmp_path,
+                                                                              corpus):
+    """Preemption and scancel SIGTERM the agent. torch's own handling forwards it and then
+    SIGKILLs the workers after its shutdown timeout (30 s, and fixed before torch 2.12), so a
+    large model's stop checkpoint was killed mid-write. With a timeout of 0 torch would kill
+    them at once: the stop must still be saved, and the agent exit 75."""
+    proc = agent(tmp_path, corpus, "term", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0"})
+    wait_step(proc, tmp_path / "term", 3)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_STOPPED, stderr[-3000:]
+    [stop] = [e for e in read_jsonl(tmp_path / "term" / "events.jsonl") if e["event"] == "stop"]
+    assert stop["reason"] == "SIGTERM"
+    assert (tmp_path / "term" / "checkpoints" / f"step-{stop['step']}" / "manifest.json").is_file()
+
+
 def test_a_crashed_worker_is_a_crash_code_not_a_stop(tmp_path, corpus):
     proc = agent(tmp_path, corpus, "crash", env={
         "PYRECOVER_KILL_AT_STEP": "3", "PYRECOVER_KILL_RANK": "1",
