@@ -89,6 +89,23 @@ def test_spython_reads_the_real_definition_as_written():
     assert "pyrecover /opt/pyrecover/pyrecover" in recipe.files
 
 
+def test_the_images_environment_keeps_the_hosts_python_packages_out(tmp_path):
+    """apptainer passes the host's environment in and binds $HOME: the %environment section,
+    run by a real shell over a host environment that points elsewhere, leaves Python neither
+    the user's ~/.local site-packages nor the host's PYTHONPATH (a `pip install --user torch`
+    would shadow the image's CUDA torch)."""
+    section = without_section(real_text(), "post")
+    body = section.split("%environment", 1)[1].split("\n%", 1)[0]
+    shadow = tmp_path / "shadow"
+    (shadow / "torch").mkdir(parents=True)
+    probe = "import sys; print(sys.flags.no_user_site, any('shadow' in p for p in sys.path))"
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONPATH": str(shadow)}
+    done = subprocess.run(["bash", "-c", f"{body}\n{shlex.quote(sys.executable)} -c "
+                           f"{shlex.quote(probe)}"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "False"]
+
+
 # --- broken copies -------------------------------------------------------------------------
 
 
