@@ -11,6 +11,7 @@ which `read_jsonl` skips. This module imports nothing else from the project.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -170,6 +171,10 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
                 yield record
 
 
+# flock's errors where a file system has no locks at all (not "someone holds it").
+_NO_LOCKS = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK}
+
+
 class RunLocked(RuntimeError):
     """Another live process holds the run directory (exit code 2: a user error, not a fault)."""
 
@@ -207,6 +212,16 @@ class RunLock:
                         "directory has one live run: wait for it to end, or use another "
                         "run.exp_name") from None
                 time.sleep(0.5)
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKS:
+                    os.close(fd)
+                    raise storage_error("lock", self.run.lock_file, exc) from None
+                # Lustre mounted without `flock`, some FUSE and NFS setups: the run goes on
+                # (refusing would stop every run there), without the guard, and says so.
+                log.warning("%s: this storage has no file locks (%s): running without the "
+                            "guard against a second live run; do not start this run twice",
+                            self.run.lock_file, os.strerror(exc.errno or 0))
+                break
         holder = {"host": socket.gethostname(), "pid": os.getpid(),
                   "job_id": os.environ.get("SLURM_JOB_ID"), "since": round(time.time(), 3)}
         self._fd = fd

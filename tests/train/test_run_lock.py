@@ -51,3 +51,38 @@ def test_a_second_start_on_a_live_run_is_refused_and_a_dead_holder_does_not_bloc
     # The holder died by SIGKILL: its flock went with it, so the next start goes ahead.
     third = pyrecover("train", *tiny_args(tmp_path, corpus, "run", "train.max_steps=3"))
     assert third.returncode == 0, third.stderr
+
+
+def test_storage_without_file_locks_runs_without_the_guard_and_says_so(tmp_path, monkeypatch,
+                                                                       caplog):
+    """Lustre mounted without `flock` (and some FUSE or NFS setups) answers flock with ENOSYS.
+    That used to escape as a crash, requeued until max_restarts. The run goes on, and the log
+    says the guard is off. The one stand-in: fcntl.flock raising as such a mount does, since
+    no file system here lacks locks."""
+    import errno
+    import fcntl
+
+    from pyrecover.rundir import RunDir, RunLock, StorageError
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING", logger="pyrecover"), RunLock(run) as lock:
+        assert lock._fd is not None
+    assert "has no file locks (Function not implemented)" in caplog.text
+    assert "do not start this run twice" in caplog.text
+
+    def broken(fd: int, op: int) -> None:  # any other failure is a storage error, as before
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(fcntl, "flock", broken)
+    try:
+        RunLock(run).acquire()
+    except StorageError as exc:
+        assert "cannot lock" in str(exc) and "Input/output error" in str(exc)
+    else:
+        raise AssertionError("an EIO from flock must not be taken for storage without locks")
