@@ -183,14 +183,18 @@ def step_lines(spec: JobSpec) -> list[list[Word]]:
     # and known bad nodes left out), so it names its nodes and tasks itself.
     srun: list[Word] = ["srun", "--kill-on-bad-exit=1", Shell('--nodelist="$STEP_NODES"'),
                         Shell('--nodes="$NODES"')]
+    # srun takes no --cpus-per-task from sbatch (SLURM 22.05 and later): without it each
+    # task gets one CPU where the site binds tasks to CPUs.
     if spec.launcher not in ("torchrun", "spawn"):
         srun.append(f"--ntasks={spec.nodes * spec.gpus_per_node}")
-    else:
-        # One task per node, which starts one worker per GPU. srun would otherwise take
-        # the allocation's task count (one per GPU) from the environment.
-        srun += [Shell('--ntasks="$NODES"'), "--ntasks-per-node=1"]
         if spec.cpus_per_task is not None:
-            srun.append(f"--cpus-per-task={spec.cpus_per_task * spec.gpus_per_node}")
+            srun.append(f"--cpus-per-task={spec.cpus_per_task}")
+    else:
+        # One task per node, which starts one worker per GPU, with the CPUs the allocation
+        # holds for that node's GPUs (one each without cpus_per_task). srun would otherwise
+        # take the allocation's task count (one per GPU) from the environment.
+        srun += [Shell('--ntasks="$NODES"'), "--ntasks-per-node=1",
+                 f"--cpus-per-task={(spec.cpus_per_task or 1) * spec.gpus_per_node}"]
     if spec.launcher == "spawn":
         # pyrecover.spawn.worker_envs: node n's workers are ranks n x gpus_per_node and up.
         train.extend(["--nproc", str(spec.gpus_per_node)])

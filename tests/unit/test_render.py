@@ -169,11 +169,13 @@ STEP = ("--nodelist=node1,node2", "--nodes=2")  # the step's nodes, chosen by th
 
 
 @pytest.mark.parametrize("launcher, command", [
-    ("srun", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=8", "apptainer", "exec", "--nv",
+    ("srun", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=8", "--cpus-per-task=8",
+              "apptainer", "exec", "--nv",
               "--bind",
               "/scratch/pyrecover:/scratch/pyrecover", "/images/pyrecover.sif", "pyrecover",
               "train", "--config", "/scratch/pyrecover/tiny-gpt/run.yaml"]),
-    ("none", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=8", PYTHON, "-m", "pyrecover",
+    ("none", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=8", "--cpus-per-task=8",
+              PYTHON, "-m", "pyrecover",
               "train", "--config",
               "/scratch/pyrecover/tiny-gpt/run.yaml"]),
     ("torchrun", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=2",
@@ -463,6 +465,7 @@ def test_dry_run_prints_script_and_sbatch_command_and_writes_nothing(tmp_path):
     assert f"#   sbatch --parsable {run_dir / 'job.sbatch'}\n" in done.stdout
     assert f"--config {run_dir / 'run.yaml'}" in done.stdout
     assert (f'srun --kill-on-bad-exit=1 --nodelist="$STEP_NODES" --nodes="$NODES" --ntasks=4 '
+            '--cpus-per-task=1 '
             f'\\\n        {sys.executable} -m pyrecover') in done.stdout
     assert files_under(tmp_path) == []
 
