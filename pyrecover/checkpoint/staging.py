@@ -171,11 +171,19 @@ class Copier:
         self._fences = pending
         return waits
 
-    def wait(self) -> Any:
+    def wait(self, timeout: float | None = None) -> Any:
         """wait returns what the copy in flight's `then` returned once the bytes are on the
-        host, or raises its error; None when nothing is in flight."""
-        future, self._future = self._future, None
-        return None if future is None else future.result()
+        host, or raises its error; None when nothing is in flight. After `timeout` seconds it
+        raises TimeoutError and the copy stays in flight: on CUDA a copy queued behind a
+        collective that never completes (a peer died in it) never lands."""
+        future = self._future
+        if future is None:
+            return None
+        try:
+            return future.result(timeout)
+        finally:
+            if future.done():
+                self._future = None
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

@@ -3,6 +3,8 @@ right after it, and what a survivor writes."""
 
 from __future__ import annotations
 
+import threading
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -37,11 +39,11 @@ def restored(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return out, meta
 
 
-def _rank(rank: int, port: int, root: str, errors) -> None:
+def _rank(rank: int, port: int, root: str, errors, scenario: str) -> None:
     try:
         tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                  world_size=2, timeout=timedelta(seconds=60))
-        _scenario(rank, Path(root))
+        globals()[scenario](rank, Path(root))
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
         raise
@@ -82,12 +84,12 @@ def _scenario(rank: int, root: Path) -> None:
     assert meta["rngs"][1] is not None  # rank 1's, received with its slice
 
 
-def test_a_snapshot_holds_the_state_of_its_step_and_a_survivor_never_writes_a_partial_one(
-        tmp_path):
+def run_ranks(root: Path, scenario: str) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = spawn.free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), errors)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, str(root), errors, scenario))
+             for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -97,5 +99,67 @@ def test_a_snapshot_holds_the_state_of_its_step_and_a_survivor_never_writes_a_pa
         failures.append(errors.get())
     assert not failures, "\n".join(failures)
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_a_snapshot_holds_the_state_of_its_step_and_a_survivor_never_writes_a_partial_one(
+        tmp_path):
+    run_ranks(tmp_path, "_scenario")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"{memory.SNAP_PREFIX}1", f"{memory.SNAP_PREFIX}2"]
+
+
+class StuckDeviceCopy:
+    """Stands in for a CUDA snapshot copy that never lands: on the side stream it waits for the
+    step's NCCL all-reduce, which never completes once a peer died in it, so the copy's thread
+    waits in `event.synchronize()` for good. Here the CPU copy waits on `release` instead."""
+
+    def __init__(self, copier) -> None:
+        self.copier, self.copy_real = copier, copier._copy
+        self.release = threading.Event()
+
+    def __enter__(self) -> StuckDeviceCopy:
+        def stuck(*args, **kwargs):
+            self.release.wait()
+            return self.copy_real(*args, **kwargs)
+        self.copier._copy = stuck
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release.set()  # lets the copy's thread end, so the process can exit
+        self.copier._copy = self.copy_real
+
+
+def _stuck_copy(rank: int, root: Path) -> None:
+    parts = bench.build_state(2_000_000, seed=0).parts
+    mode = memory.MemoryMode(rank, 2, torch.device("cpu"), replicas=2, background_copy_bytes=0)
+    at_step = {}
+    for step in (1, 2):
+        at_step[step] = state_of(parts)
+        mode.snapshot(step, parts, {"step": step})
+        mode.wait_staged()
+        for p in parts.model.parameters():
+            p.grad = torch.ones_like(p)
+        parts.optimizer.step()
+    mode.wait()
+    tdist.barrier()
+    if rank == 1:  # dies during step 3
+        return
+    with StuckDeviceCopy(mode.copier):
+        mode.snapshot(3, parts, {"step": 3})  # its copy never lands
+        written, returned = [], threading.Event()
+        started = time.monotonic()
+        threading.Thread(target=lambda: (written.extend(mode.persist_survivor(root)),
+                                         returned.set()), daemon=True).start()
+        assert returned.wait(60), "persist_survivor waited for a copy that never lands"
+    assert time.monotonic() - started < memory.mode.SURVIVOR_WAIT_S + 20
+    assert written == [2, 1]  # never 3: its buffers were still being filled
+    got, meta = restored(root / f"{memory.SNAP_PREFIX}2")
+    assert meta["train"] == {"step": 2} and got.keys() == at_step[2].keys()
+    for key, value in at_step[2].items():
+        assert torch.equal(got[key], value), key
+
+
+def test_a_survivor_whose_snapshot_copy_never_lands_still_persists_the_complete_ones(tmp_path):
+    run_ranks(tmp_path, "_stuck_copy")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"{memory.SNAP_PREFIX}1", f"{memory.SNAP_PREFIX}2"]

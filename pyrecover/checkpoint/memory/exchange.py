@@ -5,6 +5,7 @@ replicas with its peers over a dedicated gloo group, next to training.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -178,18 +179,24 @@ class Snapshots:
 
     def wait(self, timeout: float | None = None) -> None:
         """wait finishes the copy and the exchange in flight, if any: counts its snapshot, or
-        raises its error, after which its buffers are free again (as after `timeout` seconds,
-        which bounds the exchange, not the copy)."""
-        self.copier.wait()  # the copy is on the host and its exchange posted, or raises
+        raises its error, after which its buffers are free again.
+
+        `timeout` bounds the copy and the exchange together, for a dying process only (a
+        timed-out exchange closes the group's connections): past it, TimeoutError, and the
+        snapshot in flight never counts. On CUDA its copy waits for the step's collectives,
+        which never complete when a peer died in them.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # The copy is on the host and its exchange posted, or this raises.
+        self.copier.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         flight, self._inflight = self._inflight, None
         if flight is None:
             return
-        limit = None if timeout is None else timedelta(seconds=timeout)
         for work in flight.works:
-            if limit is None:
+            if deadline is None:
                 work.wait()
-            else:  # a timeout closes the group's connections: for a dying process only
-                work.wait(limit)
+            else:
+                work.wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
         self._count(flight.target, flight.step, flight.meta)
 
     def _count(self, target: Snapshot, step: int, meta: dict[str, Any]) -> None:

@@ -88,14 +88,17 @@ class MemoryMode(Snapshots):
         """persist_survivor writes every slice this rank holds, of its complete snapshots, with
         no collective: the other ranks may be gone. Returns the steps written.
 
-        The exchange in flight gets `SURVIVOR_WAIT_S` to finish (its data usually arrived long
-        ago) and then counts; if it failed or did not finish, its snapshot is not written:
-        without its replica it would pass for complete here.
+        The snapshot in flight gets `SURVIVOR_WAIT_S` for its copy and exchange to finish (its
+        data usually arrived long ago) and then counts; if it failed or did not finish, it is
+        not written: without its replica it would pass for complete here, and a copy that has
+        not landed (on CUDA one queued behind the collective a peer died in never does) would
+        write half-filled buffers. `current` and `previous` are complete whatever it does.
         """
         try:
             self.wait(timeout=SURVIVOR_WAIT_S)
         except Exception as exc:  # the peer it exchanged with is gone: expected here
-            log.debug("rank %d: the snapshot exchange in flight failed: %s", self.rank, exc)
+            log.warning("rank %d: the snapshot in flight did not finish (%s: %s); persisting "
+                        "the complete ones", self.rank, type(exc).__name__, exc)
         written = []
         for snap in (self.current, self.previous):
             if snap.step < 0:
