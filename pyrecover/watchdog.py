@@ -43,6 +43,9 @@ IO_PHASES = ("load", "checkpoint")
 OWN_PHASES = ("data", "forward")
 STEP_START = "data"  # the first phase of every step
 STACK_CHARS = 12_000  # of all stacks together, in the event (the log gets them whole)
+# handle exits this long after a hang at the latest, persisted or not: a survivor writes two
+# snapshots of its slices (minutes only for a state of terabytes on slow storage).
+HANDLE_DEADLINE_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -293,16 +296,24 @@ def persist_once(persist: Callable[[], None]) -> None:
 def handle(hang: Hang, event: Callable[..., object], persist: Callable[[], None],
            device=None, exit_code: int | None = None,
            exit: Callable[[int], object] = os._exit, silent: Callable[[], Any] | None = None,
-           leaving: Callable[[], None] | None = None) -> None:
+           leaving: Callable[[], None] | None = None,
+           deadline_s: float = HANDLE_DEADLINE_S) -> None:
     """handle reports a hang (log with every stack, `hang` event), persists, and exits.
 
     `event(kind, **fields)` records into events.jsonl; `persist()` saves what memory mode
     holds; `silent()` names the peers whose heartbeat stopped (heartbeat.py: a stopped rank
     cannot report itself), and `leaving()` tells the peers this rank is exiting. Runs in the
-    watchdog thread while the main thread is stuck.
+    watchdog thread while the main thread is stuck. Whatever of this is stuck too (a persist
+    waiting on the stuck device or on the main thread's own persist, a hung file system), the
+    process exits with the same code `deadline_s` seconds after the hang was handed here.
     """
     from pyrecover.preempt import EXIT_HANG
 
+    code = EXIT_HANG if exit_code is None else exit_code
+    exit_once = _once(exit)
+    deadline = threading.Timer(deadline_s, _give_up, args=(hang, deadline_s, code, exit_once))
+    deadline.daemon = True
+    deadline.start()
     dumped = stacks()
     cuda = cuda_answer(device)
     quiet = silent() if silent is not None else None
@@ -332,7 +343,32 @@ def handle(hang: Hang, event: Callable[..., object], persist: Callable[[], None]
         persist_once(persist)
     except Exception as exc:  # exiting matters more than this
         log.error("rank %d could not persist after the hang: %s", hang.rank, exc)
+    deadline.cancel()
+    _flush()
+    exit_once(code)
+
+
+def _once(exit: Callable[[int], object]) -> Callable[[int], None]:
+    """_once calls `exit` the first time only (the deadline's thread or handle's own end)."""
+    lock, called = threading.Lock(), []
+
+    def once(code: int) -> None:
+        with lock:
+            if called:
+                return
+            called.append(code)
+        exit(code)
+    return once
+
+
+def _give_up(hang: Hang, deadline_s: float, code: int, exit: Callable[[int], None]) -> None:
+    log.error("rank %d: reporting and persisting the hang took over %.0fs; exiting with %d "
+              "without them", hang.rank, deadline_s, code)
+    _flush()
+    exit(code)
+
+
+def _flush() -> None:
     for h in log.handlers:
         h.flush()
     sys.stderr.flush()
-    exit(EXIT_HANG if exit_code is None else exit_code)

@@ -186,6 +186,28 @@ def test_handle_dumps_every_thread_records_the_event_persists_and_exits_with_its
     assert "HANG on rank 1" in caplog.text
 
 
+def test_handle_exits_with_its_code_at_its_deadline_when_the_persist_never_returns():
+    # The persist stands in for one stuck for good: on CUDA a snapshot copy queued behind the
+    # collective a dead peer never finishes, or the main thread holding the persist lock in it.
+    stuck, exited, exits = threading.Event(), threading.Event(), []
+    hang = watchdog.Hang(rank=0, node="n0", phase="allreduce", step=3, seconds=6.0, limit=5.0)
+    watchdog._persisted = False
+
+    def exit(code: int) -> None:
+        exits.append(code)
+        exited.set()
+
+    handler = threading.Thread(target=watchdog.handle, daemon=True, kwargs=dict(
+        hang=hang, event=lambda kind, **f: None, persist=stuck.wait, exit=exit, deadline_s=0.5))
+    handler.start()
+    try:
+        assert exited.wait(60), "the watchdog never exited while its persist was stuck"
+    finally:
+        stuck.set()
+    handler.join(60)
+    assert exits == [76]  # once, even though the persist returned later
+
+
 @pytest.mark.parametrize("key,value", [("run.hang_timeout", "soon"), ("run.hang_timeout", "-3"),
                                        ("run.hang_startup_timeout", 0),
                                        ("run.straggler_factor", 1.0),
