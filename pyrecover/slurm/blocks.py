@@ -25,9 +25,10 @@ trap 'echo "pyrecover: batch shell got SIGTERM; waiting for the training step" >
 # ---- after the training step: the requeue decision ----------------------------------
 # Exit 0: finished. 2: a config or data error, which a requeue cannot fix. 75: stopped
 # cleanly with a checkpoint (signal or deadline). 76: a rank hung (the watchdog fired), a
-# crash recorded as hang. 77: a task's health check failed. Anything else: a crash. 75 and
-# crashes are requeued while SLURM_RESTART_COUNT is below MAX_RESTARTS; each decision is
-# recorded.
+# crash recorded as hang. 77: a task's health check failed. Anything else: a crash. A clean
+# stop that trained some steps always requeues (a long run stops at every time limit); a
+# failure, or a clean stop that made no progress (a stop that repeats at once), requeues
+# while this job's earlier failures are fewer than MAX_RESTARTS. Each decision is recorded.
 record() {
     local fmt='{"event": "%s", "time": %s, "job_id": "%s", "restart_count": %s, '
     fmt+='"in_job_restart": %s, "exit_code": %s, "reason": "%s"}\n'
@@ -67,6 +68,21 @@ resolve_code() {
     fi
     echo "$code"
 }
+# failures prints how many of this job's requeues so far were failures (the script's own
+# requeue records: every reason but a clean stop).
+failures() {
+    grep -E "^\{\"event\": \"requeue\", \"time\": [0-9.]+, \"job_id\": \"$SLURM_JOB_ID\", " \
+        "$EVENTS" 2>/dev/null | grep -cv '"reason": "stopped cleanly"}$'
+}
+# progressed: this step's stop record names a later step than its start or resume record.
+progressed() {
+    local began stopped number='s/^\{"event": "[a-z]+", "time": [0-9.]+, "step": ([0-9]+), .*/\1/'
+    began=$(grep -E "^\{\"event\": \"(start|resume)\", .*$(this_step)" "$EVENTS" 2>/dev/null |
+        tail -n 1 | sed -nE "${number}p")
+    stopped=$(grep -E "^\{\"event\": \"stop\", .*$(this_step)" "$EVENTS" 2>/dev/null |
+        tail -n 1 | sed -nE "${number}p")
+    [ -n "$began" ] && [ -n "$stopped" ] && [ "$stopped" -gt "$began" ]
+}
 reason_for() {
     case $1 in
         75) echo "stopped cleanly" ;;
@@ -80,7 +96,7 @@ reason_for() {
 cancelled() { scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -q ' Requeue=0 '; }
 # after_training ends the job for a resolved exit code: done, or requeued, or given up.
 after_training() {
-    local code=$1 restart=${SLURM_RESTART_COUNT:-0} reason exclude
+    local code=$1 reason failed exclude
     reason=$(reason_for "$code")
     case $code in
         0) exit 0 ;;
@@ -90,8 +106,12 @@ after_training() {
         record no_requeue "$code" "cancelled; the job may not requeue"
         exit "$code"
     fi
-    if [ "$restart" -ge "$MAX_RESTARTS" ]; then
-        record no_requeue "$code" "$reason; max restarts ($MAX_RESTARTS) reached"
+    if [ "$code" -eq 75 ] && ! progressed; then
+        reason="stopped cleanly without progress"  # a failure: it would loop forever
+    fi
+    failed=$(failures)
+    if [ "$reason" != "stopped cleanly" ] && [ "${failed:-0}" -ge "$MAX_RESTARTS" ]; then
+        record no_requeue "$code" "$reason; max restarts ($MAX_RESTARTS) reached by failures"
         exit "$code"
     fi
     record requeue "$code" "$reason"
@@ -197,8 +217,9 @@ exclude_on_requeue() {
 after_step() {
     local code reason node why
     code=$(resolve_code "$1")
-    echo "pyrecover: training exited with code $code (restart ${SLURM_RESTART_COUNT:-0}" \
-        "of at most $MAX_RESTARTS, $IN_JOB of $MAX_RESTARTS_IN_JOB in this job)" >&2
+    echo "pyrecover: training exited with code $code (restart ${SLURM_RESTART_COUNT:-0}," \
+        "$(failures) failures of at most $MAX_RESTARTS, $IN_JOB of $MAX_RESTARTS_IN_JOB in" \
+        "this job)" >&2
     case $code in
         0 | 2 | 75) after_training "$code" ;;
     esac

@@ -52,7 +52,9 @@ class ClusterProfile:
     task per node running `pyrecover train --nproc <gpus_per_node>`; none: one task per GPU
     running this machine's python, no container."""
     max_restarts: int = 3
-    """How often the job may requeue itself after a stop or crash."""
+    """How often the job may requeue itself after a failure: a crash, a hang, a failed
+    health check, or a clean stop that trained no step. A clean stop (the time limit,
+    preemption) always requeues."""
     spare_nodes: int = 0
     """Extra nodes allocated beside `nodes`: training runs on `nodes` of them, and after a
     crash, hang or failed health check a new step starts at once on the healthy ones."""

@@ -247,7 +247,7 @@ def render(spec: JobSpec) -> str:
         "",
         "set -uo pipefail",
         "",
-        f"MAX_RESTARTS={spec.max_restarts}",
+        f"MAX_RESTARTS={spec.max_restarts}  # requeues after failures; clean stops are free",
         f"NODES={spec.nodes}  # a training step's nodes; the allocation has SPARES more",
         f"SPARES={spec.spare_nodes}",
         f"MAX_RESTARTS_IN_JOB={spec.max_restarts_in_job}",

@@ -58,7 +58,8 @@ def time_limit_runs(request: pytest.FixtureRequest, local_slurm: LocalSlurm, cor
     """The two time-limit jobs, submitted as the module starts so that their minutes of
     waiting for the limit overlap each other and the module's other tests (each job takes
     one of a node's four CPUs): 20 steps x 5 s, about 100 s of training, in 2-minute jobs;
-    `signal` gets USR2 60-90 s before the limit, `deadline` no signal. (job id, run
+    `signal` gets USR2 60-90 s before the limit and may not requeue after a failure
+    (max_restarts 0: clean stops do not count), `deadline` no signal. (job id, run
     directory) by name; both are cancelled when the module ends. Nothing is submitted where
     no selected test asks for them by name (`pytest -k` of another test)."""
     wanted = any("time_limit_runs" in inspect.signature(item.function).parameters
@@ -69,9 +70,9 @@ def time_limit_runs(request: pytest.FixtureRequest, local_slurm: LocalSlurm, cor
     ids: list[int] = []
     try:
         yield {name: launch(local_slurm, ids, tmp_path_factory.mktemp(name), name, corpus,
-                            "--time", "2", "--signal-seconds", seconds, "--max-restarts", "8",
-                            env={"PYRECOVER_STEP_DELAY": "5"})
-               for name, seconds in (("signal", "60"), ("deadline", "0"))}
+                            "--time", "2", "--signal-seconds", seconds, "--max-restarts",
+                            restarts, env={"PYRECOVER_STEP_DELAY": "5"})
+               for name, seconds, restarts in (("signal", "60", "0"), ("deadline", "0", "8"))}
     finally:
         for job_id in ids:
             local_slurm.cancel(str(job_id))
@@ -291,10 +292,10 @@ def test_the_interruption_after_max_restarts_is_not_requeued_and_status_says_why
     decisions = [e for e in events(run_dir) if e["event"] in ("requeue", "no_requeue")]
     assert [(d["event"], d["restart_count"]) for d in decisions] == [
         ("requeue", 0), ("no_requeue", 1)], explain(run_dir, job_id)
-    assert decisions[1]["reason"] == "crash; max restarts (1) reached"
+    assert decisions[1]["reason"] == "crash; max restarts (1) reached by failures"
     assert "finish" not in kinds(run_dir)
     report = status(local_slurm, run_dir)
-    assert report["state"] == "ended: crash; max restarts (1) reached"
+    assert report["state"] == "ended: crash; max restarts (1) reached by failures"
     assert [d["event"] for d in report["requeue_decisions"]] == ["requeue", "no_requeue"]
     assert "max restarts" in report["requeue_decisions"][-1]["reason"]
     assert report["last_checkpoint"]["step"] == INTERVAL
@@ -329,8 +330,10 @@ def test_a_run_longer_than_the_time_limit_stops_on_the_warning_signal_and_comple
         local_slurm, time_limit_runs, reference_model):
     job_id, run_dir = time_limit_runs["signal"]
     assert "#SBATCH --signal=USR2@60" in (run_dir / "job.sbatch").read_text()
+    assert "MAX_RESTARTS=0 " in (run_dir / "job.sbatch").read_text()
     info = wait_end(local_slurm, job_id, run_dir, timeout=900)
 
+    # Requeued at each limit although max_restarts is 0: clean stops are no failures.
     report = assert_completed(local_slurm, job_id, run_dir, info)
     stops = [e for e in events(run_dir) if e["event"] == "stop"]
     assert stops and stops[0]["reason"] == "SIGUSR2", explain(run_dir, job_id)

@@ -23,12 +23,12 @@ HEALTH_FAIL = {"event": "health", "time": 5.0, "ok": False, "rank": 1, "node": "
 
 
 def run_job(tmp_path: Path, steps: list[str], spares: int = 0, nodes: str = "node1 node2",
-            partition: str = "node1 node2 node3", bad_nodes: str = ""
-            ) -> tuple[subprocess.CompletedProcess, Path]:
+            partition: str = "node1 node2 node3", bad_nodes: str = "",
+            env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
     """Run the rendered script (2 training nodes, `spares` more) where the allocation is
     `nodes` and the run's bad-nodes file holds `bad_nodes`; the k-th srun runs `steps[k]`
     (bash, with $EVENTS set) for its effect and exit code. stderr goes to the job's log as
-    under SLURM. Returns (the run, the run dir)."""
+    under SLURM. `env` adds to the job's environment. Returns (the run, the run dir)."""
     spec = spec_for("none", sets=[*TINY_SETS, f"run.storage={tmp_path / 'store'}"],
                     spare_nodes=spares)
     run = spec.run.root
@@ -57,7 +57,7 @@ def run_job(tmp_path: Path, steps: list[str], spares: int = 0, nodes: str = "nod
     script.write_text(render.render(spec))
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_ID": "123",
            "SLURM_JOB_NODELIST": "node[1-3]", "SLURM_JOB_PARTITION": "gpu",
-           "EVENTS": str(run / "events.jsonl")}
+           "EVENTS": str(run / "events.jsonl"), **(env or {})}
     with open(run / "logs" / "123.out", "ab") as log:
         done = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, stdout=log,
                               stderr=log, timeout=60)

@@ -5,8 +5,11 @@ max_restarts, the stop signal in the batch shell, and which nodes the requeued j
 from __future__ import annotations
 
 import dataclasses
+import json
+import shlex
 
 import pytest
+from test_bad_nodes import decisions, lines, run_job
 from test_render import run_step, spec_for
 
 from pyrecover.slurm import render
@@ -34,3 +37,70 @@ def test_srun_without_cpus_per_task_leaves_srun_its_default_of_one_per_task(tmp_
     argv, stderr, code = run_step(render.render(spec), tmp_path)
     assert code == 0, stderr
     assert not [w for w in argv if w.startswith("--cpus-per-task")]
+
+
+# ------------------------------------------------------------- max_restarts counts failures
+
+
+def trainer(event: str, step: int, restart: int, **fields) -> dict:
+    """A trainer's record of the job's attempt `restart` (rundir.RunDir.event's key order)."""
+    return {"event": event, "time": 5.0, "step": step, **fields, "job_id": "123",
+            "restart_count": restart, "in_job_restart": 0, "host": "h"}
+
+
+def decision(reason: str, restart: int, job: str = "123", code: int = 75) -> dict:
+    """An earlier requeue the job script recorded (blocks.record's key order)."""
+    return {"event": "requeue", "time": 1.0, "job_id": job, "restart_count": restart,
+            "in_job_restart": 0, "exit_code": code, "reason": reason}
+
+
+def attempt(earlier: list[dict], records: list[dict], code: int) -> str:
+    """A training step (run_job's `steps`) of a job with `earlier` records in events.jsonl,
+    that writes `records` and exits with `code`."""
+    echo = [f"echo {shlex.quote(json.dumps(r))} >> \"$EVENTS\"" for r in [*earlier, *records]]
+    return "\n".join([*echo, f"exit {code}", ""])
+
+
+def test_clean_stops_that_trained_requeue_however_often_the_job_requeued_before(tmp_path):
+    # A long run stops before every time limit: five requeues so far, max_restarts 3.
+    earlier = [decision("stopped cleanly", k) for k in range(5)]
+    step = attempt(earlier, [trainer("resume", 50, 5, path="p"),
+                             trainer("stop", 60, 5, reason="SIGUSR2")], 75)
+    done, run = run_job(tmp_path, [step], env={"SLURM_RESTART_COUNT": "5"})
+    assert done.returncode == 75
+    assert decisions(run)[5:] == [("requeue", 75, "stopped cleanly")]
+    assert lines(tmp_path / "scontrol.calls") == ["requeue 123"]
+
+
+@pytest.mark.parametrize("failed_before, decided", [
+    (2, ("requeue", 75, "stopped cleanly without progress")),
+    (3, ("no_requeue", 75, "stopped cleanly without progress; max restarts (3) reached by "
+                           "failures")),
+])
+def test_a_clean_stop_without_progress_counts_as_a_failure(tmp_path, failed_before, decided):
+    # A stop that repeats at once (resumed at step 50, stopped at 50) would loop forever.
+    earlier = [decision("crash", k, code=1) for k in range(failed_before)]
+    step = attempt(earlier, [trainer("resume", 50, failed_before, path="p"),
+                             trainer("stop", 50, failed_before, reason="SIGUSR2")], 75)
+    done, run = run_job(tmp_path, [step], env={"SLURM_RESTART_COUNT": str(failed_before)})
+    assert done.returncode == 75
+    assert decisions(run)[failed_before:] == [decided]
+
+
+@pytest.mark.parametrize("crashes_before, decided", [
+    (2, ("requeue", 1, "crash")),
+    (3, ("no_requeue", 1, "crash; max restarts (3) reached by failures")),
+])
+def test_crashes_use_up_max_restarts_counting_only_this_jobs_failures(tmp_path, crashes_before,
+                                                                      decided):
+    earlier = [decision("stopped cleanly", 0), decision("stopped cleanly", 1),
+               *(decision("crash", 2 + k, code=1) for k in range(crashes_before)),
+               *(decision("crash", k, job="99", code=1) for k in range(3))]  # another job's
+    restart = 2 + crashes_before
+    step = attempt(earlier, [trainer("resume", 5, restart, path="p")], 1)
+    done, run = run_job(tmp_path, [step], env={"SLURM_RESTART_COUNT": str(restart)})
+    assert done.returncode == 1
+    assert decisions(run)[-1] == decided
+    assert f"(restart {restart}, {crashes_before} failures of at most 3," in (
+        run / "logs" / "123.out").read_text()
+
