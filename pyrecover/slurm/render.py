@@ -251,6 +251,7 @@ def render(spec: JobSpec) -> str:
         f"NODES={spec.nodes}  # a training step's nodes; the allocation has SPARES more",
         f"SPARES={spec.spare_nodes}",
         f"MAX_RESTARTS_IN_JOB={spec.max_restarts_in_job}",
+        f"STOP_SIGNAL={shlex.quote(spec.stop_signal)}",
         f"EVENTS={_word(task_path(spec, 'events.jsonl'))}",
         f"BAD_NODES={_word(task_path(spec, 'bad-nodes'))}",
         f"JOB_LOG={_word(task_path(spec, 'logs'))}/\"$SLURM_JOB_ID\".out",

@@ -104,3 +104,28 @@ def test_crashes_use_up_max_restarts_counting_only_this_jobs_failures(tmp_path, 
     assert f"(restart {restart}, {crashes_before} failures of at most 3," in (
         run / "logs" / "123.out").read_text()
 
+
+# ------------------------------------------------------------------- the stop signal
+
+
+@pytest.mark.parametrize("stop_signal", ["USR2", "USR1"])
+def test_the_stop_signal_sent_to_the_batch_shell_does_not_end_it_before_the_decision(
+        tmp_path, stop_signal):
+    """`scancel --signal=USR2 --full` signals the batch shell as well as the tasks."""
+    spec = spec_for("none", sets=["run.storage=/scratch/pyrecover", "run.exp_name=tiny-gpt",
+                                  f"run.stop_signal={stop_signal}"])
+    # The stand-in step signals the script's shell (its parent) and exits as a stopped
+    # trainer; it also reports its own mask of ignored signals (/proc: SigIgn).
+    step = (f"kill -{stop_signal} \"$PPID\"\n"
+            "grep SigIgn /proc/$$/status >&2\nexit 75\n")
+    argv, stderr, code = run_step(render.render(spec), tmp_path, env={"STEP": step},
+                                  srun_body='eval "$STEP"')
+    assert code == 75, stderr
+    assert f"batch shell got SIG{stop_signal}; waiting for the training step" in stderr
+    assert "pyrecover: requeueing job 123" in stderr
+    assert (tmp_path / "scontrol.requeue").read_text().split() == ["123"]
+    # A handler, not an ignore: the tasks the shell starts still take the signal.
+    ignored = int(next(line for line in stderr.splitlines() if line.startswith("SigIgn:")
+                       ).split()[1], 16)
+    number = {"USR1": 10, "USR2": 12}[stop_signal]
+    assert not ignored & (1 << (number - 1))

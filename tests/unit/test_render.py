@@ -88,18 +88,19 @@ def bash_words(text: str) -> list[str]:
 
 
 def run_step(script: str, tmp_path: Path, exit_code: int = 0,
-             env: dict[str, str] | None = None) -> tuple[list[str], str, int]:
+             env: dict[str, str] | None = None, srun_body: str = ""
+             ) -> tuple[list[str], str, int]:
     """Run the script's shell part with `srun` and `scontrol` replaced by stand-ins.
 
-    The `srun` stand-in records the argv it gets (apptainer and all, NUL-separated) and
-    exits with `exit_code`; `scontrol show hostnames` answers node1, node2. Returns the
-    argv, the script's stderr and its exit code.
+    The `srun` stand-in records the argv it gets (apptainer and all, NUL-separated), runs
+    `srun_body` and exits with `exit_code`; `scontrol show hostnames` answers node1, node2.
+    Returns the argv, the script's stderr and its exit code.
     """
     bin_dir = tmp_path / "stand-in-bin"
     bin_dir.mkdir(exist_ok=True)
     argv_file = tmp_path / "srun.argv"
     record = f"printf '%s\\0' srun \"$@\" > {shlex.quote(str(argv_file))}"
-    (bin_dir / "srun").write_text(f"#!/bin/bash\n{record}\nexit {exit_code}\n")
+    (bin_dir / "srun").write_text(f"#!/bin/bash\n{record}\n{srun_body}\nexit {exit_code}\n")
     requeue = shlex.quote(str(tmp_path / "scontrol.requeue"))
     (bin_dir / "scontrol").write_text(
         f"#!/bin/bash\nif [ \"$1\" = requeue ]; then echo \"$2\" >> {requeue}; exit 0; fi\n"
