@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,6 +48,16 @@ EXTRA_FILE = "extra.json"
 
 def rng_file(rank: int) -> str:
     return f"rng-{rank}.pt"
+
+
+def write_rng(path) -> None:
+    """write_rng saves this process's RNG states to `path` (fsynced when the save ends). It
+    is serialized in memory first: a failed write (a full disk) then raises the OSError,
+    where torch.save to a path raises an error naming only its zip writer's offsets."""
+    data = io.BytesIO()
+    torch.save(rng.capture(), data)
+    with open(path, "wb") as f:
+        f.write(data.getbuffer())
 
 
 def own_files(written: list[str], rank: int) -> list[str]:
@@ -98,26 +110,45 @@ class DcpMode:
         self._result: WriteResult | None = None
 
     def start(self, pending: Pending, parts, train: TrainArg) -> None:
+        """start begins this rank's share of the save at `pending`; with `async_save` it
+        returns once the copy is started, and `result` says when the write is durable.
+
+        A failure here (the RNG file on a full disk) is this rank's result, as a failed write
+        in the save's thread is: the thread still takes part in DCP's collectives, with
+        nothing to write, so every rank learns of it at the commit and discards the save.
+        """
         folder = pending.tmp
-        torch.save(rng.capture(), folder / rng_file(self.rank))
-        # Rank 0's extra.json is written by the save's thread (`_finish`): the train state may
-        # be a function that waits for the step's numbers (manager._start), so only there;
-        # the scheduler's state and the config are copied now, as they are at this step.
-        extra = (copy.deepcopy({"scheduler": parts.scheduler.state_dict(),
-                                "config": parts.config}) if self.rank == 0 else None)
-        state = self._state(parts)
         writer = dcp_io.Writer(folder)
-        upload = None
-        if self.asynchronous:
-            # What dcp.async_save does, without its API, which changed between torch releases
-            # (2.7 has no async_stager): the copy starts now, the save runs in our thread.
-            staged = self.stager.stage(state)
-            self._staged = True
+        extra = None
+        try:
+            write_rng(folder / rng_file(self.rank))
+            # Rank 0's extra.json is written by the save's thread (`_finish`): the train state
+            # may be a function that waits for the step's numbers (manager._start), so only
+            # there; the scheduler's state and the config are copied now, as at this step.
+            extra = (copy.deepcopy({"scheduler": parts.scheduler.state_dict(),
+                                    "config": parts.config}) if self.rank == 0 else None)
+            state = self._state(parts)
+            if self.asynchronous:
+                # What dcp.async_save does, without its API, which changed between torch
+                # releases (2.7 has no async_stager): the copy starts now, the save runs in
+                # our thread.
+                staged = self.stager.stage(state)
+                self._staged = True
+
+                def upload() -> None:
+                    self._save(staged.result(), writer)
+            else:
+                def upload() -> None:
+                    self._save(state, writer)
+        except OSError as exc:
+            failed = exc
 
             def upload() -> None:
-                self._save(staged.result(), writer)
-        else:
-            self._save(state, writer)
+                # DCP's collectives, with nothing to write; an error of theirs (another rank
+                # failed too) says less than this rank's own.
+                with contextlib.suppress(BaseException):
+                    self._save({}, writer)
+                raise failed
         self._result = None
         self._thread = threading.Thread(target=self._finish,
                                         args=(upload, writer, pending, extra, train),
@@ -157,13 +188,12 @@ class DcpMode:
             dcp.save(state, storage_writer=writer, process_group=self.group,
                      no_dist=self.group is None)
 
-    def _finish(self, upload, writer: dcp_io.Writer, pending: Pending,
+    def _finish(self, upload: Callable[[], None], writer: dcp_io.Writer, pending: Pending,
                 extra: dict[str, Any] | None, train: TrainArg) -> None:
         folder = pending.tmp
         try:
             faults.maybe_kill(pending.step, self.rank, point="save")
-            if upload is not None:
-                upload()
+            upload()
             if extra is not None:  # after the copy, which the device ran after the step
                 (folder / EXTRA_FILE).write_text(json.dumps({**extra, "train": train_now(train)}))
             files = {}
