@@ -10,9 +10,12 @@ collective is involved: the other ranks may be exactly what is stuck.
 Limits: a normal step's phases get `hang_timeout` seconds, or with `auto` a multiple of the
 slowest step seen so far between a floor and a ceiling. The first step of a start (process
 group warm-up, compilation), a checkpoint load and a checkpoint save get the larger startup
-limit, and for loads and saves it counts from the last sign of progress (this process read
-or wrote bytes, `/proc/self/io`, or a checkpoint being written grew), so a long save that
-keeps writing never fires, on the writing rank or on the ranks waiting for it.
+limit, and for loads, saves and the start-up before and after a load (`setup`: rank 0
+checksums the survivors' snapshot there) it counts from the last sign of progress (this
+process read or wrote bytes, `/proc/self/io`, or a checkpoint being written grew), so a long
+save that keeps writing never fires, on the writing rank or on the ranks waiting for it. A
+rank waiting for rank 0's checksum pass sees no progress of its own: it gets the startup
+limit from when it began waiting.
 torch's process group timeout is set above every limit (`backstop_seconds`): the watchdog
 always speaks first, torch's timeout stays the backstop.
 """
@@ -38,7 +41,7 @@ AUTO_FLOOR_S = 60.0
 AUTO_CEILING_S = 600.0
 BACKSTOP_MARGIN_S = 60.0  # torch's timeout fires this long after the largest watchdog limit
 # Phases whose clock restarts at each sign of progress and whose limit is the startup one.
-IO_PHASES = ("load", "checkpoint")
+IO_PHASES = ("setup", "load", "checkpoint")
 # Phases that never wait on another rank: their time is this rank's own compute time.
 OWN_PHASES = ("data", "forward")
 STEP_START = "data"  # the first phase of every step
@@ -69,7 +72,8 @@ def rule_from(hang_timeout: str, startup_timeout: float) -> Rule:
 
 
 def limit(rule: Rule, phase: str, steps_done: int, slowest_step: float) -> float:
-    """limit is how long `phase` may run (loads and saves: without progress) before it is a hang.
+    """limit is how long `phase` may run (setup, loads, saves: without progress) before it is a
+    hang.
 
     `steps_done` counts the steps finished since this process started, `slowest_step` is the
     longest of them (seconds). The first step, loads and saves get the startup limit.
@@ -136,7 +140,7 @@ class Hang:
     phase: str
     step: int
     seconds: float
-    """How long the phase had run (loads and saves: since their last progress)."""
+    """How long the phase had run (setup, loads, saves: since their last progress)."""
     limit: float
 
 

@@ -97,6 +97,18 @@ def test_a_long_save_that_keeps_writing_never_fires_and_a_stalled_one_does():
     assert hang.phase == "checkpoint" and hang.seconds == 61
 
 
+def test_start_up_that_keeps_reading_never_fires_and_a_stalled_one_does():
+    # Rank 0 tidies before the model is built: it checksums the survivors' snapshot, which
+    # for a large state reads for longer than the startup limit.
+    d, clock, io = dog(Rule(fixed=5, startup=60))
+    for _ in range(100):  # 1000 s of reading, bytes read every 10 s
+        clock.now += 10
+        io.count += 8 << 20
+        assert d.check() is None
+    clock.now += 61
+    assert d.check().phase == "setup"
+
+
 def test_a_load_waiting_on_rank_0_fires_only_after_the_startup_limit():
     d, clock, _ = dog(Rule(fixed=5, startup=120))
     d.phase("load")
