@@ -185,17 +185,23 @@ exclude_node() {
     printf '%s\t%s\t%s\n' "$1" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$2" >> "$BAD_NODES"
     echo "pyrecover: node $1 is excluded from this run: $2" >&2
 }
+# usable_nodes prints the partition's nodes that can run jobs: responding, in a state that
+# takes jobs, not draining or drained (`sinfo -t idle` lists idle+drain ones too).
+usable_nodes() {
+    sinfo -h -N -r -t idle,mixed,allocated,completing -o '%N %T' \
+        -p "${SLURM_JOB_PARTITION:-}" 2>/dev/null |
+        awk '$2 !~ /drain|fail|maint/ { print $1 }' | sort -u
+}
 # exclusion_for_requeue prints the run's bad nodes, comma-separated, for the requeued job
-# to exclude: none where too few nodes of the partition would be left for it to start.
+# to exclude: none where too few usable nodes of the partition would be left for it to start.
 exclusion_for_requeue() {
     local list left
     list=$(bad_nodes | paste -sd, -)
     [ -n "$list" ] || return 0
-    left=$(sinfo -h -N -o %N -p "${SLURM_JOB_PARTITION:-}" 2>/dev/null | sort -u |
-        grep -cvxF -f <(bad_nodes))
+    left=$(usable_nodes | grep -cvxF -f <(bad_nodes))
     if [ "${left:-0}" -lt $((NODES + SPARES)) ]; then
         echo "pyrecover: not excluding $list from the requeued job: only ${left:-0} other" \
-            "nodes in its partition, it needs $((NODES + SPARES))" >&2
+            "usable nodes in its partition, it needs $((NODES + SPARES))" >&2
         return 0
     fi
     echo "$list"

@@ -26,9 +26,11 @@ def run_job(tmp_path: Path, steps: list[str], spares: int = 0, nodes: str = "nod
             partition: str = "node1 node2 node3", bad_nodes: str = "",
             env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
     """Run the rendered script (2 training nodes, `spares` more) where the allocation is
-    `nodes` and the run's bad-nodes file holds `bad_nodes`; the k-th srun runs `steps[k]`
-    (bash, with $EVENTS set) for its effect and exit code. stderr goes to the job's log as
-    under SLURM. `env` adds to the job's environment. Returns (the run, the run dir)."""
+    `nodes`, the partition's nodes that can run jobs are `partition` (NAME or NAME:STATE,
+    idle by default) and the run's bad-nodes file holds `bad_nodes`; the k-th srun runs
+    `steps[k]` (bash, with $EVENTS set) for its effect and exit code. stderr goes to the
+    job's log as under SLURM. `env` adds to the job's environment. Returns (the run, the
+    run dir)."""
     spec = spec_for("none", sets=[*TINY_SETS, f"run.storage={tmp_path / 'store'}"],
                     spare_nodes=spares)
     run = spec.run.root
@@ -47,7 +49,8 @@ def run_job(tmp_path: Path, steps: list[str], spares: int = 0, nodes: str = "nod
                 f"source {q(str(tmp_path))}/step$n.sh\n",
         "scontrol": f"case $1 in\n show) printf '%s\\n' {nodes} ;;\n"
                     f" *) echo \"$*\" >> {q(str(tmp_path / 'scontrol.calls'))} ;;\nesac\n",
-        "sinfo": f"printf '%s\\n' {partition}\n",
+        "sinfo": f"for n in {partition}; do state=${{n#*:}}; [ \"$state\" != \"$n\" ] || "
+                 "state=idle; echo \"${n%%:*} $state\"; done\n",
         "squeue": "exit 0\n",
     }
     for name, body in stubs.items():
@@ -131,9 +134,21 @@ def test_a_node_is_not_excluded_where_the_partition_would_be_too_small_for_the_j
     done, run = run_job(tmp_path, [fail], partition="node1 node2")
     assert done.returncode == 77
     assert lines(tmp_path / "scontrol.calls") == ["requeue 123"]
-    assert "not excluding node2 from the requeued job: only 1 other nodes" in (
+    assert "not excluding node2 from the requeued job: only 1 other usable nodes" in (
         run / "logs" / "123.out").read_text()
     assert lines(run / "bad-nodes")  # still known: later steps avoid it where they can
+
+
+def test_drained_and_failing_nodes_do_not_count_as_room_for_the_requeued_job(tmp_path):
+    # sinfo's `-t idle` also lists idle nodes that are drained or failing (SLURM 22.05):
+    # excluding node2 would leave the job one usable node for its two, pending forever.
+    fail = f"echo {shlex.quote(json.dumps(HEALTH_FAIL))} >> \"$EVENTS\"\nexit 77\n"
+    done, run = run_job(tmp_path, [fail], partition="node1 node2 node3:drained "
+                        "node4:draining node5:fail")
+    assert done.returncode == 77
+    assert lines(tmp_path / "scontrol.calls") == ["requeue 123"]
+    assert "not excluding node2 from the requeued job: only 1 other usable nodes" in (
+        run / "logs" / "123.out").read_text()
 
 
 def test_a_passed_health_check_and_other_steps_records_are_not_taken_as_failures(tmp_path):
