@@ -157,11 +157,18 @@ start_step() {
 # suspects prints "node<TAB>reason" for each node this step's failure points at.
 suspects() {
     # The node's own checks (health.NODE_CHECKS): a full shared storage or a collective
-    # that does not complete is no one node's fault.
-    local node='"node": "([A-Za-z0-9._-]+)"' check='(gpu|memory|storage_write)'
-    grep -E "^\{\"event\": \"health\", \"time\": [0-9.]+, \"ok\": false.*$(this_step)" \
-        "$EVENTS" 2>/dev/null |
-        sed -nE "s/.*$node, \"check\": \"$check\".*/\1\thealth check failed: \2/p"
+    # that does not complete is no one node's fault, nor is a storage write that failed on
+    # every node of the step: the shared storage's.
+    local node='"node": "([A-Za-z0-9._-]+)"' check='(gpu|memory|storage_write)' failed
+    failed=$(grep -E "^\{\"event\": \"health\", \"time\": [0-9.]+, \"ok\": false.*$(this_step)" \
+            "$EVENTS" 2>/dev/null |
+        sed -nE "s/.*$node, \"check\": \"$check\".*/\1\thealth check failed: \2/p")
+    if tr ',' '\n' <<< "$STEP_NODES" |
+        grep -qvxF -f <(sed -n 's/\thealth check failed: storage_write$//p' <<< "$failed"); then
+        [ -z "$failed" ] || printf '%s\n' "$failed"
+    else
+        sed '/storage_write$/d; /^$/d' <<< "$failed"
+    fi
     # A rank stuck outside any collective reports its own hang; ranks waiting in one do not
     # name the culprit.
     grep -E "^\{\"event\": \"hang\".*$(this_step)" "$EVENTS" 2>/dev/null |

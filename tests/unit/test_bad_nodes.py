@@ -122,6 +122,26 @@ def test_a_full_storage_is_no_node_s_fault(tmp_path):
     assert not (run / "bad-nodes").exists()
 
 
+def test_a_storage_write_failing_on_every_node_of_the_step_is_the_storage_s_fault(tmp_path):
+    both = [dict(HEALTH_FAIL, check="storage_write", node=n, rank=r)
+            for r, n in enumerate(("node1", "node2"))]
+    step = "".join(f"echo {shlex.quote(json.dumps(e))} >> \"$EVENTS\"\n" for e in both)
+    done, run = run_job(tmp_path, [step + "exit 77\n"])
+    assert done.returncode == 77
+    assert decisions(run) == [("requeue", 77, "health check failed")]
+    assert not (run / "bad-nodes").exists()  # excluding both would leave the job no node
+    assert lines(tmp_path / "scontrol.calls") == ["requeue 123"]
+
+
+def test_a_storage_write_failing_on_one_node_of_the_step_blames_that_node(tmp_path):
+    one = dict(HEALTH_FAIL, check="storage_write")
+    done, run = run_job(tmp_path, [f"echo {shlex.quote(json.dumps(one))} >> \"$EVENTS\"\n"
+                                   "exit 77\n"])
+    assert done.returncode == 77
+    assert [line.split("\t")[::2] for line in lines(run / "bad-nodes")] == [
+        ["node2", "health check failed: storage_write"]]
+
+
 def test_the_script_blames_exactly_the_node_checks_health_py_names():
     from pyrecover import health
     from pyrecover.slurm import blocks
