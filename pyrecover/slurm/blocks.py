@@ -21,8 +21,8 @@ fi
 # must still receive the signal.) `scontrol requeue` sends it as well: the handler keeps
 # this shell alive long enough to set the requeued job's excluded nodes.
 trap 'echo "pyrecover: batch shell got SIGTERM; waiting for the training step" >&2' TERM
-# The stop signal sent to the whole job (`scancel --signal=USR2 --full`, or --batch) would
-# end this shell by default, with no requeue decision: the same handler for it.
+# The stop signal sent to the whole job (`scancel -s USR2 --full`, or --batch) would end
+# this shell by default, with no requeue decision: the same handler for it.
 [ "$STOP_SIGNAL" = TERM ] ||
     trap 'echo "pyrecover: batch shell got SIG$STOP_SIGNAL; waiting for the training step" >&2' \
         "$STOP_SIGNAL"

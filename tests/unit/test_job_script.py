@@ -111,7 +111,7 @@ def test_crashes_use_up_max_restarts_counting_only_this_jobs_failures(tmp_path, 
 @pytest.mark.parametrize("stop_signal", ["USR2", "USR1"])
 def test_the_stop_signal_sent_to_the_batch_shell_does_not_end_it_before_the_decision(
         tmp_path, stop_signal):
-    """`scancel --signal=USR2 --full` signals the batch shell as well as the tasks."""
+    """`scancel -s USR2 --full` signals the batch shell as well as the tasks."""
     spec = spec_for("none", sets=["run.storage=/scratch/pyrecover", "run.exp_name=tiny-gpt",
                                   f"run.stop_signal={stop_signal}"])
     # The stand-in step signals the script's shell (its parent) and exits as a stopped
