@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -29,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from pyrecover.checkpoint import store
+from pyrecover.checkpoint import retention, store
 from pyrecover.checkpoint.interval import AutoInterval
 from pyrecover.checkpoint.mode import (
     ModeSettings,
@@ -310,22 +308,15 @@ class CheckpointManager:
                        bytes=size, seconds=round(seconds, 4), blocked=round(flight.blocked, 4))
         log.info("checkpoint step %d committed: %s (%.1f MB, loop blocked %.3fs, %.2fs in all)",
                  pending.step, folder, size / 1e6, flight.blocked, seconds)
-        self._retain()
+        self._retain(pending.step)
 
-    def _retain(self) -> None:
-        """_retain removes checkpoints beyond the newest `keep`. Each is renamed aside first
-        (atomic: it no longer exists for the loader, and a start cleans up what is left), then
-        deleted by a background thread: deleting a large checkpoint took 0.14 s per GB here,
-        which the loop would otherwise wait for at the step boundary of every commit."""
-        doomed = []
-        for step, folder in store.committed_steps(self.root)[self.keep:]:
-            aside = folder.with_name(f".old-step-{step}-{uuid.uuid4().hex[:8]}")
-            try:
-                os.replace(folder, aside)
-            except OSError:
-                shutil.rmtree(folder, ignore_errors=True)
-                continue
-            doomed.append(aside)
+    def _retain(self, committed: int) -> None:
+        """_retain retires checkpoints beyond the newest `keep` at or below the step just
+        `committed` (retention.py: never that one, nor a newer one the resume skipped). Each
+        is renamed aside first, then deleted by a background thread: deleting a large
+        checkpoint took 0.14 s per GB here, which the loop would otherwise wait for at the step
+        boundary of every commit."""
+        doomed = retention.retire(self.root, self.keep, committed)
         if doomed:
             self._wait_retired()
             self._retiring = threading.Thread(
