@@ -38,9 +38,9 @@ from pyrecover.checkpoint.mode import (
     train_now,
 )
 from pyrecover.checkpoint.modes import make_mode
-from pyrecover.checkpoint.resume import choose, resume_newest
+from pyrecover.checkpoint.resume import NotReadableHere, choose, resume_newest
 from pyrecover.checkpoint.stall import StallClock
-from pyrecover.checkpoint.store import Checkpoint, Pending
+from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
 from pyrecover.rundir import RunDir
 
 log = logging.getLogger("pyrecover")
@@ -358,8 +358,13 @@ class CheckpointManager:
             tdist.broadcast_object_list(choice, src=0)
         if choice[0] is None or found is not None:
             return found
-        # Other ranks trust rank 0's checksum pass; the sizes are cheap to check again.
-        return store.verify(Path(choice[0]), checksums=False)
+        # Other ranks trust rank 0's checksum pass; the sizes are cheap to check again. One
+        # this rank cannot read (NFS a moment after rank 0's rename) fails its restore: the
+        # ranks then fall back together (resume.py), never exit as if the user had erred.
+        try:
+            return store.verify(Path(choice[0]), checksums=False)
+        except (CheckpointError, OSError) as exc:
+            raise NotReadableHere(f"{type(exc).__name__}: {exc}") from exc
 
     def _report_invalid(self, step: int, folder: Path, problem: str) -> None:
         log.warning("skipping checkpoint step %d: invalid: %s", step, problem)
@@ -375,12 +380,16 @@ class CheckpointManager:
     def resume(self, accept: Callable[[Restored], Any] = lambda r: r,
                on_chosen: Callable[[Checkpoint], Any] = lambda c: None,
                keep_weights: bool = True) -> tuple[Checkpoint, Restored] | None:
-        """resume restores the newest checkpoint that loads on every rank, or returns None.
+        """resume restores the newest checkpoint that loads on every rank, or returns None
+        where none verifies.
 
         A checkpoint that verifies but cannot be restored (a manifest whose mode disagrees
         with its files, another model's shapes, a file the weights-only unpickler refuses, a
-        train state `accept` rejects) is reported by name as invalid and the next older one
-        is tried. When none loads, the parts get back the state they had before the first try.
+        train state `accept` rejects, a file another rank cannot read) is reported by name as
+        invalid and the next older one is tried. When none of those loads, the parts get back
+        the state they had before the first try and ResumeFailed is raised on every rank: a
+        start from step 0 would bury them under its own commits (exit 1, so a transient fault
+        gets another try).
         `on_chosen` is told of each checkpoint before its restore starts (phase timings).
         Without `keep_weights` the model's weights are not put back (nor copied beforehand):
         for a caller that initializes them itself when this returns None.

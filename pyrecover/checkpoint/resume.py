@@ -33,6 +33,17 @@ from pyrecover.readahead import read_through
 log = logging.getLogger("pyrecover")
 
 
+class NotReadableHere(RuntimeError):
+    """A rank other than 0 cannot read the checkpoint rank 0 chose (CheckpointManager.find_resume);
+    its restore fails like any other, so every rank falls back to an older one together."""
+
+
+class ResumeFailed(RuntimeError):
+    """Checkpoints verified but none could be restored on every rank. Exit code 1: the job is
+    requeued and tries again (a transient read error, an out-of-memory); every checkpoint is
+    left in place."""
+
+
 @dataclass
 class Choice:
     """Choice is rank 0's pick: the newest checkpoint that verifies (None: none does), and
@@ -114,29 +125,46 @@ def resume_newest(manager: Any, accept: Callable[[Restored], Any],
     """resume_newest is `CheckpointManager.resume` (see there); `manager` is that manager (not
     imported here: the manager imports this module)."""
     initial = None
-    below: int | None = None
-    while (ckpt := manager.find_resume(below)) is not None:
-        initial = initial or _copy_state(manager.parts, keep_weights)
-        on_chosen(ckpt)
+    below: int | None = None  # rank 0's: the others only restore what it chose
+    newest_failure = ""
+    while True:
         error, restored = "", None
         try:
-            restored = manager.restore(ckpt)
-            accept(restored)
-        except (Exception, _dcp_exception()) as exc:  # DCP's is a BaseException
-            error = f"{type(exc).__name__}: {_first_line(exc)}"
+            ckpt = manager.find_resume(below)
+        except NotReadableHere as exc:  # not on rank 0: that one's pick is None at the end too
+            ckpt, error = None, f"{exc}"
+        else:
+            if ckpt is None:
+                break
+            initial = initial or _copy_state(manager.parts, keep_weights)
+            on_chosen(ckpt)
+            try:
+                restored = manager.restore(ckpt)
+                accept(restored)
+            except (Exception, _dcp_exception()) as exc:  # DCP's is a BaseException
+                error = f"{type(exc).__name__}: {_first_line(exc)}"
         errors = [error]
         if tdist.is_initialized() and manager.world_size > 1:
             errors = [None] * manager.world_size
             tdist.all_gather_object(errors, error)
         failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
         if not failed:
-            assert restored is not None
+            assert ckpt is not None and restored is not None
+            manager.last_saved_step = ckpt.step  # committed already: finish() leaves it be
             return ckpt, restored
-        if manager.rank == 0:
-            manager._report_invalid(ckpt.step, ckpt.path, f"cannot be restored ({failed})")
-        below = ckpt.step
+        if ckpt is not None:
+            if manager.rank == 0:
+                manager._report_invalid(ckpt.step, ckpt.path, f"cannot be restored ({failed})")
+            newest_failure = newest_failure or f"step {ckpt.step} ({ckpt.path}): {failed}"
+            below = ckpt.step
+        newest_failure = newest_failure or failed
     if initial is not None:
         _load_state(manager.parts, initial)
+    if newest_failure:
+        raise ResumeFailed(
+            f"no checkpoint could be restored; the newest, {newest_failure}. Every checkpoint "
+            "is left in place and the run does not start over: run the same command again "
+            "(a requeued job does) once the fault is fixed")
     return None
 
 
@@ -153,7 +181,10 @@ def _first_line(exc: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         return "; ".join(sorted({f"{type(e).__name__}: {_first_line(e)}"
                                  for e, _ in failures.values()}))
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):  # torch's "Error(s) in loading ...:" + why
+        return f"{lines[0]} {lines[1]}"[:300]
+    return (lines or [type(exc).__name__])[0][:300]
 
 
 def _copy_state(parts: Parts, weights: bool) -> dict[str, Any]:

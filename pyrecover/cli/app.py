@@ -85,11 +85,12 @@ def _main() -> None:
             sys.exit(EXIT_STOPPED)
 
         from pyrecover.checkpoint.manager import SaveFailed
+        from pyrecover.checkpoint.resume import ResumeFailed
         from pyrecover.rundir import StorageError
         from pyrecover.sweep.agent import AgentUnavailable
 
         # A fault, not a bug here: no traceback.
-        if isinstance(exc, (PeerLost, SaveFailed, StorageError, AgentUnavailable)):
+        if isinstance(exc, (PeerLost, SaveFailed, ResumeFailed, StorageError, AgentUnavailable)):
             typer.echo(f"error: {exc}", err=True)
             sys.exit(1)
         raise

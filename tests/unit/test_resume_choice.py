@@ -1,7 +1,7 @@
 """Rank 0's choice of the checkpoint to resume, begun in the background while the model is
 built (resume.choose_in_background): it picks what the plain pass picks, the resume uses that
 pick and reports what it skipped once, a same-job vanilla file is read ahead into the page
-cache, and a resume that restores nothing puts back what it must."""
+cache, and a resume that restores nothing puts back what it must and says so."""
 
 from __future__ import annotations
 
@@ -131,7 +131,8 @@ def test_a_resume_that_restores_nothing_puts_back_the_optimizer_and_the_weights_
         optimizer = other.parts.optimizer.state_dict()
         slots = {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer["state"].items()}
         loader = CheckpointManager(run, "vanilla", 2, 3, 0, 1, other.parts, CPU, False)
-        assert loader.resume(accept=refuse, keep_weights=keep_weights) is None
+        with pytest.raises(resume.ResumeFailed, match=r"the newest, step 4 .*refused by the"):
+            loader.resume(accept=refuse, keep_weights=keep_weights)
         after = other.parts.optimizer.state_dict()
         assert after["param_groups"] == optimizer["param_groups"]
         for i, s in slots.items():
