@@ -62,8 +62,48 @@ def tidy(root: Path, on_event: Callable[..., Any]) -> None:
         from pyrecover.checkpoint.memory import finalize_snapshots
 
         finalize_snapshots(root, on_event)
+    for step in recover_commits(root):
+        log.warning("recovered checkpoint step %d: a save that crashed before its folder was "
+                    "renamed into place had committed it", step)
+        on_event("checkpoint_recovered", step=step)
     for tmp in store.clean_uncommitted(root):
         log.warning("removed uncommitted checkpoint folder %s", tmp.name)
+
+
+def recover_commits(root: Path) -> list[int]:
+    """recover_commits puts back `step-<N>/` where a commit crashed between writing its
+    manifest and renaming its folder into place; returns those steps.
+
+    Replacing a step-N (store.Pending.commit: a resume that redid the step) renames the old
+    folder aside, then the new one into place: a crash between the two leaves no step-N, the
+    new one complete as `.tmp-step-N-*` and the old one as `.old-step-N-*` (an invalid old one
+    is kept as `invalid-step-N-*` and stays so). The first of the two that verifies in full,
+    the new one first, becomes step-N again. A lone
+    `.old-step-*` is retention's (being deleted) and a `.tmp-step-*` without a manifest a save
+    that never committed: clean_uncommitted removes both.
+    """
+    recovered = []
+    if not root.is_dir():
+        return recovered
+    tmps = [p for p in root.glob(".tmp-step-*") if (p / store.MANIFEST).is_file()]
+    for tmp in sorted(tmps, key=lambda p: (p / store.MANIFEST).stat().st_mtime, reverse=True):
+        step = tmp.name.split("-")[2]
+        final = (root / store.step_folder_name(int(step))
+                 if step.isascii() and step.isdigit() else None)
+        if final is None or final.exists() or final.is_symlink():
+            continue
+        for candidate in (tmp, *root.glob(f".old-step-{step}-*")):
+            os.rename(candidate, final)
+            try:
+                store.verify(final)
+            except CheckpointError:
+                os.rename(final, candidate)
+                continue
+            recovered.append(int(step))
+            break
+    if recovered:
+        store.fsync_dir(root)
+    return recovered
 
 
 def pick(root: Path, below: int | None, environ: Mapping[str, str]) -> Choice:
