@@ -96,9 +96,11 @@ reason_for() {
         *) echo crash ;;
     esac
 }
+# job_record prints SLURM's one-line record of this job (empty where scontrol fails).
+job_record() { scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null; }
 # cancelled: the job was made non-requeueable (`pyrecover cancel` does that before scancel,
 # whose SIGTERM the trainer takes as a stop: it saves, and the job must then end, not requeue).
-cancelled() { scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -q ' Requeue=0 '; }
+cancelled() { job_record | grep -q ' Requeue=0 '; }
 # after_training ends the job for a resolved exit code: done, or requeued, or given up.
 after_training() {
     local code=$1 reason failed exclude
@@ -135,7 +137,14 @@ NODES_BLOCK = r"""# ---- nodes: bad ones are left out, a failed step restarts he
 # killed by a signal (srun's own report in this job's log); `pyrecover status` lists them
 # and `pyrecover status RUN_DIR --clear-bad-nodes` empties the list.
 bad_nodes() { cut -f1 "$BAD_NODES" 2>/dev/null | sort -u; }
-allocation() { scontrol show hostnames "$SLURM_JOB_NODELIST"; }
+# allocation prints the job's nodes now: a --no-kill job (spare nodes) loses a failed node
+# from SLURM's record of it, while SLURM_JOB_NODELIST keeps the nodes it started with.
+allocation() {
+    local now
+    now=$(job_record | sed -nE 's/.* NodeList=([^ ]+).*/\1/p')
+    [ -n "$now" ] && [ "$now" != "(null)" ] || now=$SLURM_JOB_NODELIST
+    scontrol show hostnames "$now"
+}
 healthy_count() { allocation | grep -cvxF -f <(bad_nodes); }
 # step_nodes prints NODES nodes of the allocation, comma-separated: healthy ones first, a
 # known bad one only where too few healthy ones are left; listed in the allocation's order,
@@ -177,6 +186,15 @@ suspects() {
     # report the hang name it when its heartbeat stopped (pyrecover/heartbeat.py).
     grep -E "^\{\"event\": \"hang\".*$(this_step)" "$EVENTS" 2>/dev/null |
         sed -nE 's/.*"suspect_node": "([A-Za-z0-9._-]+)", "stacks": ".*/\1\tsilent in a hang/p'
+    # A node SLURM found failed ("srun: error: Node failure on node2"): the step's tasks that
+    # srun killed after it, on any node, are no evidence.
+    local lost
+    lost=$(tail -c +"$((LOG_OFFSET + 1))" "$JOB_LOG" 2>/dev/null |
+        sed -nE 's/^srun: error: Node failure on ([A-Za-z0-9._-]+).*/\1\tnode failure/p')
+    if [ -n "$lost" ]; then
+        printf '%s\n' "$lost"
+        return 0
+    fi
     # srun names the first task a signal killed ("srun: error: node2: task 1: Killed"), before
     # it ends the step's other tasks itself (SIGKILL too, reported after "Terminating").
     local signal='(Killed|Segmentation fault|Bus error|Aborted|Illegal instruction)'

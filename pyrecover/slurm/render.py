@@ -162,6 +162,9 @@ def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
         "error": log,
         "gpus-per-node": spec.gpus_per_node,
         "job-name": spec.job_name,
+        # With spares, a failed node must not end the job (SLURM's default): SLURM takes
+        # it out of the allocation and the job script starts a new step on the others.
+        "no-kill": None,
         "nodes": spec.nodes + spec.spare_nodes,
         "ntasks-per-node": spec.gpus_per_node,
         "open-mode": "append",  # a requeued job keeps its id: keep the earlier runs' output
@@ -173,6 +176,8 @@ def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
         "time": spec.time,
     }
     absent = ("account", "array", "cpus-per-task", "partition", "signal")
+    if spec.spare_nodes == 0:
+        absent += ("no-kill",)
     return {k: options[k] for k in sorted(options) if not (k in absent and options[k] is None)}
 
 

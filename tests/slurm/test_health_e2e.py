@@ -7,6 +7,9 @@ node, `--launcher none`), against one uninterrupted local run of the same config
   for bit; `pyrecover status` names node2;
 - the same in memory mode, killed between two snapshots: the new step resumes from the
   survivor's in-memory snapshot (the newest step), not from the disk checkpoint;
+- with `--spare-nodes 1`, node2 is set DOWN mid-run (`scontrol update`): the job (--no-kill)
+  keeps running without it, and the new step goes to node1 and node3, which SLURM's record
+  of the job names, not SLURM_JOB_NODELIST;
 - without spares, node2 fails its health check (fault hook): the job requeues with node2 in
   the pending job's excluded nodes (read back from scontrol) and completes elsewhere.
 
@@ -33,6 +36,7 @@ from test_requeue_e2e import (
     reference_run,
     status,
     wait_end,
+    wait_running_at_step,
 )
 
 from pyrecover import phases
@@ -120,6 +124,30 @@ def test_in_memory_mode_the_restart_inside_the_allocation_resumes_from_the_survi
     assert_same_model(slurm3, run_dir, reference_model_2)
     print(f"\ncrash to first resumed step, memory mode inside the allocation: "
           f"{phases.failure_to_first_step(every):.1f}s")
+
+
+def test_with_a_spare_node_a_node_that_goes_down_is_replaced_without_ending_the_job(
+        slurm3, jobs3, corpus, reference_model_2, tmp_path):
+    job_id, run_dir = launch(slurm3, jobs3, tmp_path, "node-down", corpus, "--spare-nodes", "1",
+                             env={"PYRECOVER_STEP_DELAY": "1"})
+    assert "#SBATCH --no-kill" in (run_dir / "job.sbatch").read_text()
+    wait_running_at_step(slurm3, job_id, run_dir, 3)
+    try:
+        slurm3.run("scontrol", "update", "nodename=node2", "state=down", "reason=pyrecover test")
+        info = wait_end(slurm3, job_id, run_dir, timeout=300)
+    finally:  # the local slurmd answers again at once; make sure node2 takes jobs again
+        slurm3.run("scontrol", "update", "nodename=node2", "state=resume", check=False)
+
+    # Without --no-kill SLURM ends (here: requeues) the whole job for the one failed node.
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), explain(run_dir, job_id)
+    assert info["Restarts"] == "0", explain(run_dir, job_id)
+    assert nodes_of_steps(run_dir, job_id) == ["node1,node2", "node1,node3"], \
+        explain(run_dir, job_id)
+    every = events(run_dir)
+    assert [e["event"] for e in every if e["event"] in (
+        "requeue", "no_requeue", "restart_in_job")] == ["restart_in_job"]
+    assert [e["step"] for e in every if e["event"] == "finish"] == [MAX_STEPS]
+    assert_same_model(slurm3, run_dir, reference_model_2)
 
 
 def test_without_spares_a_node_failing_its_health_check_is_excluded_on_the_requeue(

@@ -100,6 +100,19 @@ def test_tasks_srun_itself_killed_after_the_failure_are_not_blamed(tmp_path):
     assert lines(tmp_path / "srun.argv")[1].split()[1] == "--nodelist=node1,node2"
 
 
+def test_a_node_slurm_found_failed_is_blamed_and_not_the_tasks_killed_after_it(tmp_path):
+    # srun's report when a node of a --no-kill job goes down (SLURM 22.05, local cluster).
+    lost = ("echo 'srun: error: Node failure on node2' >&2\n"
+            "echo 'srun: error: node1: task 0: Killed' >&2\n"
+            "echo 'srun: error: node2: task 1: Killed' >&2\n"
+            "echo 'srun: Force Terminated StepId=123.0' >&2\nexit 137\n")
+    done, run = run_job(tmp_path, [lost, "exit 0\n"], spares=1, nodes="node1 node2 node3")
+    assert done.returncode == 0, lines(run / "logs" / "123.out")
+    assert [line.split("\t")[::2] for line in lines(run / "bad-nodes")] == [
+        ["node2", "node failure"]]
+    assert lines(tmp_path / "srun.argv")[1].split()[1] == "--nodelist=node1,node3"
+
+
 def test_without_spares_a_failed_health_check_excludes_the_node_from_the_requeued_job(
         tmp_path):
     fail = f"echo {shlex.quote(json.dumps(HEALTH_FAIL))} >> \"$EVENTS\"\nexit 143\n"

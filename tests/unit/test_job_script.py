@@ -39,6 +39,15 @@ def test_srun_without_cpus_per_task_leaves_srun_its_default_of_one_per_task(tmp_
     assert not [w for w in argv if w.startswith("--cpus-per-task")]
 
 
+@pytest.mark.parametrize("spares, flagged", [(1, True), (0, False)])
+def test_with_spare_nodes_a_failed_node_does_not_end_the_job(spares, flagged):
+    # SLURM ends the whole job when one of its nodes fails, unless --no-kill: the spare
+    # would never get its turn.
+    options = render.sbatch_options(spec_for("none", spare_nodes=spares))
+    assert ("no-kill" in options) is flagged
+    assert options.get("no-kill") is None
+
+
 # ------------------------------------------------------------- max_restarts counts failures
 
 
