@@ -235,7 +235,10 @@ def test_a_preempted_job_saves_requeues_resumes_and_ends_with_the_uninterrupted_
     job_id, run_dir = launch(local_slurm, jobs, tmp_path, f"preempt-{signal.lower()}", corpus,
                              env={"PYRECOVER_STEP_DELAY": "1"})
     wait_running_at_step(local_slurm, job_id, run_dir, 4)
-    local_slurm.run("scancel", f"--signal={signal}", str(job_id))
+    # USR2 as `scancel --signal=USR2 --full` sends it: to the batch shell too, which must
+    # survive it to requeue the job.
+    full = ["--full"] if signal == "USR2" else []
+    local_slurm.run("scancel", f"--signal={signal}", *full, str(job_id))
     info = wait_end(local_slurm, job_id, run_dir, timeout=300)
 
     report = assert_completed(local_slurm, job_id, run_dir, info)
