@@ -171,8 +171,10 @@ def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
         "output": log,
         "partition": spec.partition,
         "requeue": None,
-        # 0: no warning signal; the trainer still stops on its own deadline prediction.
-        "signal": f"USR2@{spec.signal_seconds}" if spec.signal_seconds > 0 else None,
+        # The run's stop signal, which the trainer and the batch shell's trap wait for. 0: no
+        # warning signal; the trainer still stops on its own deadline prediction.
+        "signal": (f"{spec.stop_signal}@{spec.signal_seconds}" if spec.signal_seconds > 0
+                   else None),
         "time": spec.time,
     }
     absent = ("account", "array", "cpus-per-task", "partition", "signal")

@@ -1,0 +1,301 @@
+"""`pyrecover launch` and cluster profiles: bad input is one line with exit 2 before anything
+is written or submitted; profiles load, validate and are overridden from the command line;
+paths become absolute; secrets stay out of the script."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import TINY, default_cluster, pyrecover
+from sbatch_support import (
+    EXAMPLE,
+    FIXED_CWD,
+    HOSTILE,
+    LOCAL,
+    TINY_SETS,
+    bash_words,
+    expected_argv,
+    run_step,
+    sbatch_lines,
+    shellcheck,
+    spec_for,
+)
+
+from pyrecover import config as config_mod
+from pyrecover.slurm import LaunchError, profile, render
+
+# ----------------------------------------------------------------------------- profiles
+
+
+def test_the_shipped_profiles_load_and_validate():
+    for path in (LOCAL, EXAMPLE):
+        profile.validate(profile.load_profile(path, FIXED_CWD))
+    local = profile.load_profile(LOCAL, FIXED_CWD)
+    assert (local.partition, local.launcher, local.nodes) == ("debug", "none", 2)
+    example = profile.load_profile(EXAMPLE, FIXED_CWD)
+    assert example.gpus_per_node == 4 and example.image.endswith(".sif")
+    assert example.binds == (profile.Bind("/scratch/datasets", "/scratch/datasets"),)
+
+
+def test_an_unknown_profile_key_is_named_with_the_known_ones(tmp_path):
+    path = tmp_path / "site.yaml"
+    path.write_text("partition: gpu\ngpus: 4\n")
+    with pytest.raises(LaunchError) as info:
+        profile.load_profile(path, tmp_path)
+    message = str(info.value)
+    assert "unknown cluster profile key 'gpus'" in message
+    assert "gpus_per_node" in message and "signal_seconds" in message
+
+
+def test_profile_times_stay_strings_even_where_yaml_would_read_base_60(tmp_path):
+    path = tmp_path / "site.yaml"
+    path.write_text("time: 1:00:00\nnodes: 3\ncpus_per_task: ~\nbinds: data\n")
+    prof = profile.load_profile(path, tmp_path)
+    assert (prof.time, prof.nodes, prof.cpus_per_task) == ("1:00:00", 3, None)
+    assert prof.binds == (profile.Bind(str(tmp_path / "data"), str(tmp_path / "data")),)
+
+
+def test_command_line_options_override_the_profile_and_add_binds(tmp_path):
+    base = profile.load_profile(EXAMPLE, tmp_path)
+    prof = profile.with_overrides(base, tmp_path, binds=("rel:/in",), nodes=3, time="30",
+                                  partition=None, image="img.sif")
+    assert (prof.nodes, prof.time, prof.partition) == (3, "30", "gpu")
+    assert prof.image == str(tmp_path / "img.sif")
+    assert prof.binds[-1] == profile.Bind(str(tmp_path / "rel"), "/in")
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("30", 1800), ("90:30", 5430), ("2:00:00", 7200), ("1-0", 86400), ("1-2", 93600),
+    ("1-02:30", 95400), ("2-00:00:10", 172810), ("infinite", None), ("UNLIMITED", None),
+    ("-1", None), ("0", None),
+])
+def test_slurm_time_forms_are_accepted(text, seconds):
+    assert profile.time_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "1:2:3:4", "1h", "1-", "-1-2", "1-2:3:4:5", "1.5",
+                                  "1 day", "forever", "1-02:30\n"])
+def test_time_strings_slurm_rejects_are_refused(text):
+    with pytest.raises(LaunchError, match="time="):
+        profile.time_seconds(text)
+
+
+@pytest.mark.parametrize("bind", ["", ":/x", "a:", "a:rel", "a:/b:/c", "a,b", "a:/b:ro:x"])
+def test_malformed_binds_are_refused(bind):
+    with pytest.raises(LaunchError, match="bind"):
+        profile.parse_bind(bind, "/cwd")
+
+
+def test_binds_are_absolute_with_the_destination_spelled_out():
+    assert profile.parse_bind("data", "/cwd") == profile.Bind("/cwd/data", "/cwd/data")
+    assert profile.parse_bind("/d:/in:ro", "/cwd").spec() == "/d:/in:ro"
+
+
+def test_launcher_srun_without_an_image_says_what_to_do():
+    with pytest.raises(LaunchError, match="--image"):
+        spec_for("srun", image=None)
+
+
+# ----------------------------------------------------------------- the launch command
+
+
+def launch(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+    """`pyrecover launch` the tiny run; the cluster profile is the built-in defaults (an
+    empty file beside tmp_path) unless the test passes --cluster."""
+    base = ["launch", "--config", str(TINY), "--set", f"run.storage={tmp_path / 'store'}",
+            "--set", f"data.path={tmp_path / 'data.parquet'}"]
+    env = {**default_cluster(tmp_path), **(env or {})}
+    return pyrecover(*base, *args, env=env, cwd=tmp_path)
+
+
+def files_under(path: Path) -> list[Path]:
+    return sorted(p.relative_to(path) for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "0"], "nodes=0 is not allowed: expected an integer >= 1"),
+    (["--gpus-per-node", "3"], "train.global_batch_size=8 is not allowed"),
+    (["--time", "1:2:3:4"], "time='1:2:3:4' is not allowed"),
+    (["--time", "2"], "time='2' is not allowed: expected a limit longer than signal_seconds"),
+    (["--launcher", "mpirun"], "launcher='mpirun' is not allowed: expected one of srun"),
+    (["--image", "missing.sif", "--launcher", "srun"], "image "),
+    (["--cluster", "nowhere.yaml"], "cluster profile 'nowhere.yaml' does not exist"),
+    (["--cluster", "bad.yaml"], "unknown cluster profile key 'gpus'; known keys: account"),
+    (["--exp-name", "a b"], "run.exp_name='a b'"),
+    (["--exp-name", "x;$(reboot)"], "run.exp_name="),
+    (["--mode", "nonsense"], "checkpoint.mode='nonsense'"),
+    (["--bind", "a:relative"], "must be an absolute path inside the container"),
+    (["--launcher", "none"], "sbatch not found on PATH"),
+])
+def test_bad_launch_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message):
+    (tmp_path / "bad.yaml").write_text("partition: debug\ngpus: 4\n")
+    before = files_under(tmp_path)
+    env = {"PATH": str(Path(sys.executable).parent)}  # no sbatch: nothing can be submitted
+    done = launch(tmp_path, "--gpus-per-node", "2", *args, env=env)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("note: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert files_under(tmp_path) == before and done.stdout == ""
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"\xbfpartition: debug\n", "p.yaml: not UTF-8 text (byte 0xbf at offset 0)"),
+    (b"nodes: 1\nnodes: 2\n", "p.yaml line 2: key 'nodes' appears twice in one mapping"),
+    (b"- &a [x, x]\n- [*a, *a]\n", "p.yaml line 2: YAML aliases (*name) are not allowed"),
+    (b"[" + b"x, " * 1000 + b"]\n", "expected a mapping of profile keys, got <a list of 1000"),
+    (b"partition: " + b"p " * 3000 + b"\n", "partition='p p p"),
+    (b"0\n", "expected a mapping of profile keys, got '0'"),
+    (None, "cluster profile"),  # a folder
+])
+def test_a_hostile_cluster_profile_file_is_one_short_line(tmp_path, body, message):
+    profile_path = tmp_path / "p.yaml"
+    if body is None:
+        profile_path.mkdir()
+    else:
+        profile_path.write_bytes(body)
+    done = launch(tmp_path, "--cluster", str(profile_path), "--dry-run")
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("note: ")]
+    assert done.returncode == 2 and len(lines) == 1 and message in lines[0], lines
+    assert len(lines[0]) < 400 and done.stdout == ""
+    if body is None:
+        assert "is a folder, not a YAML file" in lines[0]
+
+
+def test_a_cluster_profile_of_comments_only_is_the_defaults(tmp_path):
+    (tmp_path / "p.yaml").write_text("---\n# partition: gpu\n")
+    done = launch(tmp_path, "--cluster", str(tmp_path / "p.yaml"), "--launcher", "none",
+                  "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --ntasks-per-node=4" in done.stdout  # the built-in 4 GPUs per node
+
+
+def test_missing_sbatch_points_at_dry_run(tmp_path):
+    done = launch(tmp_path, "--launcher", "none", env={"PATH": "/nonexistent"})
+    assert done.returncode == 2
+    assert "sbatch not found on PATH" in done.stderr and "--dry-run" in done.stderr
+
+
+def test_dry_run_prints_script_and_sbatch_command_and_writes_nothing(tmp_path):
+    done = launch(tmp_path, "--cluster", str(LOCAL), "--dry-run", "--mode", "vanilla",
+                  "--exp-name", "dry")
+    assert done.returncode == 0, done.stderr
+    run_dir = tmp_path / "store" / "dry"
+    assert done.stdout.startswith("#!/bin/bash\n")
+    assert f"#   sbatch --parsable {run_dir / 'job.sbatch'}\n" in done.stdout
+    assert f"--config {run_dir / 'run.yaml'}" in done.stdout
+    assert (f'srun --kill-on-bad-exit=1 --nodelist="$STEP_NODES" --nodes="$NODES" --ntasks=4 '
+            '--cpus-per-task=1 '
+            f'\\\n        {sys.executable} -m pyrecover') in done.stdout
+    assert files_under(tmp_path) == []
+
+
+def test_dry_run_output_is_itself_a_valid_script(tmp_path):
+    done = launch(tmp_path, "--cluster", str(LOCAL), "--dry-run")
+    shellcheck(done.stdout, tmp_path)
+
+
+def test_a_secret_in_the_environment_never_reaches_the_script(tmp_path):
+    secret = "wandb-secret-0123456789abcdef"
+    env = {"WANDB_API_KEY": secret, "HF_TOKEN": secret + "-hf"}
+    for launcher in ("srun", "torchrun", "none"):
+        done = launch(tmp_path, "--cluster", str(LOCAL), "--launcher", launcher,
+                      "--image", "any.sif", "--dry-run", "--set", "tracking.wandb=online",
+                      env=env)
+        assert done.returncode == 0, done.stderr
+        assert "#!/bin/bash" in done.stdout
+        assert secret not in done.stdout + done.stderr
+
+
+def test_relative_paths_become_absolute_for_the_job(tmp_path):
+    cfg = config_mod.load(TINY, ["run.storage=runs", "data.path=../data/c.parquet"])
+    absolute = render.absolute_paths(cfg, "/home/u/proj")
+    assert absolute.run.storage == "/home/u/proj/runs"
+    assert absolute.data.path == "/home/u/data/c.parquet"
+    assert absolute.run_dir() == Path("/home/u/proj/runs/tiny")
+
+
+def test_launch_never_imports_torch(tmp_path):
+    env = dict(os.environ)
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "pyrecover", "launch", "--config", str(TINY),
+         "--cluster", str(LOCAL), "--dry-run"],
+        capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    imported = [line.split("|")[-1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:")]
+    assert "pyrecover.slurm.render" in imported
+    assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
+
+
+@pytest.mark.parametrize("recorded, decision, code", [
+    ("stop", "requeue", 75),      # srun's 143: SLURM ended a rank still shutting down
+    ("error", "no_requeue", 2),
+    (None, "requeue", 143),       # nothing recorded: a crash
+])
+def test_a_task_ended_by_slurm_after_the_trainer_decided_keeps_the_trainers_outcome(
+        tmp_path, recorded, decision, code):
+    spec = spec_for("srun", sets=[*TINY_SETS, f"run.storage={tmp_path / 'store'}"])
+    spec.run.root.mkdir(parents=True)
+    other_job = {"event": "stop", "time": 1, "job_id": "99", "restart_count": 1, "host": "h"}
+    lines = [json.dumps(other_job)]
+    if recorded:
+        lines.append(json.dumps({"event": recorded, "time": 2, "step": 4, "job_id": "123",
+                                 "restart_count": 1, "host": "h"}))
+    spec.run.events.write_text("\n".join(lines) + "\n")
+    _, stderr, exit_code = run_step(render.render(spec), tmp_path, exit_code=143,
+                                    env={"SLURM_RESTART_COUNT": "1"})
+    decided = json.loads(spec.run.events.read_text().splitlines()[-1])
+    assert (decided["event"], decided["exit_code"]) == (decision, code), stderr
+    assert exit_code == code
+
+
+# ----------------------------------------------------------- a trailing newline in a name
+
+
+@pytest.mark.parametrize("how", ["yaml", "option"])
+def test_a_name_with_a_trailing_newline_is_refused_by_launch_dry_run(tmp_path, how):
+    # `$` in re.match accepts "x\n": the newline ended the #SBATCH line, and the quoting of
+    # every later line shifted so that text in run.storage ran in the batch shell.
+    name = "abc\n"
+    if how == "yaml":
+        cfg = tmp_path / "exp.yaml"
+        cfg.write_text(TINY.read_text().replace("exp_name: tiny", f"exp_name: {json.dumps(name)}"))
+        done = pyrecover("launch", "--config", str(cfg), "--cluster", str(LOCAL), "--dry-run",
+                         "--set", f"run.storage={tmp_path / 'store'}", cwd=tmp_path)
+    else:
+        done = launch(tmp_path, "--cluster", str(LOCAL), "--dry-run", "--exp-name", name)
+    if how == "option":  # --set and --exp-name read the value as YAML, which drops the newline
+        assert done.returncode == 0 and "#SBATCH --job-name=abc\n" in done.stdout
+        return
+    assert done.returncode == 2, done.stdout
+    assert done.stderr.count("\n") == 1 and "run.exp_name='abc\\n'" in done.stderr
+    assert done.stdout == "" and files_under(tmp_path) == [Path("exp.yaml")]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("job_name", "abc\n"), ("job_name", "a\rb"), ("run_dir", "/scratch/x\n"),
+    ("partition", "gpu\n"), ("account", "a\x00b"), ("time", "10\n"),
+])
+def test_every_sbatch_value_is_checked_even_past_config_validation(field, value):
+    spec = dataclasses.replace(spec_for("srun"), **{field: value})
+    with pytest.raises(LaunchError, match="an #SBATCH line cannot carry"):
+        render.render(spec)
+
+
+def test_the_rendered_script_of_an_edge_name_runs_in_bash_and_runs_nothing_else(tmp_path):
+    storage = tmp_path / f"st {HOSTILE}"
+    spec = spec_for("srun", sets=[f"run.storage={storage}", "run.exp_name=a.b_c-9"])
+    script = render.render(spec)
+    for line, (key, value) in zip(sbatch_lines(script), render.sbatch_options(spec).items(),
+                                  strict=True):
+        assert bash_words(line) == [f"--{key}" if value is None else f"--{key}={value}"]
+    argv, stderr, code = run_step(script, tmp_path)
+    assert code == 0, stderr
+    assert argv == expected_argv(spec)
+    assert not list(tmp_path.rglob("pwned")) and not (tmp_path / "z").exists()
