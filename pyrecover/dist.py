@@ -9,6 +9,7 @@ This module imports nothing else from the project (torch is imported only where 
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import sys
@@ -296,10 +297,17 @@ def exit_now(code: object) -> None:
 
 
 def teardown() -> None:
-    """teardown leaves the process group if one was joined; safe to call more than once."""
+    """teardown leaves the process group if one was joined; safe to call more than once.
+
+    Garbage is collected first: an object no longer reachable but not yet freed (in a
+    reference cycle; a trainer runs with the collector off) may still hold gloo work or a
+    group; freed later, during the interpreter's shutdown, it aborted a rank now and then
+    ("terminate called without an active exception", exit -6 or 134).
+    """
     import torch.distributed as tdist
 
     if tdist.is_available() and tdist.is_initialized():
+        gc.collect()
         tdist.destroy_process_group()
 
 

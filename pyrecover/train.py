@@ -165,10 +165,10 @@ def main(cfg: Config, run_dir: Path) -> None:
         # Free DDP (its reducer holds gloo work) before the group goes: destroying the group
         # under a live DDP aborted a rank now and then ("terminate called without an active
         # exception", about 1 job in 7 on the local SLURM cluster; 0 in 36 with this).
+        # teardown collects the garbage first.
         managers.clear()
         if beats is not None:
             beats.stop()
-        gc.collect()
         try:
             dist.teardown()
         except Exception as exc:  # a group with a dead member may not shut down cleanly

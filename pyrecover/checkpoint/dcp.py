@@ -79,9 +79,16 @@ def quiet_single_process():
         yield
 
 
+class StartFailed(Exception):
+    """StartFailed is this rank's save failing as it started; its message is that error's
+    description."""
+
+
 def describe(exc: BaseException) -> str:
     """describe is one line for a failed save: DCP wraps each rank's error, with its
     traceback, in a CheckpointException; the errors themselves are what a person needs."""
+    if isinstance(exc, StartFailed):
+        return str(exc)
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         parts = {f"{type(e).__name__}: {e}" for e, _ in failures.values()}
@@ -141,14 +148,18 @@ class DcpMode:
                 def upload() -> None:
                     self._save(state, writer)
         except OSError as exc:
-            failed = exc
+            # Only its description: `upload` holding the error itself made a cycle (error ->
+            # traceback -> upload's frame -> error) that kept this mode, its process group
+            # and the state alive past the group's teardown, until a collection during the
+            # interpreter's shutdown, where freeing gloo's work aborted a rank now and then.
+            failed = describe(exc)
 
             def upload() -> None:
                 # DCP's collectives, with nothing to write; an error of theirs (another rank
                 # failed too) says less than this rank's own.
                 with contextlib.suppress(BaseException):
                     self._save({}, writer)
-                raise failed
+                raise StartFailed(failed)
         self._result = None
         self._thread = threading.Thread(target=self._finish,
                                         args=(upload, writer, pending, extra, train),

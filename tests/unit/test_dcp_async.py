@@ -217,3 +217,37 @@ def test_buffers_wait_for_the_optimizer_s_state_and_never_make_one_up(tmp_path):
     assert manager.mode.stager._buffers
     assert {int(s["step"]) for s in optimizer.state.values()} == {1}  # one real step only
     manager.finish(2)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_save_failing_as_it_starts_leaves_nothing_for_the_garbage_collector(
+        tmp_path, monkeypatch, async_save):
+    """A trainer runs with the collector off, and what only it would free (this mode, its
+    process group, the state) was freed during the interpreter's shutdown instead, where
+    freeing gloo's work aborted a rank now and then."""
+    import errno
+    import gc
+    import weakref
+
+    from pyrecover.checkpoint import dcp as dcp_mode
+
+    def full_disk(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(dcp_mode, "write_rng", full_disk)
+    run = RunDir(tmp_path / "run")
+    run.create()
+    manager = CheckpointManager(run, "dcp", 2, 2, 0, 1, build_state(200_000).parts,
+                                torch.device("cpu"), async_save)
+    gc.collect()
+    gc.disable()
+    try:
+        manager.at_step(2)
+        manager.commit_inflight()
+        assert manager.failed_step == 2 and "No space left" in manager.last_error
+        manager.mode.close()
+        gone = weakref.ref(manager.mode)
+        del manager
+        assert gone() is None
+    finally:
+        gc.enable()
