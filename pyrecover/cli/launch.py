@@ -60,7 +60,8 @@ def launch(
         f"--bind /datasets:/data:ro; run.storage is always bound. Repeatable ({P}: binds).")]
     = None,
     max_restarts: Annotated[int | None, typer.Option(
-        help=f"Requeues allowed after a stop or crash ({P}: max_restarts).")] = None,
+        help=f"Requeues allowed after failures: crash, hang, failed health check, a stop "
+             f"without progress; clean stops always requeue ({P}: max_restarts).")] = None,
     spare_nodes: Annotated[int | None, typer.Option(
         help="Allocate this many extra nodes: training runs on --nodes of them, and after a "
         "crash, hang or failed health check it restarts at once on the healthy ones, without "
@@ -74,7 +75,8 @@ def launch(
         "container when there is an image); none: one task per GPU with this python, no "
         f"container ({P}: launcher).")] = None,
     signal_seconds: Annotated[int | None, typer.Option(
-        help=f"SIGUSR2 this many seconds before the time limit ({P}: signal_seconds).")] = None,
+        help=f"Send the stop signal (run.stop_signal, USR2) this many seconds before the "
+             f"time limit ({P}: signal_seconds).")] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the script and the sbatch command; write and submit "
         "nothing.")] = False,

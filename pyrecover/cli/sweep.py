@@ -55,9 +55,11 @@ def launch(
     launcher: Annotated[str | None, typer.Option(
         help=f"srun, torchrun, spawn or none, as for launch ({P}: launcher).")] = None,
     max_restarts: Annotated[int | None, typer.Option(
-        help=f"Requeues allowed per trial ({P}: max_restarts).")] = None,
+        help=f"Requeues allowed per trial after failures; clean stops always requeue "
+             f"({P}: max_restarts).")] = None,
     signal_seconds: Annotated[int | None, typer.Option(
-        help=f"SIGUSR2 this many seconds before the time limit ({P}).")] = None,
+        help=f"Send the stop signal (run.stop_signal, USR2) this many seconds before "
+             f"the time limit ({P}).")] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the script and the trials; write and submit nothing.")] = False,
 ) -> None:

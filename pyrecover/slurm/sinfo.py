@@ -92,8 +92,10 @@ def starting_profile(partitions: list[Partition] | None) -> str:
     lines += [
         _line("# account: my-project", "sacctmgr show assoc user=$USER; where one is needed"),
         _line(f"nodes: {d.nodes}", "the default for --nodes"),
-        _line(f"signal_seconds: {d.signal_seconds}", "SIGUSR2 this long before the limit"),
-        _line(f"max_restarts: {d.max_restarts}", "requeues after a stop or a crash"),
+        _line(f"signal_seconds: {d.signal_seconds}",
+              "the stop signal (run.stop_signal, USR2) this long before the limit"),
+        _line(f"max_restarts: {d.max_restarts}",
+              "requeues after failures; clean stops always requeue"),
         _line(f"spare_nodes: {d.spare_nodes}", "extra nodes: a failed step restarts on them"),
         "# srun: one task per GPU in the container; torchrun: one torchrun per node; spawn:",
         "# one task per node that starts a worker per GPU; none: this python, no container.",

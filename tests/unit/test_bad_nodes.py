@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 from helpers import pyrecover
-from test_render import TINY_SETS, spec_for
+from sbatch_support import TINY_SETS, spec_for
 
 from pyrecover import status as status_mod
 from pyrecover.slurm import render

@@ -9,8 +9,8 @@ import json
 import shlex
 
 import pytest
+from sbatch_support import run_step, spec_for
 from test_bad_nodes import decisions, lines, run_job
-from test_render import run_step, spec_for
 
 from pyrecover.slurm import render
 

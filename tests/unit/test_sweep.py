@@ -11,7 +11,7 @@ import random
 import pytest
 import yaml
 from helpers import TINY, default_cluster, pyrecover
-from test_render import FIXED_CWD, HOSTILE, PYTHON, check_golden, run_step, shellcheck
+from sbatch_support import FIXED_CWD, HOSTILE, PYTHON, check_golden, run_step, shellcheck
 
 from pyrecover import config as config_mod
 from pyrecover.rundir import RunDir

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import REPO, TINY, default_cluster, pyrecover
-from test_render import HOSTILE, run_step, shellcheck
+from sbatch_support import HOSTILE, run_step, shellcheck
 from test_sweep import base_config
 
 from pyrecover import config as config_mod
