@@ -125,11 +125,13 @@ def main(cfg: Config, run_dir: Path) -> None:
     # A rank that stops altogether cannot report its hang: its heartbeat names it instead.
     beats = heartbeat.start(env.master_addr, env.master_port, env.rank, env.world_size,
                             node_name()) if env.is_distributed else None
+    def progress() -> int:
+        return watchdog.io_bytes() + watchdog.saving_bytes(run.checkpoints)
+
     dog = watchdog.Watchdog(rule, env.rank, node_name(), on_hang=lambda hang: watchdog.handle(
                             hang, run.event, persist, device, silent=beats and beats.silent,
-                            leaving=beats and beats.stop),
-                            progress=lambda: watchdog.io_bytes() +
-                            watchdog.saving_bytes(run.checkpoints)).start()
+                            leaving=beats and beats.stop, progress=watchdog.io_bytes),
+                            progress=progress).start()
     lock = RunLock(run)
     try:
         hold_run_dir(lock, env)

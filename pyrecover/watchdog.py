@@ -301,7 +301,8 @@ def handle(hang: Hang, event: Callable[..., object], persist: Callable[[], None]
            device=None, exit_code: int | None = None,
            exit: Callable[[int], object] = os._exit, silent: Callable[[], Any] | None = None,
            leaving: Callable[[], None] | None = None,
-           deadline_s: float = HANDLE_DEADLINE_S) -> None:
+           deadline_s: float = HANDLE_DEADLINE_S,
+           progress: Callable[[], int] | None = None) -> None:
     """handle reports a hang (log with every stack, `hang` event), persists, and exits.
 
     `event(kind, **fields)` records into events.jsonl; `persist()` saves what memory mode
@@ -309,15 +310,17 @@ def handle(hang: Hang, event: Callable[..., object], persist: Callable[[], None]
     cannot report itself), and `leaving()` tells the peers this rank is exiting. Runs in the
     watchdog thread while the main thread is stuck. Whatever of this is stuck too (a persist
     waiting on the stuck device or on the main thread's own persist, a hung file system), the
-    process exits with the same code `deadline_s` seconds after the hang was handed here.
+    process exits with the same code once `deadline_s` seconds pass without `progress` (a
+    number that grows while work gets done: the bytes this process wrote), so a persist of
+    a large snapshot that keeps writing is never cut off, and one stuck for good is.
     """
     from pyrecover.preempt import EXIT_HANG
 
     code = EXIT_HANG if exit_code is None else exit_code
     exit_once = _once(exit)
-    deadline = threading.Timer(deadline_s, _give_up, args=(hang, deadline_s, code, exit_once))
-    deadline.daemon = True
-    deadline.start()
+    done = threading.Event()
+    threading.Thread(target=_deadline, args=(hang, deadline_s, code, exit_once, progress, done),
+                     name="pyrecover-hang-deadline", daemon=True).start()
     dumped = stacks()
     cuda = cuda_answer(device)
     quiet = silent() if silent is not None else None
@@ -347,7 +350,7 @@ def handle(hang: Hang, event: Callable[..., object], persist: Callable[[], None]
         persist_once(persist)
     except Exception as exc:  # exiting matters more than this
         log.error("rank %d could not persist after the hang: %s", hang.rank, exc)
-    deadline.cancel()
+    done.set()
     _flush()
     exit_once(code)
 
@@ -365,11 +368,21 @@ def _once(exit: Callable[[int], object]) -> Callable[[int], None]:
     return once
 
 
-def _give_up(hang: Hang, deadline_s: float, code: int, exit: Callable[[int], None]) -> None:
-    log.error("rank %d: reporting and persisting the hang took over %.0fs; exiting with %d "
-              "without them", hang.rank, deadline_s, code)
-    _flush()
-    exit(code)
+def _deadline(hang: Hang, deadline_s: float, code: int, exit: Callable[[int], None],
+              progress: Callable[[], int] | None, done: threading.Event) -> None:
+    """_deadline exits with `code` once `deadline_s` passed without `progress` moving,
+    unless `done` (handle ended by itself) is set first."""
+    mark = progress() if progress is not None else None
+    while not done.wait(deadline_s):
+        now = progress() if progress is not None else None
+        if now is not None and now != mark:
+            mark = now
+            continue
+        log.error("rank %d: reporting and persisting the hang made no progress for %.0fs; "
+                  "exiting with %d without them", hang.rank, deadline_s, code)
+        _flush()
+        exit(code)
+        return
 
 
 def _flush() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -218,6 +219,29 @@ def test_handle_exits_with_its_code_at_its_deadline_when_the_persist_never_retur
         stuck.set()
     handler.join(60)
     assert exits == [76]  # once, even though the persist returned later
+
+
+def test_handle_never_cuts_off_a_persist_that_keeps_making_progress(caplog):
+    # The persist stands in for a large memory-mode snapshot written after a hang: it takes
+    # several deadlines, and the bytes it writes (here: a counter) move all the while.
+    calls, finished, exits = threading.Semaphore(0), [], []
+    moved = itertools.count()
+    hang = watchdog.Hang(rank=0, node="n0", phase="allreduce", step=3, seconds=6.0, limit=5.0)
+    watchdog._persisted = False
+
+    def progress() -> int:
+        calls.release()
+        return next(moved)
+
+    def persist() -> None:
+        for _ in range(4):  # the deadline's first look, then three deadlines later
+            assert calls.acquire(timeout=60)
+        finished.append(True)
+
+    watchdog.handle(hang, event=lambda kind, **f: None, persist=persist, deadline_s=0.05,
+                    exit=lambda code: exits.append((code, bool(finished))), progress=progress)
+    assert exits == [(76, True)]
+    assert "made no progress" not in caplog.text
 
 
 @pytest.mark.parametrize("key,value", [("run.hang_timeout", "soon"), ("run.hang_timeout", "-3"),
