@@ -77,6 +77,20 @@ def launch(
     signal_seconds: Annotated[int | None, typer.Option(
         help=f"Send the stop signal (run.stop_signal, USR2) this many seconds before the "
              f"time limit ({P}: signal_seconds).")] = None,
+    qos: Annotated[str | None, typer.Option(help=f"Quality of service ({P}: qos).")] = None,
+    constraint: Annotated[str | None, typer.Option(
+        help=f"Node features the job needs, e.g. 'a100&ib' or '[rack1|rack2]' "
+             f"({P}: constraint).")] = None,
+    mem: Annotated[str | None, typer.Option(
+        help=f"Memory per node, e.g. 64G (K, M, G, T; MB without a suffix); 0: all of "
+             f"each node's memory ({P}: mem).")] = None,
+    exclusive: Annotated[bool | None, typer.Option(
+        "--exclusive/--no-exclusive", help=f"Whole nodes, shared with no other job "
+        f"({P}: exclusive).", show_default=False)] = None,
+    sbatch_extra: Annotated[list[str] | None, typer.Option(
+        metavar="--NAME[=VALUE]", help=f"An sbatch option pyrecover has no key for, written "
+        f"as an #SBATCH line, e.g. --sbatch-extra=--reservation=big; added to the profile's. "
+        f"Repeatable ({P}: sbatch_extra).")] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the script and the sbatch command; write and submit "
         "nothing.")] = False,
@@ -112,7 +126,8 @@ def launch(
         gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, time=time,
         partition=partition, account=account, image=image, launcher=launcher,
         max_restarts=max_restarts, signal_seconds=signal_seconds, spare_nodes=spare_nodes,
-        max_restarts_in_job=max_restarts_in_job)
+        max_restarts_in_job=max_restarts_in_job, qos=qos, constraint=constraint, mem=mem,
+        exclusive=exclusive, sbatch_extra=tuple(sbatch_extra or ()))
     cfg, batch_note = resolve_for_run(cfg, prof.nodes * prof.gpus_per_node)
     spec = render.job_spec(cfg, prof, sys.executable)
     script = render.render(spec)

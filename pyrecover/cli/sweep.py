@@ -60,6 +60,18 @@ def launch(
     signal_seconds: Annotated[int | None, typer.Option(
         help=f"Send the stop signal (run.stop_signal, USR2) this many seconds before "
              f"the time limit ({P}).")] = None,
+    qos: Annotated[str | None, typer.Option(help=f"Quality of service ({P}).")] = None,
+    constraint: Annotated[str | None, typer.Option(
+        help=f"Node features each trial needs, e.g. 'a100&ib' ({P}).")] = None,
+    mem: Annotated[str | None, typer.Option(
+        help=f"Memory per node, e.g. 64G; 0: all of it ({P}).")] = None,
+    exclusive: Annotated[bool | None, typer.Option(
+        "--exclusive/--no-exclusive", help=f"Whole nodes, shared with no other job ({P}).",
+        show_default=False)] = None,
+    sbatch_extra: Annotated[list[str] | None, typer.Option(
+        metavar="--NAME[=VALUE]", help=f"An sbatch option pyrecover has no key for, e.g. "
+        f"--sbatch-extra=--reservation=big; added to the profile's. Repeatable ({P}).")] =
+    None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the script and the trials; write and submit nothing.")] = False,
 ) -> None:
@@ -91,7 +103,9 @@ def launch(
         cluster, os.environ, Path.home(), cwd, binds=tuple(bind or ()), nodes=nodes,
         gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, time=time,
         partition=partition, account=account, image=image, launcher=launcher,
-        max_restarts=max_restarts, signal_seconds=signal_seconds)
+        max_restarts=max_restarts, signal_seconds=signal_seconds, qos=qos,
+        constraint=constraint, mem=mem, exclusive=exclusive,
+        sbatch_extra=tuple(sbatch_extra or ()))
     if max_parallel is not None and max_parallel < 1:
         raise LaunchError(f"--max-parallel={max_parallel} is not allowed: expected >= 1")
     is_bayes = sweep.method == "bayes"

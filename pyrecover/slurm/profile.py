@@ -21,14 +21,19 @@ from typing import Any
 from pyrecover import container
 from pyrecover.config import ConfigError, read_yaml, short
 from pyrecover.container import Bind
-from pyrecover.slurm import LaunchError
+from pyrecover.slurm import LaunchError, extra
 
 LAUNCHERS = ("srun", "torchrun", "spawn", "none")
 MAX_SIGNAL_SECONDS = 65535  # SLURM keeps --signal's time in 16 bits
 # SLURM's --time forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _TIME = re.compile(r"(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)")
 _NO_LIMIT = ("infinite", "unlimited", "-1")
-_NAME = re.compile(r"[A-Za-z0-9._,-]+")  # partition (comma-separated list) and account
+_NAME = re.compile(r"[A-Za-z0-9._,-]+")  # partition (comma-separated list), account, qos
+# SLURM feature expressions: `a100&ib`, `[rack1|rack2]`, `gpu80gb*2`, `(a|b)&c`.
+_CONSTRAINT = re.compile(r"[A-Za-z0-9_.,&|\[\]*():-]+")
+_MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
+_BOOL = {"true": True, "yes": True, "on": True, "1": True,
+         "false": False, "no": False, "off": False, "0": False}
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,20 @@ class ClusterProfile:
     max_restarts_in_job: int = 2
     """With spare nodes: restarts inside the allocation before the job requeues instead."""
     signal_seconds: int = 120
-    """SLURM sends SIGUSR2 to every task this many seconds before the time limit; 0: no
-    signal (the trainer then stops on its own deadline prediction)."""
+    """SLURM sends run.stop_signal (USR2 by default) to every task this many seconds before
+    the time limit; 0: no signal (the trainer then stops on its own deadline prediction)."""
+    qos: str | None = None
+    """SLURM quality of service (`--qos`); unset leaves it to the account's default."""
+    constraint: str | None = None
+    """Node features the job needs (`--constraint`), e.g. `a100&ib` or `[rack1|rack2]`."""
+    mem: str | None = None
+    """Memory per node (`--mem`): a number with an optional K, M, G or T suffix (MB without
+    one); 0 means all of each node's memory. Unset leaves it to the site's default."""
+    exclusive: bool = False
+    """Whole nodes only (`--exclusive`): no other job shares them."""
+    sbatch_extra: tuple[str, ...] = ()
+    """Further sbatch options, one `#SBATCH` line each, e.g. `--reservation=big`: `--name` or
+    `--name=value`, never one pyrecover sets itself (pyrecover.slurm.extra)."""
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ClusterProfile))
@@ -70,7 +87,8 @@ FIELDS = tuple(f.name for f in dataclasses.fields(ClusterProfile))
 
 def option_name(key: str) -> str:
     """option_name is the `pyrecover launch` option that overrides profile key `key`."""
-    return "--bind" if key == "binds" else "--" + key.replace("_", "-")
+    return {"binds": "--bind", "exclusive": "--exclusive/--no-exclusive"}.get(
+        key, "--" + key.replace("_", "-"))
 
 
 PROFILE_ENV, IMAGE_ENV = "PYRECOVER_CLUSTER", "PYRECOVER_IMAGE"
@@ -106,12 +124,14 @@ def find_image(profile: ClusterProfile, environ: Mapping[str, str], cwd: str | P
 
 
 def resolve(option: str | Path | None, environ: Mapping[str, str], home: str | Path,
-            cwd: str | Path, binds: tuple[str, ...] = (), **overrides: Any) -> ClusterProfile:
+            cwd: str | Path, binds: tuple[str, ...] = (), sbatch_extra: tuple[str, ...] = (),
+            **overrides: Any) -> ClusterProfile:
     """resolve is the profile a submission uses, the same for `launch` and `sweep launch`:
     found (find_profile), read, the command line's options over it (None: not given), its
     image found (find_image), every value checked (validate)."""
     found = find_profile(option, environ, home)
-    profile = with_overrides(load_profile(found, cwd), cwd, binds=binds, **overrides)
+    profile = with_overrides(load_profile(found, cwd), cwd, binds=binds,
+                             sbatch_extra=sbatch_extra, **overrides)
     profile = find_image(profile, environ, cwd)
     validate(profile)
     return profile
@@ -146,27 +166,31 @@ def from_mapping(raw: Any, source: str, cwd: str | Path) -> ClusterProfile:
                           + ", ".join(sorted(FIELDS)))
     hints = typing.get_type_hints(ClusterProfile)
     values: dict[str, Any] = {}
+    lists = {"binds": "SRC[:DST[:ro]] paths", "sbatch_extra": "sbatch options --name=value"}
     for key, value in raw.items():
-        if key == "binds":
+        if key in lists:
             items = [value] if isinstance(value, str) else value
             if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
-                raise LaunchError(f"{source}: binds={short(value)} is not allowed: expected a "
-                                  "list of SRC[:DST[:ro]] paths")
-            values[key] = tuple(parse_bind(v, cwd) for v in items)
+                raise LaunchError(f"{source}: {key}={short(value)} is not allowed: expected a "
+                                  f"list of {lists[key]}")
+            values[key] = tuple(parse_bind(v, cwd) for v in items) if key == "binds" else \
+                tuple(items)
         else:
             values[key] = _coerce(source, key, value, hints[key])
     return absolute(ClusterProfile(**values), cwd)
 
 
 def with_overrides(profile: ClusterProfile, cwd: str | Path, binds: tuple[str, ...] = (),
-                   **overrides: Any) -> ClusterProfile:
-    """with_overrides replaces the fields given (None means not given) and adds `binds`."""
+                   sbatch_extra: tuple[str, ...] = (), **overrides: Any) -> ClusterProfile:
+    """with_overrides replaces the fields given (None means not given) and adds `binds` and
+    `sbatch_extra` to the profile's."""
     unknown = sorted(set(overrides) - set(FIELDS))
     if unknown:
         raise TypeError(f"not cluster profile keys: {unknown}")
     given = {k: v for k, v in overrides.items() if v is not None}
-    extra = tuple(parse_bind(b, cwd) for b in binds)
-    return absolute(dataclasses.replace(profile, **given, binds=profile.binds + extra), cwd)
+    added = tuple(parse_bind(b, cwd) for b in binds)
+    return absolute(dataclasses.replace(profile, **given, binds=profile.binds + added,
+                                        sbatch_extra=profile.sbatch_extra + sbatch_extra), cwd)
 
 
 def parse_bind(text: str, cwd: str | Path) -> Bind:
@@ -203,12 +227,20 @@ def validate(profile: ClusterProfile) -> None:
     if limit is not None and limit <= profile.signal_seconds:
         _bad("time", profile.time, f"a limit longer than signal_seconds "
              f"({profile.signal_seconds} s), or the stop signal comes at the start")
-    for key in ("partition", "account"):
+    for key in ("partition", "account", "qos"):
         value = getattr(profile, key)
         if value is not None and not _NAME.fullmatch(value):
             _bad(key, value, "letters, digits, '.', '_', '-' (a list separated by ',')")
+    if profile.constraint is not None and not _CONSTRAINT.fullmatch(profile.constraint):
+        _bad("constraint", profile.constraint, "a SLURM feature expression of letters, digits "
+             "and _ . - , & | [ ] * ( ) : without spaces, e.g. a100&ib")
+    if profile.mem is not None and not _MEM.fullmatch(profile.mem):
+        _bad("mem", profile.mem, "memory per node: a number with an optional K, M, G or T "
+             "suffix, e.g. 64G; 0 for all of it")
     if profile.image is not None and not profile.image.strip():
         _bad("image", profile.image, "the path of an apptainer image (.sif)")
+    for item in profile.sbatch_extra:
+        extra.check(item)
 
 
 def time_seconds(text: str) -> int | None:
@@ -246,6 +278,11 @@ def _coerce(source: str, key: str, value: Any, hint: Any) -> Any:
             raise LaunchError(f"{source}: {key}={short(value)} is not allowed: expected an "
                               "integer")
         return int(value)
+    if base is bool:
+        if value.strip().lower() not in _BOOL:
+            raise LaunchError(f"{source}: {key}={short(value)} is not allowed: expected true "
+                              "or false (yes/no, on/off, 1/0)")
+        return _BOOL[value.strip().lower()]
     return value
 
 

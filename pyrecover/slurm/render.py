@@ -22,7 +22,7 @@ from pyrecover.config import Config
 from pyrecover.container import Bind
 from pyrecover.dist import PORT_BASE, PORT_SPAN
 from pyrecover.rundir import RunDir
-from pyrecover.slurm import LaunchError
+from pyrecover.slurm import LaunchError, extra
 from pyrecover.slurm.blocks import NODES_BLOCK, REQUEUE_BLOCK
 from pyrecover.slurm.profile import ClusterProfile
 
@@ -81,6 +81,13 @@ class JobSpec:
     """Nodes allocated beyond `nodes`; a step runs on `nodes` healthy ones."""
     max_restarts_in_job: int = 2
     """New steps inside the allocation (spare nodes only) before requeueing."""
+    qos: str | None = None
+    constraint: str | None = None
+    mem: str | None = None
+    """Memory per node; 0: all of it."""
+    exclusive: bool = False
+    sbatch_extra: tuple[str, ...] = ()
+    """The profile's own `--name[=value]` sbatch options, checked (pyrecover.slurm.extra)."""
 
     @property
     def run(self) -> RunDir:
@@ -136,6 +143,11 @@ def job_spec(cfg: Config, profile: ClusterProfile, python: str) -> JobSpec:
         max_restarts=profile.max_restarts,
         spare_nodes=profile.spare_nodes,
         max_restarts_in_job=profile.max_restarts_in_job,
+        qos=profile.qos,
+        constraint=profile.constraint,
+        mem=profile.mem,
+        exclusive=profile.exclusive,
+        sbatch_extra=profile.sbatch_extra,
         launcher=profile.launcher,
         image=image,
         binds=binds,
@@ -150,7 +162,9 @@ def outside_binds(path: str, binds: Sequence[Bind]) -> bool:
 
 
 def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
-    """sbatch_options maps option -> value; None is a flag without value. Sorted by name."""
+    """sbatch_options maps option -> value; None is a flag without value. pyrecover's own
+    options sorted by name, then the profile's sbatch_extra in its order (of two with the
+    same name the later one's value, as sbatch itself takes it)."""
     log = f"{_slurm_pattern(str(spec.run.logs))}/%j.out"  # stdout and stderr, one file per job
     if spec.array is not None:  # %a: the array task's index
         log = f"{_slurm_pattern(str(Path(spec.run_dir, spec.array.prefix)))}%a/logs/%j.out"
@@ -158,10 +172,13 @@ def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
         "account": spec.account,
         "array": spec.array.indices if spec.array is not None else None,
         "chdir": spec.run_dir,
+        "constraint": spec.constraint,
         "cpus-per-task": spec.cpus_per_task,
         "error": log,
+        "exclusive": None,
         "gpus-per-node": spec.gpus_per_node,
         "job-name": spec.job_name,
+        "mem": spec.mem,
         # With spares, a failed node must not end the job (SLURM's default): SLURM takes
         # it out of the allocation and the job script starts a new step on the others.
         "no-kill": None,
@@ -170,6 +187,7 @@ def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
         "open-mode": "append",  # a requeued job keeps its id: keep the earlier runs' output
         "output": log,
         "partition": spec.partition,
+        "qos": spec.qos,
         "requeue": None,
         # The run's stop signal, which the trainer and the batch shell's trap wait for. 0: no
         # warning signal; the trainer still stops on its own deadline prediction.
@@ -177,10 +195,14 @@ def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
                    else None),
         "time": spec.time,
     }
-    absent = ("account", "array", "cpus-per-task", "partition", "signal")
+    absent = ("account", "array", "constraint", "cpus-per-task", "mem", "partition", "qos",
+              "signal")
     if spec.spare_nodes == 0:
         absent += ("no-kill",)
-    return {k: options[k] for k in sorted(options) if not (k in absent and options[k] is None)}
+    if not spec.exclusive:
+        absent += ("exclusive",)
+    own = {k: options[k] for k in sorted(options) if not (k in absent and options[k] is None)}
+    return own | dict(extra.parse(item) for item in spec.sbatch_extra)
 
 
 def step_lines(spec: JobSpec) -> list[list[Word]]:

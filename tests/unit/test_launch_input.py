@@ -132,6 +132,20 @@ def files_under(path: Path) -> list[Path]:
     (["--mode", "nonsense"], "checkpoint.mode='nonsense'"),
     (["--bind", "a:relative"], "must be an absolute path inside the container"),
     (["--launcher", "none"], "sbatch not found on PATH"),
+    (["--qos", "high prio"], "qos='high prio' is not allowed: expected letters, digits"),
+    (["--constraint", "a100 && ib"], "constraint='a100 && ib' is not allowed"),
+    (["--constraint", "a100;reboot"], "(cluster profile key constraint, option --constraint)"),
+    (["--mem", "64GB"], "mem='64GB' is not allowed: expected memory per node"),
+    (["--mem", "-1"], "mem='-1' is not allowed"),
+    (["--sbatch-extra", "--time=2:00:00"], "sbatch_extra '--time=2:00:00' is not allowed: "
+     "pyrecover sets --time itself (cluster profile key time, option --time)"),
+    (["--sbatch-extra", "--reservation=big\n#SBATCH --time=5"],
+     "sbatch_extra '--reservation=big\\n#SBATCH --time=5' is not allowed: an #SBATCH line "
+     "cannot carry '\\n'"),
+    (["--sbatch-extra", "--comment=a\rb"], "an #SBATCH line cannot carry '\\r'"),
+    (["--sbatch-extra", "reservation=big"], "expected --name or --name=value"),
+    (["--sbatch-extra", "--Reservation=big"], "expected --name or --name=value"),
+    (["--sbatch-extra", "--res ervation"], "expected --name or --name=value"),
 ])
 def test_bad_launch_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message):
     (tmp_path / "bad.yaml").write_text("partition: debug\ngpus: 4\n")
@@ -151,6 +165,18 @@ def test_bad_launch_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, 
     (b"[" + b"x, " * 1000 + b"]\n", "expected a mapping of profile keys, got <a list of 1000"),
     (b"partition: " + b"p " * 3000 + b"\n", "partition='p p p"),
     (b"0\n", "expected a mapping of profile keys, got '0'"),
+    (b"exclusive: maybe\n", "p.yaml: exclusive='maybe' is not allowed: expected true or false"),
+    (b"exclusive: [yes]\n", "p.yaml: exclusive=['yes'] is not allowed: expected a single"),
+    (b"mem: 1.5G\n", "mem='1.5G' is not allowed: expected memory per node"),
+    (b"qos: [a, b]\n", "p.yaml: qos=['a', 'b'] is not allowed: expected a single value"),
+    (b"constraint: a100 ib\n", "constraint='a100 ib' is not allowed"),
+    (b"sbatch_extra: {a: b}\n", "sbatch_extra={'a': 'b'} is not allowed: expected a list"),
+    (b'sbatch_extra: ["--x=a\\nb"]\n', "sbatch_extra '--x=a\\nb' is not allowed: an #SBATCH "
+     "line cannot carry '\\n'"),
+    (b'sbatch_extra: "--x=a\\0b"\n', "sbatch_extra '--x=a\\x00b' is not allowed: an #SBATCH "
+     "line cannot carry '\\x00'"),
+    (b"sbatch_extra: [--no-kill]\n", "pyrecover sets --no-kill itself (cluster profile key "
+     "spare_nodes"),
     (None, "cluster profile"),  # a folder
 ])
 def test_a_hostile_cluster_profile_file_is_one_short_line(tmp_path, body, message):
