@@ -103,6 +103,11 @@ def starting_profile(partitions: list[Partition] | None) -> str:
         "# image: unset: $PYRECOVER_IMAGE, else ./pyrecover.sif where `make image` built it",
         "# image: /path/to/pyrecover.sif",
         _line("# binds: [/scratch/datasets]", "run.storage is always bound"),
+        _line("# qos: normal", "sacctmgr show qos; unset: the account's default"),
+        _line('# constraint: "a100&ib"', "node features (sinfo -o %f); quote & | [ ]"),
+        _line("# mem: 0", "memory per node, e.g. 256G; 0: all of it"),
+        _line("# exclusive: true", "whole nodes, shared with no other job"),
+        _line("# sbatch_extra: [--reservation=big]", "more #SBATCH lines, as written"),
         "",
     ]
     return "\n".join(lines)
