@@ -4,7 +4,6 @@ right after it, and what a survivor writes."""
 from __future__ import annotations
 
 import threading
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -70,6 +69,7 @@ def _scenario(rank: int, root: Path) -> None:
     assert (mode.current.step, mode.previous.step) == (2, 1)
     if rank == 1:  # leaves without taking part in step 3's exchange
         tdist.barrier()
+        mode.close()
         return
     tdist.barrier()
     mode.snapshot(3, parts, {"step": 3})  # its replica from rank 1 never comes
@@ -82,6 +82,7 @@ def _scenario(rank: int, root: Path) -> None:
     assert meta["rngs"][0]["python"] == before_rng["python"]
     assert torch.equal(meta["rngs"][0]["torch"], before_rng["torch"])
     assert meta["rngs"][1] is not None  # rank 1's, received with its slice
+    mode.close()  # its exchange with the rank that left fails now, before the group goes
 
 
 def run_ranks(root: Path, scenario: str) -> None:
@@ -143,15 +144,15 @@ def _stuck_copy(rank: int, root: Path) -> None:
     mode.wait()
     tdist.barrier()
     if rank == 1:  # dies during step 3
+        mode.close()
         return
     with StuckDeviceCopy(mode.copier):
         mode.snapshot(3, parts, {"step": 3})  # its copy never lands
         written, returned = [], threading.Event()
-        started = time.monotonic()
         threading.Thread(target=lambda: (written.extend(mode.persist_survivor(root)),
                                          returned.set()), daemon=True).start()
         assert returned.wait(60), "persist_survivor waited for a copy that never lands"
-    assert time.monotonic() - started < memory.mode.SURVIVOR_WAIT_S + 20
+    mode.close()  # the released copy's exchange with the rank that left fails now
     assert written == [2, 1]  # never 3: its buffers were still being filled
     got, meta = restored(root / f"{memory.SNAP_PREFIX}2")
     assert meta["train"] == {"step": 2} and got.keys() == at_step[2].keys()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ from localslurm import HOSTS_FILE, LocalSlurm, parse_job_record
 pytestmark = pytest.mark.slurm
 
 LOCALSLURM = Path(__file__).resolve().parents[1] / "localslurm.py"
-TIMEOUT = 30
+TIMEOUT = 120  # bounds a wait that fails; a passing run never waits this long
 
 
 def run_job(cluster: LocalSlurm, tmp_path: Path, body: str, *sbatch_args: str) -> tuple[str, str]:
@@ -98,9 +97,9 @@ def test_gpus_per_node_gives_every_task_cuda_visible_devices(local_slurm, tmp_pa
 def test_two_tasks_on_two_nodes_rendezvous_over_tcp_at_the_first_nodes_address(
     local_slurm, tmp_path
 ):
-    with socket.socket() as s:  # a port free now; the job binds it a moment later
-        s.bind(("", 0))
-        port = s.getsockname()[1]
+    # Rank 0 binds a port the kernel picks and tells rank 1 through the shared folder: a
+    # port picked here and bound there later could be taken in between.
+    port_file = tmp_path / "rendezvous.port"
     program = tmp_path / "rendezvous.py"
     program.write_text(
         textwrap.dedent(f"""\
@@ -111,21 +110,23 @@ def test_two_tasks_on_two_nodes_rendezvous_over_tcp_at_the_first_nodes_address(
         ).stdout.split()[0]
         addr = socket.gethostbyname(first)
         rank = int(os.environ["SLURM_PROCID"])
+        port_file = {str(port_file)!r}
         if rank == 0:
-            server = socket.create_server((addr, {port}))
+            server = socket.create_server((addr, 0))
+            with open(port_file + ".tmp", "w") as f:
+                f.write(str(server.getsockname()[1]))
+            os.rename(port_file + ".tmp", port_file)
             conn, _ = server.accept()
             conn.sendall(b"welcome " + conn.recv(100))
             print("rank0", first, addr, "served", flush=True)
         else:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    conn = socket.create_connection((addr, {port}), timeout=5)
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.1)
+            deadline = time.monotonic() + {TIMEOUT}
+            while not os.path.exists(port_file):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("rank 0 never said its port")
+                time.sleep(0.05)
+            with open(port_file) as f:
+                conn = socket.create_connection((addr, int(f.read())), timeout={TIMEOUT})
             conn.sendall(b"rank1 from " + os.environ["SLURMD_NODENAME"].encode())
             print("rank1", conn.recv(100).decode(), flush=True)
     """)
@@ -225,7 +226,7 @@ def test_scontrol_job_records_parse_values_that_contain_spaces():
     assert record["WorkDir"] == "/tmp/w x"
 
 
-def wait_for_file(path: Path, timeout: float = 10) -> None:
+def wait_for_file(path: Path, timeout: float = TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while not (path.exists() and path.read_text().strip()):
         assert time.monotonic() < deadline, f"{path} never appeared"

@@ -3,7 +3,7 @@ into it, and the loop is charged for any wait."""
 
 from __future__ import annotations
 
-import time
+import threading
 import warnings
 
 import pytest
@@ -24,20 +24,30 @@ def _no_process_group_warning():
 
 
 class SlowCopy:
-    """Stands in for a slow device-to-host copy: the staging copy, started 0.5 s late."""
+    """Stands in for a slow device-to-host copy: the staging copy waits until the loop asks
+    for it (the fence before the optimizer step), so it is still in flight until then however
+    loaded the machine is. `copied_in` names the thread that copied."""
 
     def __init__(self, stager) -> None:
-        self.stager, self.copy_real = stager.copier, stager.copier._copy
+        self.copier = stager.copier
+        self.copy_real, self.fence_real = self.copier._copy, self.copier.fence
+        self.gate = threading.Event()
+        self.copied_in: list[str] = []
 
     def __enter__(self):
         def late(*args, **kwargs):
-            time.sleep(0.5)
+            assert self.gate.wait(60), "the loop never fenced the copy"
+            self.copied_in.append(threading.current_thread().name)
             return self.copy_real(*args, **kwargs)
-        self.stager._copy = late
+
+        def fence() -> None:
+            self.gate.set()
+            self.fence_real()
+        self.copier._copy, self.copier.fence = late, fence
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stager._copy = self.copy_real
+        self.copier._copy, self.copier.fence = self.copy_real, self.fence_real
 
 
 def test_an_update_right_after_an_async_save_never_reaches_that_save(tmp_path):
@@ -47,11 +57,12 @@ def test_an_update_right_after_an_async_save_never_reaches_that_save(tmp_path):
     run.create()
     manager = CheckpointManager(run, "dcp", 2, 2, 0, 1, parts, torch.device("cpu"), True)
     saved = {k: v.clone() for k, v in parts.model.state_dict().items()}
-    with SlowCopy(manager.mode.stager):
-        blocked = manager.at_step(2)
-        assert blocked < 0.4  # the copy runs in the background
+    with SlowCopy(manager.mode.stager) as slow:
+        manager.at_step(2)
+        assert not slow.copied_in  # at_step returned with the copy still to come
         waited = manager.before_update()  # what the loop calls before optimizer.step
-    assert waited > 0.1  # the copy was not done: the loop waited, and is charged for it
+    assert slow.copied_in and slow.copied_in[0] != threading.main_thread().name
+    assert waited > 0  # the copy was not done: the loop waited, and is charged for it
     for p in parts.model.parameters():  # the update the save must not see
         p.data.add_(1.0)
     manager.finish(2)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -27,10 +25,10 @@ run: {exp_name: *h}
 def test_a_yaml_alias_bomb_is_refused_at_once_with_a_short_message(tmp_path):
     path = tmp_path / "bomb.yaml"
     path.write_text(BOMB)
-    started = time.perf_counter()
+    # Refused at its first alias (line 2), so nothing was expanded: no clock needed.
     with pytest.raises(ConfigError, match="line 2: YAML aliases") as info:
         config_mod.load(path)
-    assert time.perf_counter() - started < 1 and len(str(info.value)) < 300
+    assert len(str(info.value)) < 300
 
 
 def test_an_oversized_config_file_is_refused_unread(tmp_path):
