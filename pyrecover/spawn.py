@@ -4,19 +4,40 @@
 
 from __future__ import annotations
 
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from pyrecover.dist import SPAWNED, DistEnv, DistError
 
+# Where free_port looks first: below the kernel's ephemeral range, whose ports every outgoing
+# connection (gloo's own sockets among them) takes from, so none is handed out by accident
+# between free_port and the rendezvous binding it.
+_PORTS_FROM = 20000
+_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
-def free_port() -> int:
-    """free_port asks the kernel for a TCP port nobody listens on right now."""
-    with socket.socket() as s:
+
+def free_port(tries: int = 50) -> int:
+    """free_port is a TCP port nobody listens on right now, outside the ephemeral range where
+    the system has one, for a rendezvous that binds it a moment later."""
+    try:
+        low = int(_PORT_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(tries if low > _PORTS_FROM + 1000 else 0):
+        port = random.randrange(_PORTS_FROM, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the kernel's choice, in the ephemeral range
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -191,3 +191,19 @@ def test_the_launcher_reports_the_cause_not_the_peer_that_noticed_it(failures, c
     from pyrecover.spawn import cause
 
     assert cause(failures) == code
+
+
+def test_a_free_port_is_outside_the_ephemeral_range_and_can_be_listened_on(monkeypatch):
+    # Outgoing connections take their local ports from the ephemeral range: one picked there
+    # could be handed to another socket before the rendezvous binds it.
+    import socket
+
+    from pyrecover import spawn
+
+    low, high = map(int, spawn._PORT_RANGE.read_text().split())
+    ports = {spawn.free_port() for _ in range(20)}
+    assert all(spawn._PORTS_FROM <= p < low for p in ports), (ports, low, high)
+    with socket.create_server(("127.0.0.1", ports.pop())):
+        pass
+    monkeypatch.setattr(spawn, "_PORT_RANGE", spawn.Path("/nonexistent"))
+    assert 0 < spawn.free_port() < 65536  # no /proc: the kernel's choice
