@@ -95,6 +95,9 @@ def test_a_stop_inside_the_window_writes_the_steps_up_to_the_stop(tmp_path, corp
         tmp_path, corpus, "stopped", "train.device=cpu", "train.max_steps=500",
         "train.log_interval=1", "checkpoint.interval=1000", "train.profile=5-54")]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    # 0.2 s a step: steps 8 to 54 take far longer than a poller starved by a busy machine
+    # may lag, so the signal lands inside the window.
+    env["PYRECOVER_STEP_DELAY"] = "0.2"
     proc = subprocess.Popen([sys.executable, "-m", "pyrecover", *argv], env=env,
                             start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
