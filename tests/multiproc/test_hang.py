@@ -20,7 +20,10 @@ pytestmark = pytest.mark.multiproc
 
 MEMORY = ("checkpoint.mode=memory", "checkpoint.snapshot_interval=1", "checkpoint.interval=100",
           "train.max_steps=12")
-WATCH = ("run.hang_timeout=3", "run.hang_startup_timeout=60")
+# The short normal-step limit goes to the run meant to hang only, and is still far above any
+# normal phase on a busy machine; the runs that must not hang keep the default (`auto`).
+HANG_LIMIT = 10
+WATCH = (f"run.hang_timeout={HANG_LIMIT}", "run.hang_startup_timeout=60")
 
 
 def train(storage: Path, corpus: Path, name: str, *extra: str, env=None):
@@ -37,7 +40,7 @@ def export(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def test_a_hung_rank_fires_its_watchdog_persists_and_the_restart_resumes_bit_for_bit(
         tmp_path, corpus):
-    ref = train(tmp_path, corpus, "ref", *MEMORY, *WATCH)
+    ref = train(tmp_path, corpus, "ref", *MEMORY)
     assert ref.returncode == 0, ref.stderr
 
     hang = {"PYRECOVER_HANG_AT_STEP": "7", "PYRECOVER_HANG_RANK": "1",
@@ -46,16 +49,16 @@ def test_a_hung_rank_fires_its_watchdog_persists_and_the_restart_resumes_bit_for
     run_dir = tmp_path / "run"
     assert hung.returncode == EXIT_HANG, hung.stderr
     (event,) = [e for e in events(run_dir, "hang") if e["rank"] == 1]
-    assert (event["phase"], event["step"], event["limit"]) == ("forward", 7, 3)
+    assert (event["phase"], event["step"], event["limit"]) == ("forward", 7, HANG_LIMIT)
     assert event["node"] and "maybe_hang" in event["stacks"]
     assert "HANG on rank 1" in hung.stderr and "thread MainThread" in hung.stderr
     # Found after the timeout and long before torch's own (600 s), from the last step logged
     # before it to the event; the slack is for a busy machine, not a speed claim.
     last_step = max(m["time"] for m in read_jsonl(run_dir / "metrics.jsonl"))
-    assert 3 <= event["seconds"] and event["time"] - last_step < 60
+    assert HANG_LIMIT <= event["seconds"] and event["time"] - last_step < 60
     assert {e["rank"] for e in events(run_dir, "snapshot_persisted")} == {0, 1}
 
-    resumed = train(tmp_path, corpus, "run", *MEMORY, *WATCH)
+    resumed = train(tmp_path, corpus, "run", *MEMORY)
     assert resumed.returncode == 0, resumed.stderr
     (resume,) = events(run_dir, "resume")
     assert resume["step"] == 6  # the newest snapshot: at most one snapshot interval back
@@ -71,14 +74,17 @@ def test_a_hung_rank_fires_its_watchdog_persists_and_the_restart_resumes_bit_for
 
 def test_a_slow_first_step_and_a_slow_save_that_keeps_writing_do_not_fire(tmp_path, corpus):
     run_dir = tmp_path / "slow"
-    # The first step stalls 5 s (its limit is the startup one); the save at step 10 stalls
-    # 18 s on rank 1 while it writes, rank 0 waiting for it: both past hang_timeout=2 and
-    # the save past hang_startup_timeout=15 as well.
-    limits = ("run.hang_timeout=2", "run.hang_startup_timeout=15")
+    # The first step stalls 15 s, past hang_timeout=10 (a normal step's limit, far above any
+    # normal phase on a busy machine): its limit is the startup one.
     stall = {"PYRECOVER_HANG_AT_STEP": "1", "PYRECOVER_HANG_RANK": "0,1",
-             "PYRECOVER_HANG_PHASE": "forward", "PYRECOVER_HANG_FOR": "5"}
-    first = train(tmp_path, corpus, "slow", *limits, "train.max_steps=4", env=stall)
+             "PYRECOVER_HANG_PHASE": "forward", "PYRECOVER_HANG_FOR": "15"}
+    first = train(tmp_path, corpus, "slow", "run.hang_timeout=10", "run.hang_startup_timeout=60",
+                  "train.max_steps=4", env=stall)
     assert first.returncode == 0, first.stderr
+    assert "hangs in phase forward of step 1" in first.stderr
+    # The save at step 10 stalls 18 s on rank 1 while it writes, rank 0 waiting for it: past
+    # hang_startup_timeout=15, a save's limit. A normal step's limit (60) is kept out of reach.
+    limits = ("run.hang_timeout=60", "run.hang_startup_timeout=15")
     save = {"PYRECOVER_HANG_AT_STEP": "10", "PYRECOVER_HANG_RANK": "1",
             "PYRECOVER_HANG_PHASE": "checkpoint", "PYRECOVER_HANG_FOR": "18",
             "PYRECOVER_HANG_WRITE_TO": str(run_dir / "checkpoints" / ".tmp-step-10-slow" / "x")}
@@ -88,7 +94,8 @@ def test_a_slow_first_step_and_a_slow_save_that_keeps_writing_do_not_fire(tmp_pa
     assert not events(run_dir, "hang")
     assert events(run_dir, "finish")
 
-    # The same stall without writing is a hang, on both ranks, at the save's limit.
+    # The same stall without writing is a hang, on both ranks, at the save's limit: the
+    # startup one (15), not a normal step's (60).
     del save["PYRECOVER_HANG_WRITE_TO"]
     save["PYRECOVER_HANG_AT_STEP"] = "20"
     third = train(tmp_path, corpus, "slow", *limits, "train.max_steps=24", env=save)
