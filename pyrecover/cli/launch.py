@@ -15,25 +15,24 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from pyrecover.cli import site_options as site
+
 if TYPE_CHECKING:
     from pyrecover.config import Config
     from pyrecover.slurm.render import JobSpec
 
-P = "cluster profile"  # help text: which options override the profile
+P = site.P  # help text: which options override the profile
 
 
 def launch(
     config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="Experiment YAML (e.g. launch/experiments/gpt-125m.yaml); "
         "without it the demo defaults.")] = None,
-    cluster: Annotated[Path | None, typer.Option(
-        help="Cluster profile YAML (e.g. launch/clusters/local.yaml); the options below "
-        "override its keys. Default: $PYRECOVER_CLUSTER, else "
-        "~/.config/pyrecover/cluster.yaml.")] = None,
+    cluster: site.Cluster = None,
     init_cluster: Annotated[Path | None, typer.Option(
         metavar="PATH", help="Write a commented starting cluster profile to PATH (from sinfo "
         "where SLURM answers) and exit.")] = None,
-    nodes: Annotated[int | None, typer.Option(help=f"Nodes ({P}: nodes).")] = None,
+    nodes: site.Nodes = None,
     mode: Annotated[str | None, typer.Option(
         help="Checkpoint mode, vanilla, dcp or memory: shorthand for --set "
         "checkpoint.mode=MODE.")] = None,
@@ -43,25 +42,14 @@ def launch(
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", "-s", metavar="KEY=VALUE",
         help="Override one experiment key, e.g. --set train.max_steps=100. Repeatable.")] = None,
-    partition: Annotated[str | None, typer.Option(help=f"Partition ({P}: partition).")] = None,
-    account: Annotated[str | None, typer.Option(help=f"Account ({P}: account).")] = None,
-    time: Annotated[str | None, typer.Option(
-        help=f"Time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or infinite "
-        f"({P}: time).")] = None,
-    gpus_per_node: Annotated[int | None, typer.Option(
-        help=f"GPUs per node = tasks per node ({P}: gpus_per_node).")] = None,
-    cpus_per_task: Annotated[int | None, typer.Option(
-        help=f"CPU cores per task ({P}: cpus_per_task).")] = None,
-    image: Annotated[str | None, typer.Option(
-        help=f"Apptainer image, .sif ({P}: image; else $PYRECOVER_IMAGE, else "
-        "./pyrecover.sif).")] = None,
-    bind: Annotated[list[str] | None, typer.Option(
-        metavar="SRC[:DST[:ro]]", help=f"Bind mount, added to the profile's binds, e.g. "
-        f"--bind /datasets:/data:ro; run.storage is always bound. Repeatable ({P}: binds).")]
-    = None,
-    max_restarts: Annotated[int | None, typer.Option(
-        help=f"Requeues allowed after failures: crash, hang, failed health check, a stop "
-             f"without progress; clean stops always requeue ({P}: max_restarts).")] = None,
+    partition: site.Partition = None,
+    account: site.Account = None,
+    time: site.Time = None,
+    gpus_per_node: site.GpusPerNode = None,
+    cpus_per_task: site.CpusPerTask = None,
+    image: site.Image = None,
+    bind: site.Binds = None,
+    max_restarts: site.MaxRestarts = None,
     spare_nodes: Annotated[int | None, typer.Option(
         help="Allocate this many extra nodes: training runs on --nodes of them, and after a "
         "crash, hang or failed health check it restarts at once on the healthy ones, without "
@@ -69,28 +57,13 @@ def launch(
     max_restarts_in_job: Annotated[int | None, typer.Option(
         help=f"Restarts inside the allocation (needs spare nodes) before the job requeues "
         f"instead ({P}: max_restarts_in_job).")] = None,
-    launcher: Annotated[str | None, typer.Option(
-        help="srun: one task per GPU in the container; torchrun: one torchrun per node; "
-        "spawn: one task per node running `pyrecover train --nproc GPUS` (both in the "
-        "container when there is an image); none: one task per GPU with this python, no "
-        f"container ({P}: launcher).")] = None,
-    signal_seconds: Annotated[int | None, typer.Option(
-        help=f"Send the stop signal (run.stop_signal, USR2) this many seconds before the "
-             f"time limit ({P}: signal_seconds).")] = None,
-    qos: Annotated[str | None, typer.Option(help=f"Quality of service ({P}: qos).")] = None,
-    constraint: Annotated[str | None, typer.Option(
-        help=f"Node features the job needs, e.g. 'a100&ib' or '[rack1|rack2]' "
-             f"({P}: constraint).")] = None,
-    mem: Annotated[str | None, typer.Option(
-        help=f"Memory per node, e.g. 64G (K, M, G, T; MB without a suffix); 0: all of "
-             f"each node's memory ({P}: mem).")] = None,
-    exclusive: Annotated[bool | None, typer.Option(
-        "--exclusive/--no-exclusive", help=f"Whole nodes, shared with no other job "
-        f"({P}: exclusive).", show_default=False)] = None,
-    sbatch_extra: Annotated[list[str] | None, typer.Option(
-        metavar="--NAME[=VALUE]", help=f"An sbatch option pyrecover has no key for, written "
-        f"as an #SBATCH line, e.g. --sbatch-extra=--reservation=big; added to the profile's. "
-        f"Repeatable ({P}: sbatch_extra).")] = None,
+    launcher: site.Launcher = None,
+    signal_seconds: site.SignalSeconds = None,
+    qos: site.Qos = None,
+    constraint: site.Constraint = None,
+    mem: site.Mem = None,
+    exclusive: site.Exclusive = None,
+    sbatch_extra: site.SbatchExtra = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the script and the sbatch command; write and submit "
         "nothing.")] = False,
@@ -110,7 +83,7 @@ def launch(
     """
     from pyrecover import config as config_mod
     from pyrecover.experiment import prepare_run_dir, resolve_for_run
-    from pyrecover.slurm import LaunchError, profile, query, render, sinfo, submit
+    from pyrecover.slurm import LaunchError, query, render, sinfo, submit
 
     if init_cluster is not None:
         typer.echo(sinfo.init_profile(init_cluster, query.sinfo(sinfo.SINFO_FORMAT)))
@@ -121,13 +94,13 @@ def launch(
     sets += [f"run.exp_name={exp_name}"] if exp_name is not None else []
     cfg = config_mod.load(config, sets)
     cfg = config_mod.from_dict(config_mod.to_dict(render.absolute_paths(cfg, cwd)))
-    prof = profile.resolve(
-        cluster, os.environ, Path.home(), cwd, binds=tuple(bind or ()), nodes=nodes,
-        gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, time=time,
-        partition=partition, account=account, image=image, launcher=launcher,
-        max_restarts=max_restarts, signal_seconds=signal_seconds, spare_nodes=spare_nodes,
+    prof = site.resolve(
+        cluster, bind, sbatch_extra, nodes=nodes, gpus_per_node=gpus_per_node,
+        cpus_per_task=cpus_per_task, time=time, partition=partition, account=account,
+        image=image, launcher=launcher, max_restarts=max_restarts,
+        signal_seconds=signal_seconds, spare_nodes=spare_nodes,
         max_restarts_in_job=max_restarts_in_job, qos=qos, constraint=constraint, mem=mem,
-        exclusive=exclusive, sbatch_extra=tuple(sbatch_extra or ()))
+        exclusive=exclusive)
     cfg, batch_note = resolve_for_run(cfg, prof.nodes * prof.gpus_per_node)
     spec = render.job_spec(cfg, prof, sys.executable)
     script = render.render(spec)

@@ -14,9 +14,10 @@ from typing import Annotated
 
 import typer
 
+from pyrecover.cli import site_options as site
+
 sweep_app = typer.Typer(help="Grid, random and bayes searches: one SLURM job array, a run per "
                         "trial.", no_args_is_help=True)
-P = "cluster profile"
 FROM_WANDB = "values from wandb's bayes controller at each trial's first start"
 
 
@@ -26,10 +27,7 @@ def launch(
         metavar="SWEEP.yaml", help="wandb's sweep format; parameters are config keys.")],
     config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="Experiment YAML every trial starts from.")] = None,
-    cluster: Annotated[Path | None, typer.Option(
-        help="Cluster profile YAML (e.g. launch/clusters/local.yaml); the options below "
-        "override its keys. Default: $PYRECOVER_CLUSTER, else "
-        "~/.config/pyrecover/cluster.yaml, as for launch.")] = None,
+    cluster: site.Cluster = None,
     max_parallel: Annotated[int | None, typer.Option(
         help="Trials running at once (--array=0-N%M); default: the sweep file's "
         "max_parallel, else no limit.")] = None,
@@ -38,40 +36,22 @@ def launch(
         help="Override one experiment key for every trial. Repeatable.")] = None,
     mode: Annotated[str | None, typer.Option(
         help="Checkpoint mode, vanilla, dcp or memory (checkpoint.mode).")] = None,
-    nodes: Annotated[int | None, typer.Option(help=f"Nodes per trial ({P}: nodes).")] = None,
-    gpus_per_node: Annotated[int | None, typer.Option(
-        help=f"GPUs per node = tasks per node ({P}: gpus_per_node).")] = None,
-    cpus_per_task: Annotated[int | None, typer.Option(
-        help=f"CPU cores per task ({P}: cpus_per_task).")] = None,
-    partition: Annotated[str | None, typer.Option(help=f"Partition ({P}).")] = None,
-    account: Annotated[str | None, typer.Option(help=f"Account ({P}).")] = None,
-    time: Annotated[str | None, typer.Option(help=f"Time limit per trial ({P}).")] = None,
-    image: Annotated[str | None, typer.Option(
-        help=f"Apptainer image, .sif ({P}: image; else $PYRECOVER_IMAGE, else "
-        "./pyrecover.sif).")] = None,
-    bind: Annotated[list[str] | None, typer.Option(
-        metavar="SRC[:DST[:ro]]", help=f"Bind mount, e.g. --bind /datasets:/data:ro; "
-        f"repeatable ({P}: binds).")] = None,
-    launcher: Annotated[str | None, typer.Option(
-        help=f"srun, torchrun, spawn or none, as for launch ({P}: launcher).")] = None,
-    max_restarts: Annotated[int | None, typer.Option(
-        help=f"Requeues allowed per trial after failures; clean stops always requeue "
-             f"({P}: max_restarts).")] = None,
-    signal_seconds: Annotated[int | None, typer.Option(
-        help=f"Send the stop signal (run.stop_signal, USR2) this many seconds before "
-             f"the time limit ({P}).")] = None,
-    qos: Annotated[str | None, typer.Option(help=f"Quality of service ({P}).")] = None,
-    constraint: Annotated[str | None, typer.Option(
-        help=f"Node features each trial needs, e.g. 'a100&ib' ({P}).")] = None,
-    mem: Annotated[str | None, typer.Option(
-        help=f"Memory per node, e.g. 64G; 0: all of it ({P}).")] = None,
-    exclusive: Annotated[bool | None, typer.Option(
-        "--exclusive/--no-exclusive", help=f"Whole nodes, shared with no other job ({P}).",
-        show_default=False)] = None,
-    sbatch_extra: Annotated[list[str] | None, typer.Option(
-        metavar="--NAME[=VALUE]", help=f"An sbatch option pyrecover has no key for, e.g. "
-        f"--sbatch-extra=--reservation=big; added to the profile's. Repeatable ({P}).")] =
-    None,
+    nodes: site.Nodes = None,
+    gpus_per_node: site.GpusPerNode = None,
+    cpus_per_task: site.CpusPerTask = None,
+    partition: site.Partition = None,
+    account: site.Account = None,
+    time: site.Time = None,
+    image: site.Image = None,
+    bind: site.Binds = None,
+    launcher: site.Launcher = None,
+    max_restarts: site.MaxRestarts = None,
+    signal_seconds: site.SignalSeconds = None,
+    qos: site.Qos = None,
+    constraint: site.Constraint = None,
+    mem: site.Mem = None,
+    exclusive: site.Exclusive = None,
+    sbatch_extra: site.SbatchExtra = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the script and the trials; write and submit nothing.")] = False,
 ) -> None:
@@ -90,7 +70,7 @@ def launch(
     from pyrecover import config as config_mod
     from pyrecover.experiment import prepare_run_dir
     from pyrecover.rundir import RunDir
-    from pyrecover.slurm import LaunchError, profile, submit
+    from pyrecover.slurm import LaunchError, submit
     from pyrecover.slurm.render import absolute_paths
     from pyrecover.sweep import bayes, record, render, spec, trials, wandb_sweep
 
@@ -99,13 +79,12 @@ def launch(
     sets = list(overrides or []) + ([f"checkpoint.mode={mode}"] if mode else [])
     cfg = config_mod.load(config, sets)
     cfg = trials.base_for(sweep, absolute_paths(cfg, cwd))
-    prof = profile.resolve(  # as `launch` resolves it
-        cluster, os.environ, Path.home(), cwd, binds=tuple(bind or ()), nodes=nodes,
-        gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, time=time,
-        partition=partition, account=account, image=image, launcher=launcher,
-        max_restarts=max_restarts, signal_seconds=signal_seconds, qos=qos,
-        constraint=constraint, mem=mem, exclusive=exclusive,
-        sbatch_extra=tuple(sbatch_extra or ()))
+    prof = site.resolve(  # as `launch` resolves it
+        cluster, bind, sbatch_extra, nodes=nodes, gpus_per_node=gpus_per_node,
+        cpus_per_task=cpus_per_task, time=time, partition=partition, account=account,
+        image=image, launcher=launcher, max_restarts=max_restarts,
+        signal_seconds=signal_seconds, qos=qos, constraint=constraint, mem=mem,
+        exclusive=exclusive)
     if max_parallel is not None and max_parallel < 1:
         raise LaunchError(f"--max-parallel={max_parallel} is not allowed: expected >= 1")
     is_bayes = sweep.method == "bayes"

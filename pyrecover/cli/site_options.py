@@ -1,0 +1,71 @@
+"""The cluster-profile options `pyrecover launch` and `pyrecover sweep launch` share: one
+declaration each, so the two commands cannot drift apart (they did once: sweep launch
+ignored $PYRECOVER_CLUSTER). Each overrides the profile key it names in its help; a sweep
+applies them to every trial. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+P = "cluster profile"
+
+Cluster = Annotated[Path | None, typer.Option(
+    help="Cluster profile YAML (e.g. launch/clusters/local.yaml); the options below override "
+    "its keys. Default: $PYRECOVER_CLUSTER, else ~/.config/pyrecover/cluster.yaml.")]
+Nodes = Annotated[int | None, typer.Option(help=f"Nodes, per trial in a sweep ({P}: nodes).")]
+Partition = Annotated[str | None, typer.Option(help=f"Partition ({P}: partition).")]
+Account = Annotated[str | None, typer.Option(help=f"Account ({P}: account).")]
+Time = Annotated[str | None, typer.Option(
+    help=f"Time limit, per trial in a sweep: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or "
+    f"infinite ({P}: time).")]
+GpusPerNode = Annotated[int | None, typer.Option(
+    help=f"GPUs per node = tasks per node ({P}: gpus_per_node).")]
+CpusPerTask = Annotated[int | None, typer.Option(
+    help=f"CPU cores per task ({P}: cpus_per_task).")]
+Image = Annotated[str | None, typer.Option(
+    help=f"Apptainer image, .sif ({P}: image; else $PYRECOVER_IMAGE, else ./pyrecover.sif).")]
+Binds = Annotated[list[str] | None, typer.Option(
+    metavar="SRC[:DST[:ro]]", help=f"Bind mount, added to the profile's binds, e.g. --bind "
+    f"/datasets:/data:ro; run.storage is always bound. Repeatable ({P}: binds).")]
+Launcher = Annotated[str | None, typer.Option(
+    help="srun: one task per GPU in the container; torchrun: one torchrun per node; spawn: "
+    "one task per node running `pyrecover train --nproc GPUS` (both in the container when "
+    f"there is an image); none: one task per GPU with this python, no container ({P}: "
+    "launcher).")]
+MaxRestarts = Annotated[int | None, typer.Option(
+    help="Requeues allowed (per trial in a sweep) after failures: crash, hang, failed health "
+    f"check, a stop without progress; clean stops always requeue ({P}: max_restarts).")]
+SignalSeconds = Annotated[int | None, typer.Option(
+    help="Send the stop signal (run.stop_signal, USR2) this many seconds before the time "
+    f"limit ({P}: signal_seconds).")]
+Qos = Annotated[str | None, typer.Option(help=f"Quality of service ({P}: qos).")]
+Constraint = Annotated[str | None, typer.Option(
+    help=f"Node features the job needs, e.g. 'a100&ib' or '[rack1|rack2]' ({P}: constraint).")]
+Mem = Annotated[str | None, typer.Option(
+    help="Memory per node, e.g. 64G (K, M, G, T; MB without a suffix); 0: all of each node's "
+    f"memory ({P}: mem).")]
+Exclusive = Annotated[bool | None, typer.Option(
+    "--exclusive/--no-exclusive", help=f"Whole nodes, shared with no other job ({P}: "
+    "exclusive).", show_default=False)]
+SbatchExtra = Annotated[list[str] | None, typer.Option(
+    metavar="--NAME[=VALUE]", help="An sbatch option pyrecover has no key for, written as an "
+    "#SBATCH line, e.g. --sbatch-extra=--reservation=big; added to the profile's. Repeatable "
+    f"({P}: sbatch_extra).")]
+
+
+def resolve(cluster: Path | None, bind: list[str] | None, sbatch_extra: list[str] | None,
+            **overrides: Any):
+    """resolve is the profile a submission uses (pyrecover.slurm.profile.resolve): the
+    options given (None: not given) over the profile found from `cluster` or the
+    environment."""
+    import os
+
+    from pyrecover.slurm import profile
+
+    return profile.resolve(cluster, os.environ, Path.home(), os.getcwd(),
+                           binds=tuple(bind or ()), sbatch_extra=tuple(sbatch_extra or ()),
+                           **overrides)
