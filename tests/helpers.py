@@ -125,3 +125,52 @@ def saved_and_restored(root: Path, mode: str, src, dst):
     ckpt = store.verify(run.checkpoints / "step-2")
     CheckpointManager(run, mode, 2, 2, 0, 1, dst.parts, cpu, False).restore(ckpt)
     return ckpt
+
+
+def _gloo_rank(rank: int, world_size: int, port: int, errors, scenario, args) -> None:
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    from pyrecover import dist
+
+    try:
+        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                 world_size=world_size, timeout=timedelta(seconds=60))
+        scenario(rank, *args)
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.teardown()
+
+
+def run_ranks(scenario, *args, world_size: int = 2, timeout: float = 300) -> None:
+    """run_ranks runs `scenario(rank, *args)` in `world_size` spawned processes joined in one
+    gloo process group, and fails with every rank's traceback, or the exit codes, unless each
+    returned. `scenario` must be a module-level function (the processes import it)."""
+    import torch.multiprocessing as mp
+
+    from pyrecover import spawn
+
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = spawn.free_port()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, world_size, port, errors, scenario, args))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert not failures, "\n".join(failures)
+    assert [p.exitcode for p in procs] == [0] * world_size

@@ -4,17 +4,13 @@ full disk) is discarded on every rank like any failed write, and training goes o
 from __future__ import annotations
 
 import resource
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
-from helpers import events
+from helpers import events, run_ranks
 
-from pyrecover import dist, spawn
 from pyrecover.bench import state as bench
 from pyrecover.checkpoint import CheckpointManager, store
 from pyrecover.rundir import RunDir
@@ -22,19 +18,8 @@ from pyrecover.rundir import RunDir
 pytestmark = pytest.mark.multiproc
 
 
-def _rank(rank: int, port: int, root: str, errors, async_save: bool) -> None:
-    try:
-        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                 world_size=2, timeout=timedelta(seconds=60))
-        _scenario(rank, RunDir(Path(root) / "run"), async_save)
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.teardown()
-
-
-def _scenario(rank: int, run: RunDir, async_save: bool) -> None:
+def _scenario(rank: int, root: str, async_save: bool) -> None:
+    run = RunDir(Path(root) / "run")
     if rank == 0:
         run.create()
     tdist.barrier()
@@ -58,20 +43,7 @@ def _scenario(rank: int, run: RunDir, async_save: bool) -> None:
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_save_failing_on_one_rank_before_its_write_is_discarded_and_the_run_goes_on(
         tmp_path, async_save):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = spawn.free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), errors, async_save))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures, "\n".join(failures)
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(_scenario, str(tmp_path), async_save)
     root = tmp_path / "run" / "checkpoints"
     assert [step for step, _ in store.committed_steps(root)] == [4]
     assert [e["step"] for e in events(tmp_path / "run", "checkpoint_failed")] == [2]

@@ -3,18 +3,14 @@
 
 from __future__ import annotations
 
-import traceback
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from helpers import run_ranks
 
-from pyrecover import dist, spawn
 from pyrecover.bench.state import build_state
 from pyrecover.checkpoint import CheckpointManager, share, store
 from pyrecover.model import GPT, GPTConfig
@@ -24,52 +20,32 @@ pytestmark = pytest.mark.multiproc
 BYTES = 4_000_000
 
 
-def _rank(rank: int, port: int, root: str, errors) -> None:
-    try:
-        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                 world_size=2, timeout=timedelta(seconds=60))
-        state = build_state(BYTES, seed=0)  # the same state on both ranks, as with DDP
-        run = RunDir(Path(root) / "run")
-        run.create()
-        manager = CheckpointManager(run, "dcp", 2, 2, rank, 2, state.parts)
-        manager.at_step(2)
-        manager.before_update()
-        staged = sum(b.numel() * b.element_size()
-                     for b in manager.mode.stager._buffers.values())
-        manager.finish(2)
-        whole = sum(t.numel() * t.element_size()
-                    for t in state.parts.model.state_dict().values())
-        whole += sum(t.numel() * t.element_size() for s in state.parts.optimizer.state.values()
-                     for t in s.values())
-        # Half of the state, give or take the largest tensor (the embedding).
-        largest = max(p.numel() * p.element_size() for p in state.parts.model.parameters())
-        assert staged <= whole / 2 + largest, (rank, staged, whole)
-        assert staged >= whole / 2 - largest, (rank, staged, whole)
-        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
-        from torch.distributed.tensor import Shard, distribute_tensor
-        sharded = {"w": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])}
-        assert not share.replicated(sharded) and share.replicated({"w": torch.zeros(2)})
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.teardown()
+def _scenario(rank: int, root: str) -> None:
+    state = build_state(BYTES, seed=0)  # the same state on both ranks, as with DDP
+    run = RunDir(Path(root) / "run")
+    run.create()
+    manager = CheckpointManager(run, "dcp", 2, 2, rank, 2, state.parts)
+    manager.at_step(2)
+    manager.before_update()
+    staged = sum(b.numel() * b.element_size()
+                 for b in manager.mode.stager._buffers.values())
+    manager.finish(2)
+    whole = sum(t.numel() * t.element_size()
+                for t in state.parts.model.state_dict().values())
+    whole += sum(t.numel() * t.element_size() for s in state.parts.optimizer.state.values()
+                 for t in s.values())
+    # Half of the state, give or take the largest tensor (the embedding).
+    largest = max(p.numel() * p.element_size() for p in state.parts.model.parameters())
+    assert staged <= whole / 2 + largest, (rank, staged, whole)
+    assert staged >= whole / 2 - largest, (rank, staged, whole)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
+    from torch.distributed.tensor import Shard, distribute_tensor
+    sharded = {"w": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])}
+    assert not share.replicated(sharded) and share.replicated({"w": torch.zeros(2)})
 
 
 def test_each_rank_stages_half_the_state_and_the_checkpoint_holds_all_of_it(tmp_path):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = spawn.free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), errors)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=180)
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures, "\n".join(failures)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(_scenario, str(tmp_path), timeout=180)
 
     ckpt = store.verify(tmp_path / "run" / "checkpoints" / "step-2")
     expected = build_state(BYTES, seed=0)

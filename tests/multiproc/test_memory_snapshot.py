@@ -4,16 +4,13 @@ right after it, and what a survivor writes."""
 from __future__ import annotations
 
 import threading
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
+from helpers import run_ranks
 
-from pyrecover import dist, spawn
 from pyrecover.bench import state as bench
 from pyrecover.checkpoint import memory, rng
 
@@ -36,18 +33,6 @@ def restored(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
     for fqn, per_param in optim.items():
         out.update({f"optim/{fqn}/{k}": v for k, v in per_param.items()})
     return out, meta
-
-
-def _rank(rank: int, port: int, root: str, errors, scenario: str) -> None:
-    try:
-        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                 world_size=2, timeout=timedelta(seconds=60))
-        globals()[scenario](rank, Path(root))
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.teardown()
 
 
 def _scenario(rank: int, root: Path) -> None:
@@ -85,26 +70,9 @@ def _scenario(rank: int, root: Path) -> None:
     mode.close()  # its exchange with the rank that left fails now, before the group goes
 
 
-def run_ranks(root: Path, scenario: str) -> None:
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = spawn.free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(root), errors, scenario))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures, "\n".join(failures)
-    assert [p.exitcode for p in procs] == [0, 0]
-
-
 def test_a_snapshot_holds_the_state_of_its_step_and_a_survivor_never_writes_a_partial_one(
         tmp_path):
-    run_ranks(tmp_path, "_scenario")
+    run_ranks(_scenario, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"{memory.SNAP_PREFIX}1", f"{memory.SNAP_PREFIX}2"]
 
@@ -161,6 +129,6 @@ def _stuck_copy(rank: int, root: Path) -> None:
 
 
 def test_a_survivor_whose_snapshot_copy_never_lands_still_persists_the_complete_ones(tmp_path):
-    run_ranks(tmp_path, "_stuck_copy")
+    run_ranks(_stuck_copy, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"{memory.SNAP_PREFIX}1", f"{memory.SNAP_PREFIX}2"]
