@@ -19,21 +19,42 @@ _GPUS = re.compile(r"gpu(?::[^:,(]+)?:(\d+)")
 
 
 @dataclass(frozen=True)
+class NodeType:
+    gpus: int
+    cpus: int
+    nodes: int
+
+
+@dataclass(frozen=True)
 class Partition:
     name: str
     default: bool
-    gpus_per_node: int
-    """The most GPUs on one of its nodes; 0 where none has any."""
-    cpus_per_node: int
-    nodes: int
+    types: tuple[NodeType, ...]
+    """Its node configurations (one sinfo line each, merged where GPUs and CPUs agree): those
+    with GPUs first, the most common of them first, then the one with more GPUs."""
     time_limit: str
     """As sinfo prints it: `infinite`, `1-00:00:00`, `30:00`."""
+
+    @property
+    def main(self) -> NodeType:
+        """main is the node type a starting profile is written for: the one with GPUs that
+        most of the partition's nodes are, so `--nodes N` finds N of them (the largest nodes
+        of a mixed partition may be too few to start a job at all)."""
+        return self.types[0]
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.main.gpus
+
+    @property
+    def nodes(self) -> int:
+        return sum(t.nodes for t in self.types)
 
 
 def parse_sinfo(text: str) -> list[Partition]:
     """parse_sinfo reads SINFO_FORMAT lines into one Partition each, merging the lines sinfo
     prints per node configuration; the order is sinfo's."""
-    merged: dict[str, Partition] = {}
+    seen: dict[str, tuple[bool, str, dict[tuple[int, int], int]]] = {}
     for line in text.splitlines():
         fields = line.strip().split("|")
         if len(fields) != 5 or not fields[0]:
@@ -41,15 +62,14 @@ def parse_sinfo(text: str) -> list[Partition]:
         raw, gres, limit, cpus, nodes = fields
         name = raw.rstrip("*")
         gpus = max((int(n) for n in _GPUS.findall(gres)), default=0)
-        part = Partition(name, raw.endswith("*"), gpus, _number(cpus), _number(nodes), limit)
-        old = merged.get(name)
-        if old is not None:
-            part = Partition(name, old.default or part.default,
-                             max(old.gpus_per_node, gpus), max(old.cpus_per_node,
-                                                               part.cpus_per_node),
-                             old.nodes + part.nodes, old.time_limit)
-        merged[name] = part
-    return list(merged.values())
+        default, first_limit, counts = seen.get(name, (False, limit, {}))
+        key = (gpus, _number(cpus))
+        counts[key] = counts.get(key, 0) + _number(nodes)
+        seen[name] = (default or raw.endswith("*"), first_limit, counts)
+    return [Partition(name, default, tuple(sorted(
+        (NodeType(g, c, n) for (g, c), n in counts.items()),
+        key=lambda t: (t.gpus == 0, -t.nodes, -t.gpus, -t.cpus))), limit)
+        for name, (default, limit, counts) in seen.items()]
 
 
 def pick(partitions: list[Partition]) -> Partition | None:
@@ -77,12 +97,17 @@ def starting_profile(partitions: list[Partition] | None) -> str:
         seen = f"; others: {', '.join(others)}" if others else ""
         lines.append(_line(f"partition: {part.name}",
                            ("the default" if part.default else "has GPUs") + seen))
-        gpus = part.gpus_per_node or 1
+        main = part.main
+        gpus = main.gpus or 1
+        if len(part.types) > 1:
+            lines.append(f"# {part.name}'s nodes differ: " + "; ".join(
+                f"{t.nodes} with {t.gpus} GPUs and {t.cpus} CPUs" for t in part.types)
+                + f"; the keys below are for the {main.nodes} with {main.gpus} GPUs")
         lines.append(_line(f"gpus_per_node: {gpus}", "one task (rank) per GPU"
-                           if part.gpus_per_node else "sinfo shows no GPUs: one task per node"))
-        if part.cpus_per_node >= gpus:
-            lines.append(_line(f"cpus_per_task: {part.cpus_per_node // gpus}",
-                               f"{part.cpus_per_node} CPUs per node / {gpus} tasks"))
+                           if main.gpus else "sinfo shows no GPUs: one task per node"))
+        if main.cpus >= gpus:
+            lines.append(_line(f"cpus_per_task: {main.cpus // gpus}",
+                               f"{main.cpus} CPUs per node / {gpus} tasks"))
         limit = part.time_limit
         if limit.lower() in ("infinite", "unlimited", "n/a", ""):
             lines.append(_line(f'time: "{d.time}"', "the partition sets no limit"))

@@ -43,21 +43,26 @@ def test_the_image_is_the_profiles_else_the_environments_else_the_local_sif(tmp_
 
 
 @pytest.mark.parametrize("text, expected", [
-    (LOCAL_SINFO, [("debug", True, 4, 4, 2, "infinite")]),
-    (SITE_SINFO, [("gpu", False, 8, 64, 12, "2-00:00:00"), ("cpu", True, 0, 128, 100,
-                                                            "1:00:00")]),
-    ("a*|gpu:2,gpu:h100:1|30:00|8|1\nnot a line\n", [("a", True, 2, 8, 1, "30:00")]),
+    (LOCAL_SINFO, [("debug", True, [(4, 4, 2)], "infinite")]),
+    # A mixed partition: its node types, those with GPUs first, the most common first.
+    (SITE_SINFO, [("gpu", False, [(4, 64, 10), (8, 64, 2)], "2-00:00:00"),
+                  ("cpu", True, [(0, 128, 100)], "1:00:00")]),
+    ("a*|gpu:2,gpu:h100:1|30:00|8|1\nnot a line\n", [("a", True, [(2, 8, 1)], "30:00")]),
+    ("mix|(null)|1:00:00|32|50\nmix|gpu:4|1:00:00|32|3\nmix|gpu:4|1:00:00|32|1\n",
+     [("mix", False, [(4, 32, 4), (0, 32, 50)], "1:00:00")]),
     ("", []),
 ])
 def test_sinfo_lines_become_one_partition_each(text, expected):
-    got = [(p.name, p.default, p.gpus_per_node, p.cpus_per_node, p.nodes, p.time_limit)
+    got = [(p.name, p.default, [(t.gpus, t.cpus, t.nodes) for t in p.types], p.time_limit)
            for p in sinfo.parse_sinfo(text)]
     assert got == expected
 
 
 @pytest.mark.parametrize("text, partition, gpus, cpus, time", [
     (LOCAL_SINFO, "debug", 4, 1, "01:00:00"),
-    (SITE_SINFO, "gpu", 8, 8, "2-00:00:00"),  # the partition with GPUs, not the default
+    # The partition with GPUs, not the default; written for its 10 four-GPU nodes, not the
+    # 2 with 8, where a job of 3 nodes would pend forever.
+    (SITE_SINFO, "gpu", 4, 16, "2-00:00:00"),
     (None, None, 4, None, "01:00:00"),
 ])
 def test_the_starting_profile_loads_and_holds_what_sinfo_said(tmp_path, text, partition, gpus,
@@ -71,6 +76,9 @@ def test_the_starting_profile_loads_and_holds_what_sinfo_said(tmp_path, text, pa
     profile.validate(prof)
     assert (prof.partition, prof.gpus_per_node, prof.cpus_per_task, prof.time) == (
         partition, gpus, cpus, time)
+    mixed = "# gpu's nodes differ: 10 with 4 GPUs and 64 CPUs; 2 with 8 GPUs and 64 CPUs; " \
+            "the keys below are for the 10 with 4 GPUs"
+    assert (mixed in written.splitlines()) == (text == SITE_SINFO), written
     with pytest.raises(LaunchError, match="already exists"):
         sinfo.init_profile(path, text)
 
