@@ -37,6 +37,7 @@ from pyrecover import config as config_mod
 from pyrecover.checkpoint import CheckpointManager, rng
 from pyrecover.checkpoint import interval as checkpoint_interval
 from pyrecover.checkpoint.manager import Parts
+from pyrecover.checkpoint.resume import beats as resume_beats
 from pyrecover.checkpoint.resume import choose_in_background
 from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
@@ -125,8 +126,9 @@ def main(cfg: Config, run_dir: Path) -> None:
     # A rank that stops altogether cannot report its hang: its heartbeat names it instead.
     beats = heartbeat.start(env.master_addr, env.master_port, env.rank, env.world_size,
                             node_name()) if env.is_distributed else None
-    def progress() -> int:
-        return watchdog.io_bytes() + watchdog.saving_bytes(run.checkpoints)
+    def progress() -> int:  # and rank 0's beats while it chooses a checkpoint (resume.py)
+        return (watchdog.io_bytes() + watchdog.saving_bytes(run.checkpoints)
+                + resume_beats(run.checkpoints))
 
     dog = watchdog.Watchdog(rule, env.rank, node_name(), on_hang=lambda hang: watchdog.handle(
                             hang, run.event, persist, device, silent=beats and beats.silent,

@@ -14,8 +14,8 @@ limit, and for loads, saves and the start-up before and after a load (`setup`: r
 checksums the survivors' snapshot there) it counts from the last sign of progress (this
 process read or wrote bytes, `/proc/self/io`, or a checkpoint being written grew), so a long
 save that keeps writing never fires, on the writing rank or on the ranks waiting for it. A
-rank waiting for rank 0's checksum pass sees no progress of its own: it gets the startup
-limit from when it began waiting.
+rank waiting for rank 0's checksum pass counts rank 0's beats as progress (checkpoint/resume.py;
+train.py adds them).
 torch's process group timeout is set above every limit (`backstop_seconds`): the watchdog
 always speaks first, torch's timeout stays the backstop.
 """

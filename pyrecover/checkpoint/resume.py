@@ -8,6 +8,12 @@ reads the whole checkpoint from storage, so a start runs it in the background
 (`choose_in_background`) from the moment it holds the run directory, while it builds the
 model and the optimizer (whose first use imports torch._dynamo); the read also leaves the
 files in the page cache for the restore.
+
+The other ranks wait for that choice with no reading of their own, so their hang watchdog
+(watchdog.py) would see no progress and fire after the startup limit while rank 0 still
+reads a checkpoint of terabytes, or one on slow storage. While it tidies and picks, rank 0
+appends a byte to `<checkpoints>/.verifying` every few seconds (`beats`; the file goes once
+the pick is done), and every rank counts its size as progress.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 from pyrecover.readahead import read_through
 
 log = logging.getLogger("pyrecover")
+
+VERIFYING = ".verifying"  # under the checkpoints root: rank 0's beats while it chooses
+BEAT_S = 5.0  # far below any startup limit; first beat after it, so a quick pick writes none
 
 
 class NotReadableHere(RuntimeError):
@@ -138,7 +147,12 @@ def choose_in_background(root: Path, on_event: Callable[..., Any]) -> Future:
     Where the pick needed no checksum pass (the same job wrote it: trust.py), nothing has read
     it yet; a vanilla file, which every rank's restore reads whole, is then read once into the
     page cache after the future is set, so the restore does not wait on storage."""
-    tidy(root, on_event)
+    beating = _Beats(root / VERIFYING, BEAT_S).start()
+    try:
+        tidy(root, on_event)
+    except BaseException:
+        beating.stop()
+        raise
     future: Future = Future()
 
     def work() -> None:
@@ -148,6 +162,8 @@ def choose_in_background(root: Path, on_event: Callable[..., Any]) -> Future:
         except BaseException as exc:  # handed to the thread that waits for it
             future.set_exception(exc)
             return
+        finally:
+            beating.stop()
         choice.seconds = time.perf_counter() - started
         future.set_result(choice)
         ckpt = choice.found
@@ -157,6 +173,46 @@ def choose_in_background(root: Path, on_event: Callable[..., Any]) -> Future:
 
     threading.Thread(target=work, name="pyrecover-choose", daemon=True).start()
     return future
+
+
+def beats(root: Path) -> int:
+    """beats is how many beats rank 0's choice has given under the checkpoints root `root`
+    (0: none, or it is done): a waiting rank's sign of progress (train.py's watchdog)."""
+    try:
+        return os.stat(root / VERIFYING).st_size
+    except OSError:
+        return 0
+
+
+class _Beats:
+    """_Beats appends one byte to `path` every BEAT_S seconds from `start` until `stop`, which
+    removes the file. A beat that cannot be written (read-only or full storage) is skipped:
+    the beats only keep the other ranks' watchdogs from firing too early."""
+
+    def __init__(self, path: Path, every: float) -> None:
+        self.path, self.every = path, every
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="pyrecover-beats", daemon=True)
+
+    def start(self) -> _Beats:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.every):
+            try:
+                with open(self.path, "ab") as f:
+                    f.write(b".")
+            except OSError:
+                pass
 
 
 def resume_newest(manager: Any, accept: Callable[[Restored], Any],

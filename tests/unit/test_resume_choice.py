@@ -143,3 +143,52 @@ def test_a_resume_that_restores_nothing_puts_back_the_optimizer_and_the_weights_
         else:  # left as the last restore made them (step 2's): the caller initializes them
             assert not same_weights(other.parts.model, saved.parts.model)
             assert same_weights(other.parts.model, build_state(400_000, seed=0).parts.model)
+
+
+def test_a_rank_waiting_for_a_long_choice_sees_rank_0s_beats_as_progress(tmp_path, monkeypatch):
+    """A checkpoint of terabytes, or one on slow storage, keeps rank 0 checksumming for longer
+    than the startup limit while the other ranks wait for its choice, reading nothing: they
+    count rank 0's beats (train.py's watchdog progress) and do not fire until the beats stop.
+    The slow pass is the stand-in here (a pick that waits for the test); the time the
+    watchdog sees is a fake clock, ten seconds per beat."""
+    from pyrecover.watchdog import Rule, Watchdog
+
+    run = saved_run(tmp_path, flip=False)
+    root = run.checkpoints
+    release, real_pick = threading.Event(), resume.pick
+    monkeypatch.setattr(resume, "pick", lambda *a: (release.wait(120), real_pick(*a))[1])
+    monkeypatch.setattr(resume, "BEAT_S", 0.01)
+    now = [1000.0]
+    waiting = Watchdog(Rule(fixed=5, startup=60), rank=1, clock=lambda: now[0],
+                       progress=lambda: resume.beats(root))
+    waiting.phase("load")
+    chosen = resume.choose_in_background(root, run.event)
+    for _ in range(20):  # 200 s of the fake clock, more than three startup limits
+        seen = resume.beats(root)
+        assert wait_for(lambda: resume.beats(root) > seen)  # noqa: B023 (read at once)
+        now[0] += 10
+        assert waiting.check() is None
+    release.set()
+    assert chosen.result(timeout=60).found.step == 4
+    assert not (root / resume.VERIFYING).exists() and resume.beats(root) == 0
+    assert waiting.check() is None  # (the file's going is the last sign)
+    now[0] += 61  # no beats any more: the wait is a hang again after the startup limit
+    assert waiting.check().phase == "load"
+
+
+def test_a_quick_choice_leaves_no_beats_behind(tmp_path):
+    run = saved_run(tmp_path, flip=False)
+    assert resume.choose_in_background(run.checkpoints, run.event).result(timeout=60).found
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-2", "step-4"]
+
+
+def wait_for(condition, seconds: float = 60.0) -> bool:
+    """wait_for polls `condition` until it holds (True) or `seconds` pass (False)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
