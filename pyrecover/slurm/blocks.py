@@ -217,19 +217,25 @@ usable_nodes() {
         -p "${SLURM_JOB_PARTITION:-}" 2>/dev/null |
         awk '$2 !~ /drain|fail|maint/ { print $1 }' | sort -u
 }
-# exclusion_for_requeue prints the run's bad nodes, comma-separated, for the requeued job
-# to exclude: none where too few usable nodes of the partition would be left for it to start.
+# exclusion_for_requeue prints the nodes the requeued job excludes, comma-separated: the
+# profile's own (SITE_EXCLUDE, its sbatch_extra --exclude, which the update replaces) and the
+# run's bad nodes, these only where enough usable nodes of the partition are left to start.
 exclusion_for_requeue() {
     local list left
     list=$(bad_nodes | paste -sd, -)
     [ -n "$list" ] || return 0
-    left=$(usable_nodes | grep -cvxF -f <(bad_nodes))
+    left=$(usable_nodes | grep -cvxF -f <(bad_nodes; site_excluded))
     if [ "${left:-0}" -lt $((NODES + SPARES)) ]; then
         echo "pyrecover: not excluding $list from the requeued job: only ${left:-0} other" \
             "usable nodes in its partition, it needs $((NODES + SPARES))" >&2
-        return 0
+        list=""
     fi
-    echo "$list"
+    list="$SITE_EXCLUDE${SITE_EXCLUDE:+${list:+,}}$list"
+    [ -z "$list" ] || echo "$list"
+}
+# site_excluded prints the nodes of SITE_EXCLUDE (a SLURM hostlist), one per line.
+site_excluded() {
+    [ -z "$SITE_EXCLUDE" ] || scontrol show hostnames "$SITE_EXCLUDE" 2>/dev/null
 }
 # exclude_on_requeue sets the requeued job's excluded nodes. SLURM refuses that for a
 # running job but takes it once `scontrol requeue` has ended this one (whose SIGTERM the

@@ -205,6 +205,14 @@ def sbatch_options(spec: JobSpec) -> dict[str, str | int | None]:
     return own | dict(extra.parse(item) for item in spec.sbatch_extra)
 
 
+def site_exclude(options: dict[str, str | int | None]) -> str:
+    """site_exclude is the nodes the profile's sbatch_extra excludes (`--exclude=LIST`, or the
+    abbreviation `--exclud`), '' for none: the job script sets the requeued job's excluded
+    nodes itself (its bad nodes), which replaces the list sbatch took, so it adds these."""
+    value = options.get("exclude", options.get("exclud"))
+    return "" if value is None else str(value)
+
+
 def step_lines(spec: JobSpec) -> list[list[Word]]:
     """step_lines is the step's command in readable pieces: srun, the container, the trainer."""
     train: list[Word] = ["train", "--config", task_path(spec, "run.yaml")]
@@ -283,6 +291,7 @@ def render(spec: JobSpec) -> str:
         f"STOP_SIGNAL={shlex.quote(spec.stop_signal)}",
         f"EVENTS={_word(task_path(spec, 'events.jsonl'))}",
         f"BAD_NODES={_word(task_path(spec, 'bad-nodes'))}",
+        f"SITE_EXCLUDE={shlex.quote(site_exclude(options))}  # sbatch_extra's: kept on requeues",
         f"JOB_LOG={_word(task_path(spec, 'logs'))}/\"$SLURM_JOB_ID\".out",
         "",
         SCRIPT_BLOCK if spec.array is None else _array_requeue(SCRIPT_BLOCK),

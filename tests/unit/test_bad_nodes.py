@@ -11,6 +11,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
 from helpers import pyrecover
 from sbatch_support import TINY_SETS, spec_for
 
@@ -24,15 +25,18 @@ HEALTH_FAIL = {"event": "health", "time": 5.0, "ok": False, "rank": 1, "node": "
 
 def run_job(tmp_path: Path, steps: list[str], spares: int = 0, nodes: str = "node1 node2",
             partition: str = "node1 node2 node3", bad_nodes: str = "",
-            env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
+            env: dict[str, str] | None = None, extra: tuple[str, ...] = (),
+            hostlists: dict[str, str] | None = None
+            ) -> tuple[subprocess.CompletedProcess, Path]:
     """Run the rendered script (2 training nodes, `spares` more) where the allocation is
     `nodes`, the partition's nodes that can run jobs are `partition` (NAME or NAME:STATE,
     idle by default) and the run's bad-nodes file holds `bad_nodes`; the k-th srun runs
     `steps[k]` (bash, with $EVENTS set) for its effect and exit code. stderr goes to the
-    job's log as under SLURM. `env` adds to the job's environment. Returns (the run, the
-    run dir)."""
+    job's log as under SLURM. `env` adds to the job's environment, `extra` is the profile's
+    sbatch_extra and `hostlists` what `scontrol show hostnames` makes of other lists than the
+    job's (space-separated). Returns (the run, the run dir)."""
     spec = spec_for("none", sets=[*TINY_SETS, f"run.storage={tmp_path / 'store'}"],
-                    spare_nodes=spares)
+                    spare_nodes=spares, sbatch_extra=extra)
     run = spec.run.root
     (run / "logs").mkdir(parents=True)
     if bad_nodes:
@@ -47,8 +51,11 @@ def run_job(tmp_path: Path, steps: list[str], spares: int = 0, nodes: str = "nod
                 f"echo $((n + 1)) > {q(str(calls))}\n"
                 f"printf '%s\\n' \"$*\" >> {q(str(tmp_path / 'srun.argv'))}\n"
                 f"source {q(str(tmp_path))}/step$n.sh\n",
-        "scontrol": f"case $1 in\n show) printf '%s\\n' {nodes} ;;\n"
-                    f" *) echo \"$*\" >> {q(str(tmp_path / 'scontrol.calls'))} ;;\nesac\n",
+        "scontrol": "case $1 in\n" + "".join(
+            f" show) [ \"$3\" = {q(k)} ] && {{ printf '%s\\n' {v}; exit; }} ;;&\n"
+            for k, v in (hostlists or {}).items())
+            + f" show) printf '%s\\n' {nodes} ;;\n"
+            f" *) echo \"$*\" >> {q(str(tmp_path / 'scontrol.calls'))} ;;\nesac\n",
         "sinfo": f"for n in {partition}; do state=${{n#*:}}; [ \"$state\" != \"$n\" ] || "
                  "state=idle; echo \"${n%%:*} $state\"; done\n",
         "squeue": "exit 0\n",
@@ -170,6 +177,24 @@ def test_a_node_is_not_excluded_where_the_partition_would_be_too_small_for_the_j
     assert "not excluding node2 from the requeued job: only 1 other usable nodes" in (
         run / "logs" / "123.out").read_text()
     assert lines(run / "bad-nodes")  # still known: later steps avoid it where they can
+
+
+@pytest.mark.parametrize("partition, excluded", [
+    ("node1 node2 node3 node7 node8", "node[7-8],node2"),
+    ("node1 node2 node7 node8", "node[7-8]"),  # node2's exclusion would leave one node for 2
+])
+def test_the_profiles_own_excluded_nodes_stay_excluded_on_every_requeue(tmp_path, partition,
+                                                                       excluded):
+    # The requeued job's ExcNodeList replaces what sbatch took from the profile's
+    # sbatch_extra, so the script adds those nodes itself, and they are no room for the job.
+    fail = f"echo {shlex.quote(json.dumps(HEALTH_FAIL))} >> \"$EVENTS\"\nexit 77\n"
+    done, run = run_job(tmp_path, [fail], partition=partition, extra=("--exclude=node[7-8]",),
+                        hostlists={"node[7-8]": "node7 node8"})
+    assert done.returncode == 77
+    assert lines(tmp_path / "scontrol.calls") == ["requeue 123",
+                                                  f"update JobId=123 ExcNodeList={excluded}"]
+    script = (tmp_path / "job.sbatch").read_text()
+    assert "#SBATCH --exclude='node[7-8]'" in script and "SITE_EXCLUDE='node[7-8]'" in script
 
 
 def test_drained_and_failing_nodes_do_not_count_as_room_for_the_requeued_job(tmp_path):
