@@ -29,3 +29,24 @@ def test_a_packed_rng_state_unpacks_to_the_captured_one_and_restores_the_same_st
 def test_pack_into_a_buffer_too_small_says_how_much_room_it_needs():
     with pytest.raises(ValueError, match="takes .* bytes; room for 16"):
         rng.pack_into(rng.capture(), torch.zeros(16, dtype=torch.uint8))
+
+
+def test_the_saved_cuda_stream_is_the_own_devices_on_any_gpu_layout(monkeypatch):
+    """A checkpoint holds the CUDA generator of the rank's own device (one state); earlier
+    ones held every device of the node, and restoring them all on a node with fewer GPUs
+    (8 a node before, 4 now, or one visible GPU per task) raised on every requeue."""
+    states = [torch.full((16,), d, dtype=torch.uint8) for d in range(8)]
+    assert rng.own_cuda_state(states[:1], device=3) is states[0]  # this version's one state
+    assert rng.own_cuda_state(states, device=5) is states[5]  # an earlier version's, same layout
+    assert rng.own_cuda_state(states, device=9) is None  # ... another layout: none to restore
+    # restore() on one device of 8 saved ones: only its own state is set (torch's
+    # set_rng_state_all indexed a generator per saved state), the others as before.
+    state = rng.capture() | {"cuda": states}
+    want = torch.rand(2)
+    torch.manual_seed(0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    restored: list[torch.Tensor] = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
+    rng.restore(state)
+    assert restored == [states[0]] and torch.equal(torch.rand(2), want)
