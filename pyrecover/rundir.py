@@ -157,18 +157,23 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """read_jsonl yields each complete record; a torn or garbled line is skipped."""
+def read_jsonl(path: Path, bad: list[int] | None = None) -> Iterator[dict[str, Any]]:
+    """read_jsonl yields each complete record; a torn or garbled line, or one that is not a
+    JSON object, is skipped and counted in `bad[0]` where given (not a last line without its
+    newline: a record still being written). A line nested too deeply for Python's parser is
+    garbled too: it must not stop a resuming trainer, whose job would requeue into it."""
     if not path.is_file():
         return
     with path.open("rb") as f:
         for raw in f:
             try:
                 record = json.loads(raw)
-            except ValueError:
-                continue
+            except (ValueError, RecursionError):
+                record = None
             if isinstance(record, dict):
                 yield record
+            elif bad is not None and raw.endswith(b"\n"):
+                bad[0] += 1
 
 
 # flock's errors where a file system has no locks at all (not "someone holds it").

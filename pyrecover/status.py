@@ -73,8 +73,9 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
     if problem:
         raise StatusError(problem)
     now = time.time() if now is None else now
-    events, skipped_events = _well_formed(read_jsonl(run.events), needs_time=True)
-    metrics, skipped_metrics = _well_formed(read_jsonl(run.metrics), needs_time=False)
+    garbled = [0]  # lines that are no JSON object at all
+    events, skipped_events = _well_formed(read_jsonl(run.events, garbled), needs_time=True)
+    metrics, skipped_metrics = _well_formed(read_jsonl(run.metrics, garbled), needs_time=False)
     starts = [e for e in events if e.get("event") in ("start", "resume")]
     step = max([int(m.get("step", 0)) for m in metrics] +
                [int(e.get("step", 0)) for e in events if "step" in e], default=0)
@@ -113,7 +114,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
         interruption=phases.last_interruption(events),
         ledger=ledger_mod.ledger(events, metrics, [ledger_mod.JobTimes(*t) for t in (
             sacct(job_id) if (sacct and job_id) else [])]).to_dict(),
-        skipped_records=skipped_events + skipped_metrics,
+        skipped_records=skipped_events + skipped_metrics + garbled[0],
         excluded_nodes=read_bad_nodes(run),
         profile=next(({k: v for k, v in e.items() if k not in ("event", "host")}
                       for e in reversed(events) if e.get("event") == "profile"), None),

@@ -284,7 +284,7 @@ class Tracker:
         for line in complete.splitlines():
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # (nested too deeply to parse)
                 continue
             if isinstance(record, dict):
                 out.append(record)

@@ -340,7 +340,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{folder}: no {MANIFEST} (the save never committed)")
     try:
         manifest = json.loads(mpath.read_text())
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise CheckpointError(f"{mpath}: not valid JSON") from None
     if problem := _structure_problem(manifest, folder):
         raise CheckpointError(f"{mpath}: {problem}")

@@ -45,6 +45,30 @@ def test_a_record_with_a_value_of_the_wrong_type_is_left_out_and_counted(tmp_pat
     assert "skipped     2 records" in status.render(s)
 
 
+def test_lines_that_are_no_record_at_all_are_counted_and_never_stop_status_or_a_resume(
+        tmp_path):
+    """Garbage, a torn line, a JSON value that is no object, and one nested too deeply for
+    Python's parser (a RecursionError, which a resuming trainer's read of events.jsonl hit on
+    every requeue): each is left out and counted; a last line without its newline is a
+    record still being written, left out but not counted."""
+    from pyrecover.checkpoint import interval
+
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    _a_real_history(run)
+    clean = status.read(run.root)
+    deep = "[" * 200_000 + "]" * 200_000
+    with run.events.open("a") as f:
+        f.write(f'garbage\n{{"event": "stop", "ti\n[1, 2]\n{deep}\n')
+    with run.metrics.open("a") as f:
+        f.write(f'{deep}\n{{"step": 16, "loss"')  # the last line: still being written
+    s = status.read(run.root)
+    assert s.skipped_records == 5
+    assert (s.starts, s.checkpoint_seconds) == (clean.starts, clean.checkpoint_seconds)
+    assert "skipped     5 records" in status.render(s)
+    interval.for_config("auto", 1.0, 100, list(run.read_events()))  # what a resume reads
+
+
 def test_status_never_fails_on_any_field_of_any_record_set_to_any_json_value(tmp_path):
     """Property: replace one field of one record with a hostile value, 300 times over every
     record and field; status reads and renders each time, leaving out at most that record."""
