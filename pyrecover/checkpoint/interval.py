@@ -22,6 +22,8 @@ from typing import Any
 MIN_SECONDS = 10.0  # never save more often: each save also costs storage bandwidth and churn
 MAX_SECONDS = 6 * 3600.0  # never risk more than this much recomputation
 FIRST_STEPS = 20  # before any save was measured: save soon, to measure one
+# Records written between two attempts (the job script's, a start's phases before it trains).
+BETWEEN_ATTEMPTS = frozenset({"phase", "requeue", "no_requeue", "restart_in_job"})
 
 
 def young_daly_seconds(stall_s: float, mtbf_s: float) -> float:
@@ -48,11 +50,17 @@ def failures_seen(events: Iterable[dict[str, Any]]) -> tuple[float, int]:
 
     A failure is a crash, a preemption (SIGTERM) or an attempt that ended with no record at
     all (killed); a stop for the time limit (the deadline or the warning signal) is planned
-    and is not one.
+    and is not one. Every attempt in `events` is over (a start reads them before it writes its
+    own `start` or `resume`), the last one too: its failure counts at once. An attempt's
+    time runs from its start to its last record of training; what the job script and the
+    next start record after it (requeue decisions, start-up phases) is time between
+    attempts, not observed training.
     """
     observed, failures, began, last, ended_well = 0.0, 0, None, None, True
     for e in events:
         kind, at = e.get("event"), float(e.get("time", 0.0))
+        if kind in BETWEEN_ATTEMPTS:
+            continue
         if kind in ("start", "resume"):
             if began is not None and last is not None:
                 observed += last - began
@@ -65,6 +73,7 @@ def failures_seen(events: Iterable[dict[str, Any]]) -> tuple[float, int]:
         last = at
     if began is not None and last is not None:
         observed += last - began
+        failures += not ended_well
     return observed, failures
 
 

@@ -63,6 +63,25 @@ def test_crashes_preemptions_and_kills_are_failures_and_planned_stops_are_not():
     assert failures == 3 and observed == 100 + 5 * 90
 
 
+@pytest.mark.parametrize("end, failures", [
+    ({"event": "crash", "time": 200}, 1),
+    ({"event": "checkpoint", "time": 200}, 1),  # then killed: no record of its end
+    ({"event": "stop", "time": 200, "reason": "SIGTERM"}, 1),  # preempted
+    ({"event": "stop", "time": 200, "reason": "deadline"}, 0),
+])
+def test_the_attempt_just_ended_counts_at_once_and_the_gap_after_it_is_not_training(end,
+                                                                                    failures):
+    # What a resume reads: the attempt before it, then the job script's requeue and the new
+    # start's phases. Its first failure shortened nothing before (it waited for one more).
+    events = [{"event": "start", "time": 0}, end,
+              {"event": "requeue", "time": 230, "exit_code": 1},
+              {"event": "phase", "time": 300, "phase": "process_start"},
+              {"event": "phase", "time": 303, "phase": "imports_done"}]
+    assert iv.failures_seen(events) == (200.0, failures)
+    steps, auto = iv.for_config("auto", 4.0, 1000, events)
+    assert auto.mtbf_s == pytest.approx((4 * HOUR + 200) / (1 + failures))
+
+
 def test_the_tracker_waits_for_slow_saves_to_age_before_shortening():
     auto = iv.AutoInterval(mtbf_s=24 * HOUR, max_steps=10**6)
     auto.observe_step(1.0)
