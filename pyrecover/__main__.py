@@ -7,6 +7,9 @@ import sys
 # The trainer turns it back on once the optimizer is built (startup.end_startup_imports).
 if sys.argv[1:2] == ["train"]:
     gc.disable()
+    from pyrecover import preempt  # the standard library only
+
+    preempt.catch_early()  # a stop signal during start-up is a clean stop (preempt.py)
 
 from pyrecover.cli import main  # noqa: E402
 

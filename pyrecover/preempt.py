@@ -77,6 +77,50 @@ class StopFlag:
         return signal.Signals(self.signum).name if self.signum is not None else None
 
 
+# Caught from the first moment of `pyrecover train` (catch_early): SLURM's and torchrun's
+# stop signals, whose default action ends the process. Not SIGINT: Ctrl-C stays immediate.
+EARLY_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM")
+_early: StopFlag | None = None
+
+
+def catch_early() -> None:
+    """catch_early records the stop signals from the start of a trainer's process (before its
+    imports, its data and its health check: seconds), so a preemption during start-up is a
+    clean stop at the first step and not a death by the signal, which the job script counts
+    as a failure. `take_over` hands what it caught to the run's flag. Idempotent."""
+    global _early
+    if _early is None:
+        _early = StopFlag().install(EARLY_SIGNALS)
+
+
+def take_over(signals: tuple[str, ...]) -> StopFlag:
+    """take_over installs the run's flag for `signals` and ends catch_early's: a signal it
+    caught that is one of `signals` is the run's; one that is not is delivered again with the
+    handler it had before, as if never caught (USR1 for a run that stops on USR2 still ends
+    it, as it always did)."""
+    global _early
+    flag = StopFlag().install(signals)
+    early, _early = _early, None
+    if early is None:
+        return flag
+    for sig, old in early._old.items():
+        if sig in flag._old:
+            flag._old[sig] = old  # uninstall restores what was there before either
+        else:
+            signal.signal(sig, old)  # type: ignore[arg-type]
+    if early.signum is not None:
+        if early.signum in flag._old:
+            flag.signum, flag.received_at = early.signum, early.received_at
+        else:
+            os.kill(os.getpid(), early.signum)
+    return flag
+
+
+def caught_early() -> int | None:
+    """caught_early is the signal catch_early caught so far (None: none, or not catching)."""
+    return _early.signum if _early is not None else None
+
+
 def job_end_time(environ: Mapping[str, str]) -> float | None:
     """job_end_time is when the allocation ends (epoch seconds), if anyone told us.
 

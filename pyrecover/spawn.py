@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pyrecover import preempt
 from pyrecover.dist import SPAWNED, DistEnv, DistError
 
 # Where free_port looks first: below the kernel's ephemeral range, whose ports every outgoing
@@ -79,18 +80,31 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
     procs = [subprocess.Popen(list(argv), env={**environ, **worker})
              for worker in worker_envs(parent, nproc)]
 
+    held: list[tuple[subprocess.Popen, int]] = []  # for workers not catching signals yet
+
     def forward(signum, _frame):
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signum)
+                if catching(p.pid):
+                    p.send_signal(signum)
+                else:  # its default action would end a worker still starting: held back
+                    held.append((p, signum))
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
                                                   signal.SIGINT)}
+    early = preempt.caught_early()  # caught by this launcher before it could forward
+    if early is not None:
+        forward(early, None)
     try:
         failures: list[int] = []  # in the order they were seen, none that was stopped here
         counted: set[int] = set()
         deadline, stopped = None, False
         while None in [p.poll() for p in procs]:
+            for p, signum in list(held):
+                if p.poll() is not None or catching(p.pid):
+                    held.remove((p, signum))
+                    if p.poll() is None:
+                        p.send_signal(signum)
             if not stopped:
                 for i, p in enumerate(procs):
                     if p.returncode not in (None, 0) and i not in counted:
@@ -110,6 +124,19 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
         _stop_all(procs)
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def catching(pid: int) -> bool:
+    """catching tells whether process `pid` handles SIGTERM itself yet (its SigCgt mask in
+    /proc): a trainer does from its first moment (preempt.catch_early), so a stop signal sent
+    after that is a clean stop, and one sent before would end it. True where /proc cannot
+    tell (it has no such file or field)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f if b":" in line)
+        return bool(int(fields[b"SigCgt"].strip(), 16) >> (signal.SIGTERM - 1) & 1)
+    except (OSError, KeyError, ValueError):
+        return True
 
 
 # A rank that found another one gone (1), or stopped cleanly (75), names no cause of its own.

@@ -109,8 +109,8 @@ def main(cfg: Config, run_dir: Path) -> None:
     # Issue 15: a bad node is found here, in seconds, and excluded by the job script.
     checks = cfg.run.health_check
     health_s = health.before_group(cfg, env, run, kind, node_name()) if checks else 0.0
-    # Installed before the slow parts, so a signal during start-up is not lost either.
-    flag = preempt.StopFlag().install((cfg.run.stop_signal, "SIGTERM"))
+    # The process caught stop signals from its first moment (preempt.catch_early).
+    flag = preempt.take_over((cfg.run.stop_signal, "SIGTERM"))  # and what came before
     # Issue 14: the hang watchdog; torch's own timeout is set above its limits (backstop).
     rule = watchdog.rule_from(cfg.run.hang_timeout, cfg.run.hang_startup_timeout)
     device = dist.setup(env, kind, timeout_s=watchdog.backstop_seconds(rule))

@@ -59,6 +59,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main() -> None:
     if sys.argv[1:2] == ["train"]:  # what restarts; not `launch`, whose job would inherit it
+        from pyrecover import preempt
+
+        preempt.catch_early()  # (done already where `python -m pyrecover` started it)
         startup.use_bytecode_cache()  # before torch is imported (startup.py)
     try:
         _main()

@@ -86,6 +86,35 @@ def test_a_stop_signal_saves_exits_75_and_the_resumed_run_is_bitwise(tmp_path, c
     assert report["steps_lost"] == 0 and report["last_checkpoint"]["step"] == 200
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_stop_signal_during_start_up_is_a_clean_stop_at_the_first_step(tmp_path, corpus,
+                                                                          nproc):
+    """A preemption while the trainer still starts (imports, data, health check: seconds on
+    a GPU node) ended it by the signal's default action (exit 140), which the job script
+    counts as a failure, with no record. The signal goes to the process as soon as it
+    catches it; under --nproc that is the launcher, before its workers exist, which hands
+    it on once each worker catches it."""
+    from pyrecover.spawn import catching
+
+    argv = ["train", *(["--nproc", "2"] if nproc > 1 else []),
+            *tiny_args(tmp_path, corpus, "run", *LONG)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "pyrecover", *argv], env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not catching(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    os.kill(proc.pid, signal.SIGUSR2)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_STOPPED, err
+    events = list(read_jsonl(tmp_path / "run" / "events.jsonl"))
+    assert not [e for e in events if e["event"] == "start"][1:]  # it started once
+    (stop,) = [e for e in events if e["event"] == "stop"]
+    assert stop["reason"] == "SIGUSR2" and stop["step"] == 1
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [1]
+
+
 def test_a_run_stops_on_its_own_before_the_job_ends_when_no_signal_comes(tmp_path, corpus):
     # No signal at all: only the end time the job script would pass in.
     end = time.time() + 30

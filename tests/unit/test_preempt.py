@@ -63,3 +63,37 @@ def test_one_slow_step_is_forgotten_slowly_not_at_once():
     for _ in range(10):
         d.observe(1.0)
     assert 1.0 < d.step_s < 10.0
+
+
+def test_a_signal_caught_before_the_run_has_its_flag_is_the_runs_and_handlers_come_back():
+    from pyrecover import preempt
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)}
+    preempt.catch_early()
+    preempt.catch_early()  # (idempotent: the console script's entry calls it again)
+    os.kill(os.getpid(), signal.SIGUSR2)  # during the imports, the data, the health check
+    assert preempt.caught_early() == signal.SIGUSR2
+    flag = preempt.take_over(("USR2", "SIGTERM"))
+    assert flag.reason == "SIGUSR2" and flag.received_at is not None
+    assert preempt.caught_early() is None
+    assert signal.getsignal(signal.SIGUSR1) == before[signal.SIGUSR1]  # not this run's
+    flag.uninstall()
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert preempt.take_over(("USR2",)).reason is None  # nothing caught early: a plain flag
+
+
+def test_an_early_signal_the_run_does_not_stop_on_ends_it_as_it_always_did(tmp_path):
+    # A run that stops on USR2 got USR1 during start-up: the default action, once handed on.
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from pyrecover import preempt\n"
+            "preempt.catch_early()\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "print('caught', flush=True)\n"
+            "preempt.take_over(('USR2', 'SIGTERM'))\n"
+            "time.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == -signal.SIGUSR1 and done.stdout == "caught\n", done.stderr
