@@ -118,12 +118,17 @@ def ledger(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
         stall = min(training, _stall(attempt, mine, train_end)) if train_end is not None else 0.0
         causes["checkpoint_stall"] += stall + _span(agreed, saved)
         lost = 0.0
-        if i + 1 < len(runs):
-            redone = sum(int(e.get("steps_lost", 0)) for e in runs[i + 1]
-                         if e.get("event") == "resume")
+        # The next attempt that began training (one that failed during start-up did not):
+        # a resume redid the steps it names; a start from step 0 (no checkpoint survived)
+        # lost all of this attempt's training.
+        after = next((a for a in runs[i + 1:] if _first_event(a, "start", "resume")), [])
+        if _first_event(after, "resume") is not None:
+            redone = sum(int(e.get("steps_lost", 0)) for e in after if e.get("event") == "resume")
             step_times = [float(m["step_time"]) for m in mine if "step_time" in m]
             if redone and step_times:
                 lost = min(training - stall, redone * statistics.median(step_times))
+        elif _first_event(after, "start") is not None:
+            lost = training - stall
         causes["lost_work"] += lost
         causes["productive"] += training - stall - lost
         previous_end = last
@@ -133,3 +138,23 @@ def ledger(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
     return Ledger(wall_seconds=wall, causes=causes,
                   effective_share=round(causes["productive"] / wall, 4) if wall > 0 else None,
                   queue_from_slurm=bool(jobs))
+
+
+def steps_lost(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]]) -> int:
+    """steps_lost counts the steps computed and then computed again: each resume's own count
+    (its `steps_lost`: past the checkpoint it restored), and at a start from step 0 after
+    training (no checkpoint had survived) every step reached since the run last began."""
+    records = sorted([(float(e["time"]), 0, e) for e in events if "time" in e]
+                     + [(float(m["time"]), 1, m) for m in metrics if "time" in m],
+                     key=lambda r: (r[0], r[1]))
+    lost = reached = 0
+    for _, is_metric, r in records:
+        kind = None if is_metric else r.get("event")
+        if kind == "resume":
+            lost += int(r.get("steps_lost", 0))
+            reached = int(r.get("step", 0))
+        elif kind == "start":
+            lost, reached = lost + reached, 0
+        elif "step" in r and (is_metric or kind in ("checkpoint", "stop", "finish")):
+            reached = max(reached, int(r["step"]))
+    return lost

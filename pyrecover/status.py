@@ -76,13 +76,14 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
     garbled = [0]  # lines that are no JSON object at all
     events, skipped_events = _well_formed(read_jsonl(run.events, garbled), needs_time=True)
     metrics, skipped_metrics = _well_formed(read_jsonl(run.metrics, garbled), needs_time=False)
-    starts = [e for e in events if e.get("event") in ("start", "resume")]
+    runs = phases.attempts(events)  # one per process start, a start that failed included
     step = max([int(m.get("step", 0)) for m in metrics] +
                [int(e.get("step", 0)) for e in events if "step" in e], default=0)
-    causes = Counter(_cause(events, i) for i, e in enumerate(events)
-                     if e.get("event") == "resume")
+    causes = Counter(_cause(attempt) for attempt in runs[:-1])
     job_id = next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
-    last_error = next((e.get("error") for e in reversed(events)
+    began = max((i for i, e in enumerate(events) if e.get("event") in ("start", "resume")),
+                default=-1)  # an error is shown until the run starts again
+    last_error = next((e.get("error") for e in reversed(events[began + 1:])
                        if e.get("event") in ("error", "crash")), None)
     state = _state(events)
     if last_error is None and state.startswith("ended:"):
@@ -91,20 +92,19 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
                        if e.get("event") == "checkpoint")
     restore_s = sum(float(e.get("restore_seconds", 0)) for e in events
                     if e.get("event") == "resume")
-    wall = _wall_seconds(events)
     last_ckpt, invalid = _last_checkpoint(run, now)
-    lost = sum(int(e.get("steps_lost", 0)) for e in events if e.get("event") == "resume")
-    kept_step_time = _kept_step_seconds(metrics)
-    goodput = min(1.0, kept_step_time / wall) if wall > 0 and kept_step_time else None
+    book = ledger_mod.ledger(events, metrics, [ledger_mod.JobTimes(*t) for t in (
+        sacct(job_id) if (sacct and job_id) else [])])
     return Status(
         run_dir=str(run.root), exp_name=run.root.name, state=state,
         slurm_state=squeue(_slurm_name(events, job_id)) if (squeue and job_id) else None,
         job_id=job_id,
-        step=step, max_steps=_max_steps(run), starts=len(starts),
+        step=step, max_steps=_max_steps(run), starts=len(runs),
         restarts_by_cause=dict(causes), last_checkpoint=last_ckpt, invalid_checkpoints=invalid,
-        steps_lost=lost, checkpoint_seconds=round(checkpoint_s, 3),
-        restore_seconds=round(restore_s, 3), wall_seconds=round(wall, 1),
-        goodput=round(goodput, 4) if goodput is not None else None, last_error=last_error,
+        steps_lost=ledger_mod.steps_lost(events, metrics),
+        checkpoint_seconds=round(checkpoint_s, 3),
+        restore_seconds=round(restore_s, 3), wall_seconds=round(book.wall_seconds, 1),
+        goodput=book.effective_share, last_error=last_error,
         requeue_decisions=[e for e in events
                            if e.get("event") in ("requeue", "no_requeue", "restart_in_job")],
         hangs=[{k: v for k, v in e.items() if k != "stacks"} for e in events
@@ -112,8 +112,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
         stragglers=list({e.get("rank"): e for e in events
                          if e.get("event") == "straggler"}.values()),
         interruption=phases.last_interruption(events),
-        ledger=ledger_mod.ledger(events, metrics, [ledger_mod.JobTimes(*t) for t in (
-            sacct(job_id) if (sacct and job_id) else [])]).to_dict(),
+        ledger=book.to_dict(),
         skipped_records=skipped_events + skipped_metrics + garbled[0],
         excluded_nodes=read_bad_nodes(run),
         profile=next(({k: v for k, v in e.items() if k not in ("event", "host")}
@@ -171,15 +170,12 @@ def _slurm_name(events: list[dict[str, Any]], job_id: str) -> str:
     return next((str(e["array_task"]) for e in reversed(events) if e.get("array_task")), job_id)
 
 
-def _cause(events: list[dict[str, Any]], resume_index: int) -> str:
-    """_cause names why the attempt before a resume ended: a hang, its last stop, crash or
-    kill."""
-    attempt = events[:resume_index]
-    for e in reversed(attempt):
-        if e.get("event") in ("start", "resume"):
-            break
-        if e.get("event") == "hang":
-            return "hang"
+def _cause(attempt: list[dict[str, Any]]) -> str:
+    """_cause names why an attempt that another one followed ended: a hang, its stop, crash or
+    error, its finish (a finished run continued with more steps), a start that never began
+    training, or a kill that left no record."""
+    if any(e.get("event") == "hang" for e in attempt):
+        return "hang"
     for e in reversed(attempt):
         kind = e.get("event")
         if kind == "stop":
@@ -187,8 +183,12 @@ def _cause(events: list[dict[str, Any]], resume_index: int) -> str:
             return "time limit" if reason == "deadline" else f"stop ({reason})"
         if kind in ("crash", "snapshot_persisted"):
             return "crash"
-        if kind in ("start", "resume"):
-            break
+        if kind == "error":
+            return "error"
+        if kind == "finish":
+            return "continued after finishing"
+    if not any(e.get("event") in ("start", "resume") for e in attempt):
+        return "ended during start-up"
     return "killed (no record)"
 
 
@@ -229,34 +229,6 @@ def _logged_error(run: RunDir) -> str | None:
         if found:
             return found[:300]
     return None
-
-
-def _wall_seconds(events: list[dict[str, Any]]) -> float:
-    """_wall_seconds adds up each attempt's span, from its start/resume to its last record."""
-    total, begin, last = 0.0, None, None
-    for e in events:
-        t = float(e.get("time", 0))
-        if e.get("event") in ("start", "resume"):
-            if begin is not None and last is not None:
-                total += last - begin
-            begin = t
-        last = t
-    if begin is not None and last is not None:
-        total += last - begin
-    return total
-
-
-def _kept_step_seconds(metrics: list[dict[str, Any]]) -> float:
-    """_kept_step_seconds is the time of the steps whose results survived (last record wins)."""
-    by_step: dict[int, float] = {}
-    interval = 1
-    steps = sorted({int(m["step"]) for m in metrics if "step" in m})
-    if len(steps) > 1:
-        interval = min(b - a for a, b in zip(steps, steps[1:], strict=False)) or 1
-    for m in metrics:
-        if "step" in m and "step_time" in m:
-            by_step[int(m["step"])] = float(m["step_time"]) * interval
-    return sum(by_step.values())
 
 
 def _max_steps(run: RunDir) -> int | None:
@@ -302,8 +274,8 @@ def render(s: Status) -> str:
         f"lost        {s.steps_lost} steps redone after interruptions",
         f"overhead    {s.checkpoint_seconds:.1f}s checkpointing (loop blocked), "
         f"{s.restore_seconds:.1f}s restoring",
-        "goodput     " + (f"{s.goodput:.1%} of {s.wall_seconds:.0f}s wall time in kept steps"
-                          if s.goodput is not None else "n/a"),
+        "goodput     " + (f"{s.goodput:.1%} of {s.wall_seconds:.0f}s wall time in productive "
+                          "training (the ledger below)" if s.goodput is not None else "n/a"),
     ]
     for bad in s.invalid_checkpoints[:3]:
         lines.append(f"invalid     checkpoint step {bad['step']}: {bad['problem']}")

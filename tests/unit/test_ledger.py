@@ -84,3 +84,28 @@ def test_records_from_before_phase_timings_still_add_up_attempt_by_attempt():
     assert book.causes["productive"] == 10.0 + 10.0  # each attempt from its start record
     assert book.causes["remainder"] == 20.0  # stopping, requeue and the restart in between
     assert sum(book.causes.values()) == pytest.approx(40.0, abs=1e-6)
+
+
+# Attempt 1 trains steps 1-8 and is killed before its first checkpoint; attempt 2 is killed
+# while it starts (no start record); attempt 3 starts over from step 0 and trains 1-5.
+FROM_SCRATCH = [
+    ph("process_start", 0.0), {"event": "start", "time": 2.0, "step": 0}, ph("first_step", 3.0),
+    ph("process_start", 20.0), ph("imports_done", 22.0),
+    ph("process_start", 30.0), {"event": "start", "time": 32.0, "step": 0},
+    ph("first_step", 33.0), {"event": "finish", "time": 38.0, "step": 5},
+]
+SCRATCH_METRICS = ([{"time": 3.0 + s, "step": s, "step_time": 1.0} for s in range(1, 9)]
+                   + [{"time": 33.0 + s, "step": s, "step_time": 1.0} for s in range(1, 6)])
+
+
+def test_a_start_over_after_a_kill_loses_all_the_training_before_it():
+    """No checkpoint survived attempt 1, so its 8 steps are lost work and counted as redone,
+    though the restart is a `start` (from step 0), not a `resume`; the start killed in
+    between trained nothing and moves nothing."""
+    from pyrecover.ledger import steps_lost
+
+    book = ledger(FROM_SCRATCH, SCRATCH_METRICS)
+    assert book.causes["lost_work"] == 8.0 and book.causes["productive"] == 5.0
+    assert sum(book.causes.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
+    assert steps_lost(FROM_SCRATCH, SCRATCH_METRICS) == 8
+    assert steps_lost(EVENTS, METRICS) == 4  # a resume's own count

@@ -105,3 +105,44 @@ def test_a_damaged_run_yaml_leaves_out_max_steps_and_status_still_reads(tmp_path
         assert status.read(run.root).max_steps is None
     run.config.write_text("train:\n  max_steps: 40\n")
     assert status.read(run.root).max_steps == 40
+
+
+def _write(run: RunDir, events: list[dict], metrics: list[dict]) -> None:
+    run.events.write_text("".join(json.dumps(e) + "\n" for e in events))
+    run.metrics.write_text("".join(json.dumps(m) + "\n" for m in metrics))
+
+
+def test_every_start_after_the_first_is_a_restart_with_its_cause_and_its_lost_steps(tmp_path):
+    """A kill before the first checkpoint (the next start is from step 0), a start killed
+    before it trained, an error, and a finished run continued with more steps are restarts
+    too; status counts one start per process start, one wall time for goodput and the
+    ledger, and an error only until the run starts again."""
+    from test_ledger import FROM_SCRATCH, SCRATCH_METRICS
+
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    _write(run, FROM_SCRATCH, SCRATCH_METRICS)
+    s = status.read(run.root, now=100.0)
+    assert s.starts == 3 and s.steps_lost == 8
+    assert s.restarts_by_cause == {"killed (no record)": 1, "ended during start-up": 1}
+    assert s.wall_seconds == s.ledger["wall_seconds"] == 38.0
+    assert s.goodput == s.ledger["effective_share"]
+    assert "restarts 1 x ended during start-up, 1 x killed (no record)" in status.render(s)
+
+    error = {"event": "error", "time": 40.0, "rank": 0, "error": "DataError: no corpus"}
+    more = [error, ph("process_start", 50.0), {"event": "resume", "time": 52.0, "step": 5,
+                                                "steps_lost": 0}, ph("first_step", 53.0)]
+    _write(run, [*FROM_SCRATCH, error], SCRATCH_METRICS)
+    assert status.read(run.root, now=100.0).last_error == "DataError: no corpus"
+    _write(run, [*FROM_SCRATCH, *more], SCRATCH_METRICS)
+    s = status.read(run.root, now=100.0)
+    assert s.last_error is None  # it started again
+    assert s.restarts_by_cause == {"killed (no record)": 1, "ended during start-up": 1,
+                                   "error": 1}
+    _write(run, FROM_SCRATCH + more[1:], SCRATCH_METRICS)
+    assert status.read(run.root, now=100.0).restarts_by_cause[
+        "continued after finishing"] == 1  # max_steps raised after it finished
+
+
+def ph(name: str, at: float) -> dict:
+    return {"event": "phase", "phase": name, "time": at}
