@@ -6,6 +6,7 @@ Imports no torch, so rendering a job script stays light.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 from pyrecover import batch
@@ -35,9 +36,11 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None) -> None:
     """prepare_run_dir creates the run directory and records or checks `run.yaml`.
 
     A restart whose config changes what the run computes (model, data, seed, global batch) is
-    refused; limits such as train.max_steps may change. `note` says how an `auto` global
-    batch was resolved; it goes into a new run.yaml as a comment.
+    refused; limits such as train.max_steps may change, and run.yaml then records the new
+    ones (what `status` and a requeued job read). `note` says how an `auto` global batch was
+    resolved; it goes into run.yaml as a comment (a restart without one keeps the old).
     """
+    old = None
     if run.config.is_file():
         try:
             old = config_mod.load(run.config)
@@ -49,8 +52,18 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None) -> None:
                 f"{run.root} was started with another config ({'; '.join(changed)}); "
                 "use a new run.exp_name or --run-dir, or restore the old values")
     run.create()
-    if not run.config.is_file():
+    if old is None:
         write_config(cfg, run, note)
+        return
+    # A path given relative here and absolute there (a job's run.yaml) is kept as recorded.
+    same = (os.path.realpath(old.data.path) == os.path.realpath(cfg.data.path),
+            os.path.realpath(old.run.storage) == os.path.realpath(cfg.run.storage))
+    cfg = dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, path=old.data.path if same[0] else cfg.data.path),
+        run=dataclasses.replace(cfg.run, storage=old.run.storage if same[1] else cfg.run.storage))
+    if config_mod.to_dict(old) != config_mod.to_dict(cfg):
+        head = run.config.read_text().split("\n", 1)[0]
+        write_config(cfg, run, note or (head[2:] if head.startswith("# ") else None))
 
 
 def write_config(cfg: Config, run: RunDir, note: str | None = None) -> None:

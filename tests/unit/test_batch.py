@@ -70,3 +70,25 @@ def test_the_defaults_run_at_any_world_size_and_run_yaml_records_what_was_chosen
     assert resolve_for_run(cfg, 4)[0].train.global_batch_size == 64
     with pytest.raises(ConfigError, match="keeps its global batch"):
         resolve_for_run(cfg, 3)
+
+
+def test_a_restart_with_new_limits_records_them_and_keeps_the_rest_as_recorded(tmp_path,
+                                                                             monkeypatch):
+    """Raising train.max_steps to continue a finished run (as the README says to) left the
+    old limit in run.yaml, so status showed `step 70 of 60`; a path given relative now and
+    absolute before, and the note of an `auto` batch, stay as recorded."""
+    cfg = config.load(None, [f"run.storage={tmp_path}", "train.max_steps=60"])
+    resolved, note = resolve_for_run(cfg, 8)
+    run = RunDir(resolved.run_dir())
+    prepare_run_dir(resolved, run, note)
+    first = run.config.read_text()
+    prepare_run_dir(resolved, run, None)  # the same again: run.yaml untouched
+    assert run.config.read_text() == first
+    monkeypatch.chdir(tmp_path)
+    more, _ = resolve_for_run(config.load(None, ["run.storage=.", "train.max_steps=70"]), 8)
+    prepare_run_dir(more, run, None)
+    text = run.config.read_text()
+    recorded = config.load(run.config)
+    assert recorded.train.max_steps == 70 and recorded.run.storage == str(tmp_path)
+    assert text.splitlines()[0] == first.splitlines()[0] and text.startswith("# train.")
+    assert text.replace("max_steps: 70", "max_steps: 60") == first
