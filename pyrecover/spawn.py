@@ -82,6 +82,11 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
 
     held: list[tuple[subprocess.Popen, int]] = []  # for workers not catching signals yet
 
+    def name(i: int, p: subprocess.Popen) -> None:
+        if p.returncode not in NO_CAUSE:  # a rank that found a peer gone only says so
+            print(f"pyrecover: rank {parent.node_rank * nproc + i} (pid {p.pid}) "
+                  f"{ended(p.returncode)}", file=sys.stderr, flush=True)
+
     def forward(signum, _frame):
         for p in procs:
             if p.poll() is None:
@@ -110,6 +115,7 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                     if p.returncode not in (None, 0) and i not in counted:
                         counted.add(i)
                         failures.append(p.returncode)
+                        name(i, p)
                 if failures and deadline is None:
                     deadline = time.monotonic() + grace_s
                 if deadline is not None and time.monotonic() > deadline:
@@ -117,13 +123,25 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                     stopped = True
             time.sleep(0.05)
         if not stopped:
-            failures += [p.returncode for i, p in enumerate(procs)
-                         if p.returncode != 0 and i not in counted]
+            for i, p in enumerate(procs):
+                if p.returncode != 0 and i not in counted:
+                    failures.append(p.returncode)
+                    name(i, p)
         return exit_status(cause(failures))
     finally:
         _stop_all(procs)
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def ended(code: int) -> str:
+    """ended says how a worker ended, from its return code (-N: killed by signal N)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def catching(pid: int) -> bool:

@@ -18,6 +18,8 @@ def test_a_killed_worker_ends_the_task_with_a_crash_code_and_no_stop(tmp_path, c
         "PYRECOVER_KILL_AT_STEP": "3", "PYRECOVER_KILL_RANK": "1",
         "PYRECOVER_KILL_TARGET": "self"})
     assert done.returncode in (1, 128 + 9), done.stderr[-3000:]
+    # The dead rank is named; its peer's own error only says the connection closed.
+    assert "pyrecover: rank 1 (pid " in done.stderr and ") was killed by SIGKILL" in done.stderr
     kinds = [e["event"] for e in read_jsonl(tmp_path / "crash" / "events.jsonl")]
     assert "stop" not in kinds and "finish" not in kinds
 
