@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,13 +49,22 @@ def parse_signal(name: str) -> signal.Signals:
         raise ValueError(f"unknown signal {name!r}") from None
 
 
+INT_AGAIN_S = 1.0  # a second SIGINT sooner is the same Ctrl-C (reaching a process twice)
+CTRL_C = ("pyrecover: Ctrl-C: stopping after this step with a checkpoint; Ctrl-C again to quit "
+          "at once without one")
+
+
 @dataclass
 class StopFlag:
-    """Set by a signal handler; read at step boundaries. Never does work in the handler."""
+    """Set by a signal handler; read at step boundaries. Never does work in the handler, but
+    for Ctrl-C: the first SIGINT is a stop like the others (said on the terminal where
+    `announce`), a second one (INT_AGAIN_S later) raises KeyboardInterrupt, as Python's own
+    handler would: the user wants out now."""
 
     signum: int | None = None
     received_at: float | None = None
     agreed_at: float | None = None  # when the ranks agreed to stop (set by Stopper.check)
+    announce: bool = False
     _old: dict[int, object] = field(default_factory=dict)
 
     def install(self, signals: tuple[str, ...] = DEFAULT_SIGNALS) -> StopFlag:
@@ -64,8 +74,14 @@ class StopFlag:
         return self
 
     def _handle(self, signum, _frame) -> None:
+        now = time.time()
         if self.signum is None:
-            self.signum, self.received_at = signum, time.time()
+            self.signum, self.received_at = signum, now
+            if signum == signal.SIGINT and self.announce:
+                print(f"\n{CTRL_C}", file=sys.stderr, flush=True)
+        elif signum == signal.SIGINT and not (
+                self.signum == signal.SIGINT and now - (self.received_at or now) < INT_AGAIN_S):
+            raise KeyboardInterrupt
 
     def uninstall(self) -> None:
         for sig, old in self._old.items():

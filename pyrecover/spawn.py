@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import socket
@@ -88,6 +89,9 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                   f"{ended(p.returncode)}", file=sys.stderr, flush=True)
 
     def forward(signum, _frame):
+        if signum == signal.SIGINT and terminal_sent_it():  # Ctrl-C reached every worker
+            print(f"\n{preempt.CTRL_C}", file=sys.stderr, flush=True)
+            return
         for p in procs:
             if p.poll() is None:
                 if catching(p.pid):
@@ -132,6 +136,15 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
         _stop_all(procs)
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def terminal_sent_it() -> bool:
+    """terminal_sent_it tells whether this process's group is its terminal's foreground one:
+    a Ctrl-C there goes to every process of the group, the workers too."""
+    try:
+        return os.tcgetpgrp(sys.stderr.fileno()) == os.getpgrp()
+    except OSError:  # no terminal
+        return False
 
 
 def ended(code: int) -> str:

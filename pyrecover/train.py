@@ -110,7 +110,8 @@ def main(cfg: Config, run_dir: Path) -> None:
     checks = cfg.run.health_check
     health_s = health.before_group(cfg, env, run, kind, node_name()) if checks else 0.0
     # The process caught stop signals from its first moment (preempt.catch_early).
-    flag = preempt.take_over((cfg.run.stop_signal, "SIGTERM"))  # and what came before
+    flag = preempt.take_over((cfg.run.stop_signal, "SIGTERM", "SIGINT"))  # and earlier ones
+    flag.announce = sys.stderr.isatty() and not os.environ.get(dist.SPAWNED)  # Ctrl-C's line
     # Issue 14: the hang watchdog; torch's own timeout is set above its limits (backstop).
     rule = watchdog.rule_from(cfg.run.hang_timeout, cfg.run.hang_startup_timeout)
     device = dist.setup(env, kind, timeout_s=watchdog.backstop_seconds(rule))

@@ -84,8 +84,7 @@ def _main() -> None:
         from pyrecover.train import PeerLost
 
         if isinstance(exc, StopRequested):  # saved; the job script requeues on this code
-            typer.echo(f"pyrecover: {exc}", err=True)
-            sys.exit(EXIT_STOPPED)
+            sys.exit(EXIT_STOPPED)  # (rank 0 logged it once; every rank would say it again)
 
         from pyrecover.checkpoint.manager import SaveFailed
         from pyrecover.checkpoint.resume import ResumeFailed

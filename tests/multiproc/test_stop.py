@@ -60,8 +60,11 @@ def signal_after(argv: list[str], run_dir: Path, sig: int, after_step: int) -> i
     return proc.returncode
 
 
+# SIGINT: Ctrl-C, here sent to the launcher and every worker as a terminal sends it, and
+# handed on by the launcher too: each worker takes the two as one (preempt.INT_AGAIN_S).
 @pytest.mark.parametrize("sig, reason", [(signal.SIGUSR2, "SIGUSR2"),
-                                         (signal.SIGTERM, "SIGTERM")])
+                                         (signal.SIGTERM, "SIGTERM"),
+                                         (signal.SIGINT, "SIGINT")])
 def test_a_stop_signal_saves_exits_75_and_the_resumed_run_is_bitwise(tmp_path, corpus,
                                                                      reference, sig, reason):
     run_dir = tmp_path / "run"

@@ -97,3 +97,24 @@ def test_an_early_signal_the_run_does_not_stop_on_ends_it_as_it_always_did(tmp_p
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == -signal.SIGUSR1 and done.stdout == "caught\n", done.stderr
+
+
+def test_a_first_ctrl_c_stops_cleanly_and_a_second_one_quits_at_once():
+    flag = StopFlag().install(("USR2", "SIGINT"))
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.reason == "SIGINT"
+        os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C, reaching the process twice
+        assert flag.reason == "SIGINT"
+        flag.received_at -= 2.0  # a second press, later
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        flag.uninstall()
+    usr2 = StopFlag().install(("USR2", "SIGINT"))
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)  # a preemption's stop under way
+        with pytest.raises(KeyboardInterrupt):  # and the user wants out now
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        usr2.uninstall()
