@@ -249,6 +249,26 @@ class RunLock:
         self.release()
 
 
+def live_holder(run: RunDir) -> str | None:
+    """live_holder names the live process holding the run directory's lock (host, pid, SLURM
+    job), '' where none holds it (its last start ended, however it ended), None where this
+    cannot tell (no lock file, storage without locks). It only reads: a shared lock taken
+    for an instant, which a start that finds it waits out (`lock_wait_seconds`)."""
+    try:
+        fd = os.open(run.lock_file, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_holder(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # (releases the shared lock where it was taken)
+    return ""
+
+
 def _read_holder(fd: int) -> str:
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"{}")
@@ -263,7 +283,8 @@ def _read_holder(fd: int) -> str:
 def lock_wait_seconds(environ: dict[str, str] | None = None) -> float:
     """lock_wait_seconds is how long a start waits for a held run directory: under SLURM a
     requeued job may start while its previous instance is still shutting down (default 120 s);
-    elsewhere a second start is refused at once. PYRECOVER_LOCK_WAIT overrides it."""
+    elsewhere a second start is refused after 2 s (a `status` looking at the lock holds it
+    for an instant). PYRECOVER_LOCK_WAIT overrides it."""
     env = os.environ if environ is None else environ
     raw = env.get("PYRECOVER_LOCK_WAIT")
     if raw is not None:
@@ -271,7 +292,7 @@ def lock_wait_seconds(environ: dict[str, str] | None = None) -> float:
             return max(0.0, float(raw))
         except ValueError:
             pass
-    return 120.0 if env.get("SLURM_JOB_ID") else 0.0
+    return 120.0 if env.get("SLURM_JOB_ID") else 2.0
 
 
 def read_bad_nodes(run: RunDir) -> list[dict[str, str]]:

@@ -18,7 +18,7 @@ from typing import Any
 from pyrecover import ledger as ledger_mod
 from pyrecover import phases
 from pyrecover.profiling import describe
-from pyrecover.rundir import RunDir, read_bad_nodes, read_jsonl
+from pyrecover.rundir import RunDir, live_holder, read_bad_nodes, read_jsonl
 
 
 class StatusError(ValueError):
@@ -86,6 +86,10 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
     last_error = next((e.get("error") for e in reversed(events[began + 1:])
                        if e.get("event") in ("error", "crash")), None)
     state = _state(events)
+    if state == RUNNING_OR_KILLED:  # the lock tells a live run from a killed one
+        holder = live_holder(run)
+        state = state if holder is None else f"running ({holder})" if holder else (
+            "killed (no end recorded)")
     if last_error is None and state.startswith("ended:"):
         last_error = _logged_error(run)  # failed before it could record an event
     checkpoint_s = sum(float(e.get("blocked", e.get("seconds", 0))) for e in events
@@ -192,6 +196,9 @@ def _cause(attempt: list[dict[str, Any]]) -> str:
     return "killed (no record)"
 
 
+RUNNING_OR_KILLED = "running or killed"  # (where the lock cannot tell which)
+
+
 def _state(events: list[dict[str, Any]]) -> str:
     for e in reversed(events):
         kind = e.get("event")
@@ -208,7 +215,7 @@ def _state(events: list[dict[str, Any]]) -> str:
         if kind == "cancel":
             return "cancelled"
         if kind in ("start", "resume"):
-            return "running or killed"
+            return RUNNING_OR_KILLED
     return "not started"
 
 

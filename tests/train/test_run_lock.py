@@ -42,11 +42,16 @@ def test_a_second_start_on_a_live_run_is_refused_and_a_dead_holder_does_not_bloc
         assert lines[0].startswith(f"error: {tmp_path / 'run'} is in use by another run (host "
                                    f"{socket.gethostname()}, pid {first.pid})")
         assert first.poll() is None  # the live run goes on, its in-flight saves untouched
+        # status asks the lock: the run is live, and who holds it.
+        assert pyrecover("status", str(tmp_path / "run"), "--json").stdout.count(
+            f'"state": "running (host {socket.gethostname()}, pid {first.pid})"') == 1
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     events = [e["event"] for e in read_jsonl(tmp_path / "run" / "events.jsonl")]
     assert events.count("start") == 1 and "error" not in events
+    report = pyrecover("status", str(tmp_path / "run"))
+    assert "state       killed (no end recorded)" in report.stdout, report.stdout
 
     # The holder died by SIGKILL: its flock went with it, so the next start goes ahead.
     third = pyrecover("train", *tiny_args(tmp_path, corpus, "run", "train.max_steps=3"))
