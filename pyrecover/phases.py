@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pyrecover.rundir import RunDir
@@ -21,6 +21,8 @@ from pyrecover.rundir import RunDir
 START_PHASES = ("process_start", "imports_done", "data_ready", "group_up", "checkpoint_chosen",
                 "restored", "first_step")
 STOP_PHASES = ("signal_seen", "stop_agreed", "save_done", "exit")
+# What the job script records after its training step ended: no sign of the trainer's life.
+JOB_SCRIPT_EVENTS = ("requeue", "no_requeue", "restart_in_job", "cancel")
 PHASES = START_PHASES + STOP_PHASES
 # What `checkpoint_chosen` also records (seconds): the model and optimizer built, the
 # background checksum pass beside them, and rank 0's wait for that pass once they were.
@@ -117,11 +119,13 @@ def _phase_rows(attempt: list[dict[str, Any]], names: tuple[str, ...]) -> list[d
     return rows
 
 
-def last_interruption(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def last_interruption(events: list[dict[str, Any]],
+                      metrics: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """last_interruption lists the phases of the newest interruption in order: how the attempt
-    ended (its stop phases, or `last_record` after a crash or kill) and how the next one
-    started, each with `gap`, the seconds since the row before. An attempt that stopped and
-    has not started again yet shows its stop phases only. Empty when there was none."""
+    ended (its stop phases, or `last_record` after a crash or kill: its newest event or step
+    metric, not what the job script recorded after it) and how the next one started, each
+    with `gap`, the seconds since the row before. An attempt that stopped and has not started
+    again yet shows its stop phases only. Empty when there was none."""
     runs = attempts(events)
     if not runs:
         return []
@@ -133,7 +137,13 @@ def last_interruption(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return []
     rows = _phase_rows(ended, STOP_PHASES)
     if not rows:  # crashed or killed: the attempt's last sign of life
-        last = max((float(e["time"]) for e in ended if "time" in e), default=None)
+        began = min((float(e["time"]) for e in ended if "time" in e), default=None)
+        until = min((float(e["time"]) for e in started if "time" in e), default=float("inf"))
+        lives = [float(e["time"]) for e in ended if "time" in e
+                 and e.get("event") not in JOB_SCRIPT_EVENTS]
+        lives += [float(m["time"]) for m in metrics if "time" in m and began is not None
+                  and began <= float(m["time"]) < until]
+        last = max(lives, default=None)
         rows = [{"phase": "last_record", "time": last}] if last is not None else []
     rows += _phase_rows(started, START_PHASES)
     previous = None

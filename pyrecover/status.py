@@ -115,7 +115,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
                if e.get("event") == "hang"],
         stragglers=list({e.get("rank"): e for e in events
                          if e.get("event") == "straggler"}.values()),
-        interruption=phases.last_interruption(events),
+        interruption=phases.last_interruption(events, metrics),
         ledger=book.to_dict(),
         skipped_records=skipped_events + skipped_metrics + garbled[0],
         excluded_nodes=read_bad_nodes(run),

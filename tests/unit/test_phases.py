@@ -61,6 +61,17 @@ def test_a_killed_attempt_ends_at_its_last_record():
     assert rows[1]["phase"] == "process_start" and rows[1]["gap"] == 14.0
 
 
+def test_a_killed_attempt_ends_at_its_last_step_not_at_what_the_job_script_said_after():
+    """Steps logged after the attempt's last event (a long checkpoint interval) are signs of
+    life; the job script's requeue record after the kill is not."""
+    killed = [*STOPPED[:4], {"event": "requeue", "time": 15.0, "exit_code": 137}]
+    metrics = [{"time": 5.0 + s, "step": 10 + s} for s in range(1, 5)]  # steps 11-14
+    metrics.append({"time": 19.5, "step": 11})  # the resumed attempt's: not this one's
+    rows = phases.last_interruption(killed + RESUMED, metrics)
+    assert rows[0] == {"phase": "last_record", "time": 9.0, "gap": 0.0}
+    assert rows[1]["phase"] == "process_start" and rows[1]["gap"] == 10.0
+
+
 def test_a_run_never_interrupted_has_no_interruption():
     assert phases.last_interruption(STOPPED[:4]) == []
 
