@@ -228,7 +228,8 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     if hint == int | str:  # an int, or a word such as `auto`
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f"{key}={value!r} is not allowed: expected a number or a word")
+            raise ConfigError(f"{key}={value!r} is not allowed: expected a whole number or a "
+                              "word such as auto")
         return value
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
