@@ -19,6 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from pyrecover import phases
+
 MIN_SECONDS = 10.0  # never save more often: each save also costs storage bandwidth and churn
 MAX_SECONDS = 6 * 3600.0  # never risk more than this much recomputation
 FIRST_STEPS = 20  # before any save was measured: save soon, to measure one
@@ -48,32 +50,35 @@ def mtbf(prior_s: float, observed_s: float, failures: int) -> float:
 def failures_seen(events: Iterable[dict[str, Any]]) -> tuple[float, int]:
     """failures_seen: (seconds of training observed, failures) over a run's past attempts.
 
-    A failure is a crash, a preemption (SIGTERM) or an attempt that ended with no record at
-    all (killed); a stop for the time limit (the deadline or the warning signal) is planned
-    and is not one. Every attempt in `events` is over (a start reads them before it writes its
+    The events split into attempts at each process start (`phases.attempts`). A failure is a
+    crash, a preemption (SIGTERM) or an attempt that trained and ended with no record at all
+    (killed); a stop for the time limit (the deadline or the warning signal) is planned and
+    is not one. Every attempt in `events` is over (a start reads them before it writes its
     own `start` or `resume`), the last one too: its failure counts at once. An attempt's
-    time runs from its start to its last record of training; what the job script and the
-    next start record after it (requeue decisions, start-up phases) is time between
-    attempts, not observed training.
+    time runs from its `start` or `resume` to its last record after that; what it wrote
+    before (health checks, snapshots recovered, start-up phases) and what the job script
+    wrote after it (requeue decisions) is time between attempts, not observed training. An
+    attempt that never began training (killed or refused during start-up) lost no training
+    and counts neither way.
     """
-    observed, failures, began, last, ended_well = 0.0, 0, None, None, True
-    for e in events:
-        kind, at = e.get("event"), float(e.get("time", 0.0))
-        if kind in BETWEEN_ATTEMPTS:
-            continue
-        if kind in ("start", "resume"):
-            if began is not None and last is not None:
-                observed += last - began
-                failures += not ended_well
-            began, ended_well = at, False
-        if kind in ("stop", "finish", "error"):
-            ended_well = kind != "stop" or e.get("reason") != "SIGTERM"
-        if kind == "crash":
-            ended_well = False
-        last = at
-    if began is not None and last is not None:
-        observed += last - began
-        failures += not ended_well
+    observed, failures = 0.0, 0
+    for attempt in phases.attempts(list(events)):
+        began, last, ended_well = None, None, False
+        for e in attempt:
+            kind, at = e.get("event"), float(e.get("time", 0.0))
+            if kind in ("start", "resume") and began is None:
+                began = last = at
+                continue
+            if began is None or kind in BETWEEN_ATTEMPTS:
+                continue
+            if kind in ("stop", "finish", "error"):
+                ended_well = kind != "stop" or e.get("reason") != "SIGTERM"
+            if kind == "crash":
+                ended_well = False
+            last = max(last, at)
+        if began is not None:
+            observed += last - began
+            failures += not ended_well
     return observed, failures
 
 

@@ -82,6 +82,22 @@ def test_the_attempt_just_ended_counts_at_once_and_the_gap_after_it_is_not_train
     assert auto.mtbf_s == pytest.approx((4 * HOUR + 200) / (1 + failures))
 
 
+def test_what_a_start_records_before_it_trains_belongs_to_no_attempt_s_training():
+    # A second start writes its health check and recovered snapshots before its resume: they
+    # neither stretch the first attempt over the requeue gap nor close it as ended well.
+    events = [{"event": "phase", "time": 0, "phase": "process_start"},
+              {"event": "start", "time": 10}, {"event": "checkpoint", "time": 100},  # killed
+              {"event": "requeue", "time": 130, "exit_code": 137},
+              {"event": "phase", "time": 200, "phase": "process_start"},
+              {"event": "health", "time": 205, "ok": True},
+              {"event": "checkpoint_recovered", "time": 206},
+              {"event": "error", "time": 207, "message": "data missing"},  # refused start
+              {"event": "phase", "time": 300, "phase": "process_start"},
+              {"event": "health", "time": 305, "ok": True},
+              {"event": "resume", "time": 310}, {"event": "finish", "time": 410}]
+    assert iv.failures_seen(events) == (190.0, 1)
+
+
 def test_the_tracker_waits_for_slow_saves_to_age_before_shortening():
     auto = iv.AutoInterval(mtbf_s=24 * HOUR, max_steps=10**6)
     auto.observe_step(1.0)
