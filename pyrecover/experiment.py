@@ -12,7 +12,7 @@ import os
 from pyrecover import batch
 from pyrecover import config as config_mod
 from pyrecover.config import Config, ConfigError
-from pyrecover.rundir import RunDir, storage_error
+from pyrecover.rundir import RunDir, RunLock, storage_error
 
 
 def resolve_for_run(cfg: Config, world_size: int) -> tuple[Config, str | None]:
@@ -32,13 +32,19 @@ def recorded_global_batch(run: RunDir) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None) -> None:
+def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
+                    lock: RunLock | None = None, wait_s: float = 0.0) -> None:
     """prepare_run_dir creates the run directory and records or checks `run.yaml`.
 
     A restart whose config changes what the run computes (model, data, seed, global batch) is
     refused; limits such as train.max_steps may change, and run.yaml then records the new
-    ones (what `status` and a requeued job read). `note` says how an `auto` global batch was
-    resolved; it goes into run.yaml as a comment (a restart without one keeps the old).
+    ones (what `status` and a requeued job read). Where the run lives (run.storage,
+    run.exp_name, data.path as written) stays as first recorded: the job script restarts
+    with `--config run.yaml` alone, so a restart with `--run-dir` must not point it
+    elsewhere. With `lock`, the lock is taken (waiting up to `wait_s`; RunLocked when a live
+    run holds it) before anything is written, so a refused start changes nothing. `note`
+    says how an `auto` global batch was resolved; it goes into run.yaml as a comment (a
+    restart without one keeps the old).
     """
     old = None
     if run.config.is_file():
@@ -52,15 +58,15 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None) -> None:
                 f"{run.root} was started with another config ({'; '.join(changed)}); "
                 "use a new run.exp_name or --run-dir, or restore the old values")
     run.create()
+    if lock is not None:
+        lock.acquire(wait_s)
     if old is None:
         write_config(cfg, run, note)
         return
-    # A path given relative here and absolute there (a job's run.yaml) is kept as recorded.
-    same = (os.path.realpath(old.data.path) == os.path.realpath(cfg.data.path),
-            os.path.realpath(old.run.storage) == os.path.realpath(cfg.run.storage))
+    # The data file is the same (an identity key); given relative here, absolute there.
     cfg = dataclasses.replace(
-        cfg, data=dataclasses.replace(cfg.data, path=old.data.path if same[0] else cfg.data.path),
-        run=dataclasses.replace(cfg.run, storage=old.run.storage if same[1] else cfg.run.storage))
+        cfg, data=dataclasses.replace(cfg.data, path=old.data.path),
+        run=dataclasses.replace(cfg.run, storage=old.run.storage, exp_name=old.run.exp_name))
     if config_mod.to_dict(old) != config_mod.to_dict(cfg):
         head = run.config.read_text().split("\n", 1)[0]
         write_config(cfg, run, note or (head[2:] if head.startswith("# ") else None))

@@ -91,19 +91,21 @@ def main(cfg: Config, run_dir: Path) -> None:
         check_tokens(tokens, cfg.model.vocab_size, cfg.model.block_size, cfg.data.path)
         phases.mark("data_ready")
     except (ConfigError, DataError) as exc:
-        # Record it where a run already exists (a job launched earlier: the job script reads
-        # this to tell "exit 2, never requeue" from a crash); a new run directory is not
-        # created for a mistake.
-        if env.rank == 0 and run.is_run():
-            run.event("error", rank=env.rank, error=f"{type(exc).__name__}: {exc}")
+        if env.rank == 0:
+            record_start_error(run, phases, exc)
         if env.rank != 0 and env.node_rank == 0:
             raise SystemExit(2) from None  # rank 0 read the same files here and says it once
         raise
+    lock = RunLock(run)
+    refused: Exception | None = None  # rank 0: another live run holds the run directory
     if env.rank == 0:
         if batch_note:
             log.info("%s", batch_note)
-        prepare_run_dir(cfg, run, batch_note)
-        phases.attach(run)
+        try:  # the lock first: a refused start writes nothing into the live run's directory
+            prepare_run_dir(cfg, run, batch_note, lock, rundir.lock_wait_seconds())
+            phases.attach(run)
+        except (RunLocked, StorageError) as exc:
+            refused = exc
     else:
         run.create()
     # Issue 15: a bad node is found here, in seconds, and excluded by the job script.
@@ -116,6 +118,7 @@ def main(cfg: Config, run_dir: Path) -> None:
     rule = watchdog.rule_from(cfg.run.hang_timeout, cfg.run.hang_startup_timeout)
     device = dist.setup(env, kind, timeout_s=watchdog.backstop_seconds(rule))
     phases.mark("group_up")
+    hold_run_dir(refused, env)
     if checks:
         health.after_group(run, env, node_name(), health_s)
     managers: list[CheckpointManager] = []
@@ -135,12 +138,10 @@ def main(cfg: Config, run_dir: Path) -> None:
                             hang, run.event, persist, device, silent=beats and beats.silent,
                             leaving=beats and beats.stop, progress=watchdog.io_bytes),
                             progress=progress).start()
-    lock = RunLock(run)
     try:
-        hold_run_dir(lock, env)
         _train(cfg, run, env, device, tokens, managers, flag, dog, phases)
-    except (RunLocked, StorageError):
-        raise  # the run directory is another run's, or cannot be written: record nothing
+    except StorageError:
+        raise  # the run directory cannot be written: record nothing
     except StopRequested as stop:
         if env.rank == 0:
             if flag.received_at is not None:
@@ -183,24 +184,40 @@ def main(cfg: Config, run_dir: Path) -> None:
         gc.enable()
 
 
-def hold_run_dir(lock: RunLock, env: dist.DistEnv) -> None:
-    """hold_run_dir takes the run directory's lock on rank 0 and tells every rank whether it
-    got it: a second start on a live run directory is refused on every rank, before it cleans
-    up anything (the other run's in-flight save) or writes a line."""
+def hold_run_dir(refused: Exception | None, env: dist.DistEnv) -> None:
+    """hold_run_dir tells every rank whether rank 0 got the run directory's lock (`refused`
+    is rank 0's answer): a second start on a live run directory is refused on every rank,
+    before it cleans up anything (the other run's in-flight save) or writes a line."""
     import torch.distributed as tdist
 
-    refused: list[Exception | None] = [None]
-    if env.rank == 0:
-        try:
-            lock.acquire(rundir.lock_wait_seconds())
-        except (RunLocked, StorageError) as exc:
-            refused = [exc]
+    answer: list[Exception | None] = [refused]
     if env.world_size > 1 and tdist.is_initialized():
-        tdist.broadcast_object_list(refused, src=0)
-    if refused[0] is not None:
+        tdist.broadcast_object_list(answer, src=0)
+    if answer[0] is not None:
+        with contextlib.suppress(Exception):
+            dist.teardown()
         if env.rank == 0:
-            raise refused[0]
-        raise SystemExit(2 if isinstance(refused[0], RunLocked) else 1)  # rank 0 says why
+            raise answer[0]
+        raise SystemExit(2 if isinstance(answer[0], RunLocked) else 1)  # rank 0 says why
+
+
+def record_start_error(run: RunDir, phases: Phases, exc: Exception) -> None:
+    """record_start_error records a config or data error where a run already exists (a job
+    launched earlier: the job script reads it to tell "exit 2, never requeue" from a crash),
+    as an attempt of its own (its start-up phases first); a new run directory is not created
+    for a mistake, and a live run's directory (its lock held) gets nothing."""
+    if not run.is_run():
+        return
+    lock = RunLock(run)
+    try:
+        lock.acquire(rundir.lock_wait_seconds())
+    except (RunLocked, StorageError):
+        return
+    try:
+        phases.attach(run)
+        run.event("error", rank=0, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        lock.release()
 
 
 class PeerLost(RuntimeError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -48,8 +49,16 @@ def test_a_second_start_on_a_live_run_is_refused_and_a_dead_holder_does_not_bloc
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-    events = [e["event"] for e in read_jsonl(tmp_path / "run" / "events.jsonl")]
+    records = list(read_jsonl(tmp_path / "run" / "events.jsonl"))
+    events = [e["event"] for e in records]
     assert events.count("start") == 1 and "error" not in events
+    # The refused start wrote nothing into the live run: no start-up phases (status would
+    # count a restart), no health record, and run.yaml keeps the live run's limits.
+    assert [e.get("phase") for e in records].count("process_start") == 1
+    assert events.count("health") <= 1
+    assert "max_steps: 100000" in (tmp_path / "run" / "run.yaml").read_text()
+    state = json.loads(pyrecover("status", str(tmp_path / "run"), "--json").stdout)
+    assert state["starts"] == 1 and state["restarts_by_cause"] == {}, state
     report = pyrecover("status", str(tmp_path / "run"))
     assert "state       killed (no end recorded)" in report.stdout, report.stdout
 

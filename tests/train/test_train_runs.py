@@ -60,6 +60,26 @@ def test_raising_max_steps_continues_the_finished_run(tmp_path, corpus):
     assert steps == list(range(1, 21))
 
 
+def test_a_start_refused_for_a_data_error_is_an_attempt_of_its_own(tmp_path, corpus):
+    """The job script reads the error record to tell a config or data error from a crash;
+    it comes after the start's own start-up phases, so status counts it as its own start
+    instead of the end of the finished attempt before it."""
+    import shutil
+
+    data = tmp_path / "corpus.parquet"
+    shutil.copy(corpus, data)
+    assert train(tmp_path, data, "train.max_steps=4").returncode == 0
+    data.write_bytes(b"not parquet")
+    done = train(tmp_path, data, "train.max_steps=8")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    tail = [(e["event"], e.get("phase")) for e in read_jsonl(tmp_path / "run" / "events.jsonl")]
+    assert tail[-3:] == [("phase", "process_start"), ("phase", "imports_done"), ("error", None)]
+    state = json.loads(pyrecover("status", str(tmp_path / "run"), "--json").stdout)
+    assert state["starts"] == 2 and state["restarts_by_cause"] == {
+        "continued after finishing": 1}, state
+    assert state["last_error"].startswith("DataError"), state
+
+
 @pytest.mark.parametrize("keep", [2, 3])
 def test_only_the_newest_keep_checkpoints_stay_on_disk(tmp_path, corpus, keep):
     done = train(tmp_path, corpus, "train.max_steps=25", "checkpoint.interval=5",

@@ -92,3 +92,10 @@ def test_a_restart_with_new_limits_records_them_and_keeps_the_rest_as_recorded(t
     assert recorded.train.max_steps == 70 and recorded.run.storage == str(tmp_path)
     assert text.splitlines()[0] == first.splitlines()[0] and text.startswith("# train.")
     assert text.replace("max_steps: 70", "max_steps: 60") == first
+    # A restart with --run-dir and another config's run.storage and run.exp_name: the job
+    # script restarts with `--config run.yaml` alone, which must still point here.
+    elsewhere, _ = resolve_for_run(config.load(None, [
+        "run.storage=/elsewhere", "run.exp_name=other", "train.max_steps=80"]), 8)
+    prepare_run_dir(elsewhere, run, None)
+    recorded = config.load(run.config)
+    assert recorded.train.max_steps == 80 and recorded.run_dir() == run.root

@@ -129,17 +129,22 @@ def test_every_start_after_the_first_is_a_restart_with_its_cause_and_its_lost_st
     assert s.goodput == s.ledger["effective_share"]
     assert "restarts 1 x ended during start-up, 1 x killed (no record)" in status.render(s)
 
-    error = {"event": "error", "time": 40.0, "rank": 0, "error": "DataError: no corpus"}
-    more = [error, ph("process_start", 50.0), {"event": "resume", "time": 52.0, "step": 5,
-                                                "steps_lost": 0}, ph("first_step", 53.0)]
-    _write(run, [*FROM_SCRATCH, error], SCRATCH_METRICS)
-    assert status.read(run.root, now=100.0).last_error == "DataError: no corpus"
+    # A start refused for a config or data error records its start-up phases, then the
+    # error: an attempt of its own, not the end of the finished one before it.
+    error = [ph("process_start", 39.0), ph("imports_done", 39.5),
+             {"event": "error", "time": 40.0, "rank": 0, "error": "DataError: no corpus"}]
+    more = [*error, ph("process_start", 50.0), {"event": "resume", "time": 52.0, "step": 5,
+                                                 "steps_lost": 0}, ph("first_step", 53.0)]
+    _write(run, [*FROM_SCRATCH, *error], SCRATCH_METRICS)
+    s = status.read(run.root, now=100.0)
+    assert s.last_error == "DataError: no corpus" and s.starts == 4
+    assert s.restarts_by_cause["continued after finishing"] == 1
     _write(run, [*FROM_SCRATCH, *more], SCRATCH_METRICS)
     s = status.read(run.root, now=100.0)
     assert s.last_error is None  # it started again
     assert s.restarts_by_cause == {"killed (no record)": 1, "ended during start-up": 1,
-                                   "error": 1}
-    _write(run, FROM_SCRATCH + more[1:], SCRATCH_METRICS)
+                                   "continued after finishing": 1, "error": 1}
+    _write(run, FROM_SCRATCH + more[len(error):], SCRATCH_METRICS)
     assert status.read(run.root, now=100.0).restarts_by_cause[
         "continued after finishing"] == 1  # max_steps raised after it finished
 
