@@ -42,6 +42,10 @@ def test_a_second_start_on_a_live_run_is_refused_and_a_dead_holder_does_not_bloc
         assert len(lines) == 1, second.stderr
         assert lines[0].startswith(f"error: {tmp_path / 'run'} is in use by another run (host "
                                    f"{socket.gethostname()}, pid {first.pid})")
+        # Two ranks: rank 0 is refused before the group forms, then tells rank 1 through it.
+        pair = pyrecover("train", "--nproc", "2",
+                         *tiny_args(tmp_path, corpus, "run", "train.max_steps=3"))
+        assert pair.returncode == 2 and "is in use by another run" in pair.stderr, pair.stderr
         assert first.poll() is None  # the live run goes on, its in-flight saves untouched
         # status asks the lock: the run is live, and who holds it.
         assert pyrecover("status", str(tmp_path / "run"), "--json").stdout.count(
