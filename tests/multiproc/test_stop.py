@@ -116,6 +116,10 @@ def test_a_stop_signal_during_start_up_is_a_clean_stop_at_the_first_step(tmp_pat
     (stop,) = [e for e in events if e["event"] == "stop"]
     assert stop["reason"] == "SIGUSR2" and stop["step"] == 1
     assert [e["step"] for e in events if e["event"] == "checkpoint"] == [1]
+    # Caught while it imported torch, before it read its data: from its first moment, not
+    # once the run's own handlers were in (those come after the data and the health check).
+    seen = {e["phase"]: e for e in events if e["event"] == "phase"}
+    assert seen["signal_seen"]["time"] < seen["data_ready"]["time"], seen
 
 
 def test_a_run_stops_on_its_own_before_the_job_ends_when_no_signal_comes(tmp_path, corpus):
