@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -54,6 +53,15 @@ CTRL_C = ("pyrecover: Ctrl-C: stopping after this step with a checkpoint; Ctrl-C
           "at once without one")
 
 
+def say(text: str) -> None:
+    """say writes `text` to stderr from a signal handler: one write(2), which is
+    async-signal-safe, where print() is not (re-entered on a buffered stream, it raises)."""
+    try:
+        os.write(2, text.encode(errors="replace"))
+    except OSError:
+        pass
+
+
 @dataclass
 class StopFlag:
     """Set by a signal handler; read at step boundaries. Never does work in the handler, but
@@ -78,7 +86,7 @@ class StopFlag:
         if self.signum is None:
             self.signum, self.received_at = signum, now
             if signum == signal.SIGINT and self.announce:
-                print(f"\n{CTRL_C}", file=sys.stderr, flush=True)
+                say(f"\n{CTRL_C}\n")
         elif signum == signal.SIGINT and not (
                 self.signum == signal.SIGINT and now - (self.received_at or now) < INT_AGAIN_S):
             raise KeyboardInterrupt

@@ -88,10 +88,15 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
             print(f"pyrecover: rank {parent.node_rank * nproc + i} (pid {p.pid}) "
                   f"{ended(p.returncode)}", file=sys.stderr, flush=True)
 
+    said_ctrl_c: list[bool] = []
+
     def forward(signum, _frame):
-        if signum == signal.SIGINT and terminal_sent_it():  # Ctrl-C reached every worker
-            print(f"\n{preempt.CTRL_C}", file=sys.stderr, flush=True)
-            return
+        if signum == signal.SIGINT:
+            if not said_ctrl_c:  # the workers' output is no terminal: they do not say it
+                said_ctrl_c.append(True)
+                preempt.say(f"\n{preempt.CTRL_C}\n")  # (a handler: one write, no print)
+            if terminal_sent_it():  # a Ctrl-C reached every worker already
+                return
         for p in procs:
             if p.poll() is None:
                 if catching(p.pid):
@@ -139,12 +144,21 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
 
 
 def terminal_sent_it() -> bool:
-    """terminal_sent_it tells whether this process's group is its terminal's foreground one:
-    a Ctrl-C there goes to every process of the group, the workers too."""
+    """terminal_sent_it tells whether this process's group is the foreground one of its
+    controlling terminal: a Ctrl-C there goes to every process of the group, the workers
+    too. Asked of the terminal itself (/dev/tty), not of stderr, which may be a pipe
+    (`pyrecover train --nproc 2 2>&1 | tee log`): the launcher would then hand on a second
+    SIGINT, which a worker a second later takes for "quit at once"."""
     try:
-        return os.tcgetpgrp(sys.stderr.fileno()) == os.getpgrp()
-    except OSError:  # no terminal
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:  # no controlling terminal: a kill -INT, SLURM, a test
         return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def ended(code: int) -> str:

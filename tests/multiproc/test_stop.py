@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import load_export, pyrecover, tiny_args
 
-from pyrecover.preempt import EXIT_STOPPED
+from pyrecover.preempt import CTRL_C, EXIT_STOPPED
 from pyrecover.rundir import read_jsonl
 
 pytestmark = pytest.mark.multiproc
@@ -40,41 +40,67 @@ def reference(tmp_path_factory, corpus) -> dict[str, torch.Tensor]:
     return export(storage / "ref")
 
 
-def signal_after(argv: list[str], run_dir: Path, sig: int, after_step: int) -> int:
-    """Start the run, send `sig` to its whole process group once it logged `after_step`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
-    # Each step sleeps 0.05 s (the numbers are unchanged), so the steps left after
-    # `after_step` take far longer than a poller starved by a busy machine may lag.
-    env["PYRECOVER_STEP_DELAY"] = "0.05"
-    proc = subprocess.Popen([sys.executable, "-m", "pyrecover", *argv], env=env,
-                            start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
+    """wait_for_step returns once the run logged `step` (fails if it ended or never did)."""
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
         steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
-        if steps and max(steps) >= after_step:
-            os.killpg(proc.pid, sig)
-            break
+        if steps and max(steps) >= step:
+            return
         time.sleep(0.05)
-    proc.communicate(timeout=240)
-    return proc.returncode
+    raise AssertionError(f"the run never logged step {step} (exit {proc.poll()})")
+
+
+def run_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    # Each step sleeps 0.05 s (the numbers are unchanged), so the steps left after the one
+    # a test waits for take far longer than a poller starved by a busy machine may lag.
+    env["PYRECOVER_STEP_DELAY"] = "0.05"
+    return env
+
+
+def signal_after(argv: list[str], run_dir: Path, sig: int, after_step: int,
+                 group: bool = True) -> subprocess.CompletedProcess:
+    """Start the run, send `sig` to its whole process group (`group`, as a shell's `kill
+    -PGID` or a terminal does; else to the launcher alone) once it logged `after_step`."""
+    proc = subprocess.Popen([sys.executable, "-m", "pyrecover", *argv], env=run_env(),
+                            start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(proc, run_dir, after_step)
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, None, err)
+
+
+def assert_one_clean_stop(run_dir: Path, reason: str) -> dict:
+    events = list(read_jsonl(run_dir / "events.jsonl"))
+    stop = [e for e in events if e["event"] == "stop"]
+    assert len(stop) == 1 and stop[0]["reason"] == reason, events
+    saved = [e["step"] for e in events if e["event"] == "checkpoint"]
+    assert saved[-1] == stop[0]["step"] < 200  # the stop step itself was saved
+    return stop[0]
 
 
 # SIGINT: Ctrl-C, here sent to the launcher and every worker as a terminal sends it, and
-# handed on by the launcher too: each worker takes the two as one (preempt.INT_AGAIN_S).
+# handed on by the launcher too (no controlling terminal here to tell it the workers have
+# it): each worker takes the two as one (preempt.INT_AGAIN_S).
 @pytest.mark.parametrize("sig, reason", [(signal.SIGUSR2, "SIGUSR2"),
                                          (signal.SIGTERM, "SIGTERM"),
                                          (signal.SIGINT, "SIGINT")])
 def test_a_stop_signal_saves_exits_75_and_the_resumed_run_is_bitwise(tmp_path, corpus,
                                                                      reference, sig, reason):
     run_dir = tmp_path / "run"
-    code = signal_after(args(tmp_path, corpus, "run"), run_dir, sig, after_step=20)
-    assert code == EXIT_STOPPED
-    events = list(read_jsonl(run_dir / "events.jsonl"))
-    stop = [e for e in events if e["event"] == "stop"]
-    assert len(stop) == 1 and stop[0]["reason"] == reason
-    saved = [e["step"] for e in events if e["event"] == "checkpoint"]
-    assert saved[-1] == stop[0]["step"] < 200  # the stop step itself was saved
+    done = signal_after(args(tmp_path, corpus, "run"), run_dir, sig, after_step=20)
+    assert done.returncode == EXIT_STOPPED, done.stderr[-3000:]
+    stop = [assert_one_clean_stop(run_dir, reason)]
 
     resumed = pyrecover(*args(tmp_path, corpus, "run"))
     assert resumed.returncode == 0, resumed.stderr
@@ -87,6 +113,54 @@ def test_a_stop_signal_saves_exits_75_and_the_resumed_run_is_bitwise(tmp_path, c
     assert report["state"] == "finished"
     assert report["restarts_by_cause"] == {f"stop ({reason})": 1}
     assert report["steps_lost"] == 0 and report["last_checkpoint"]["step"] == 200
+
+
+def test_a_sigint_to_the_launcher_alone_is_one_clean_stop(tmp_path, corpus):
+    """What a Ctrl-C amounts to where the launcher cannot tell a terminal sent it (its output
+    piped: `pyrecover train --nproc 2 2>&1 | tee log`), or a `kill -INT` of the launcher: it
+    hands each worker one SIGINT, and they stop cleanly after the same step. A second SIGINT
+    reaching a worker a second later would have made it quit at once, with no checkpoint."""
+    run_dir = tmp_path / "run"
+    done = signal_after(args(tmp_path, corpus, "run"), run_dir, signal.SIGINT, after_step=20,
+                        group=False)
+    assert done.returncode == EXIT_STOPPED, done.stderr[-3000:]
+    assert_one_clean_stop(run_dir, "SIGINT")
+    assert done.stderr.count(CTRL_C) == 1, done.stderr[-3000:]  # said once, by the launcher
+    assert "KeyboardInterrupt" not in done.stderr, done.stderr[-3000:]
+
+
+def test_ctrl_c_at_a_terminal_with_the_output_piped_is_handed_on_by_nobody(tmp_path, corpus):
+    """A real terminal (a pty whose foreground group is the launcher's and its workers') and
+    stderr a pipe (`pyrecover train --nproc 2 2>&1 | tee log`): the terminal's SIGINT reaches
+    every worker, and the launcher, asking the terminal rather than its stderr, hands on no
+    second one, which a worker a second later would take for "quit at once"."""
+    import fcntl
+    import termios
+
+    run_dir = tmp_path / "run"
+    master, slave = os.openpty()
+
+    def controlling_terminal() -> None:  # in the new session: the pty is its terminal
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([sys.executable, "-m", "pyrecover", *args(tmp_path, corpus, "run")],
+                            env=run_env(), stdin=slave, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=controlling_terminal)
+    os.close(slave)
+    try:
+        wait_for_step(proc, run_dir, 20)
+        assert os.tcgetpgrp(master) == proc.pid  # the launcher's group is the foreground
+        os.write(master, b"\x03")  # Ctrl-C, typed
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        os.close(master)
+    assert proc.returncode == EXIT_STOPPED, err[-3000:]
+    assert_one_clean_stop(run_dir, "SIGINT")
+    assert err.count(CTRL_C) == 1 and "KeyboardInterrupt" not in err, err[-3000:]
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

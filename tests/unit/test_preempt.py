@@ -118,3 +118,30 @@ def test_a_first_ctrl_c_stops_cleanly_and_a_second_one_quits_at_once():
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         usr2.uninstall()
+
+
+def test_the_launcher_asks_its_terminal_not_its_stderr_whether_a_ctrl_c_reached_the_workers():
+    """`pyrecover train --nproc 2 2>&1 | tee log`: stderr is a pipe, yet the terminal's
+    Ctrl-C reaches the whole foreground group. Asked of stderr, the launcher handed on a
+    second SIGINT, which a worker a second later takes for "quit at once"."""
+    import fcntl
+    import subprocess
+    import sys
+    import termios
+
+    probe = "from pyrecover.spawn import terminal_sent_it; print(terminal_sent_it())"
+    master, slave = os.openpty()
+
+    def controlling_terminal() -> None:  # a new session, the pty its terminal
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    try:
+        at_terminal = subprocess.run([sys.executable, "-c", probe], stdin=slave,
+                                     capture_output=True, text=True, timeout=120,
+                                     start_new_session=True, preexec_fn=controlling_terminal)
+    finally:
+        os.close(slave)
+        os.close(master)
+    alone = subprocess.run([sys.executable, "-c", probe], stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert (at_terminal.stdout, alone.stdout) == ("True\n", "False\n"), (at_terminal, alone)
