@@ -12,7 +12,15 @@ import os
 from pyrecover import batch
 from pyrecover import config as config_mod
 from pyrecover.config import Config, ConfigError
-from pyrecover.rundir import RunDir, RunLock, storage_error
+from pyrecover.phases import Phases
+from pyrecover.rundir import (
+    RunDir,
+    RunLock,
+    RunLocked,
+    StorageError,
+    lock_wait_seconds,
+    storage_error,
+)
 
 
 def resolve_for_run(cfg: Config, world_size: int) -> tuple[Config, str | None]:
@@ -82,3 +90,24 @@ def write_config(cfg: Config, run: RunDir, note: str | None = None) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise storage_error("write", run.config, exc) from None
+
+
+def record_start_error(run: RunDir, phases: Phases, exc: Exception) -> None:
+    """record_start_error records a config or data error where a run already exists (a job
+    launched earlier: the job script reads it to tell "exit 2, never requeue" from a crash),
+    as an attempt of its own (its start-up phases first); a new run directory is not created
+    for a mistake, and a live run's directory (its lock held) gets nothing."""
+    if not run.is_run():
+        return
+    lock = RunLock(run) if run.lock_file.exists() else None  # a live run has made one
+    try:
+        if lock is not None:
+            lock.acquire(lock_wait_seconds())
+    except (RunLocked, StorageError):
+        return
+    try:
+        phases.attach(run)
+        run.event("error", rank=0, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        if lock is not None:
+            lock.release()

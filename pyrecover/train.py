@@ -43,7 +43,7 @@ from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
 from pyrecover.config_checks import parse_profile_window
 from pyrecover.data import Batches, DataError, check_tokens, load_tokens
-from pyrecover.experiment import prepare_run_dir, recorded_global_batch
+from pyrecover.experiment import prepare_run_dir, record_start_error, recorded_global_batch
 from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig, empty_gpt, initialize
 from pyrecover.optim import build_optimizer, build_scheduler
@@ -199,25 +199,6 @@ def hold_run_dir(refused: Exception | None, env: dist.DistEnv) -> None:
         if env.rank == 0:
             raise answer[0]
         raise SystemExit(2 if isinstance(answer[0], RunLocked) else 1)  # rank 0 says why
-
-
-def record_start_error(run: RunDir, phases: Phases, exc: Exception) -> None:
-    """record_start_error records a config or data error where a run already exists (a job
-    launched earlier: the job script reads it to tell "exit 2, never requeue" from a crash),
-    as an attempt of its own (its start-up phases first); a new run directory is not created
-    for a mistake, and a live run's directory (its lock held) gets nothing."""
-    if not run.is_run():
-        return
-    lock = RunLock(run)
-    try:
-        lock.acquire(rundir.lock_wait_seconds())
-    except (RunLocked, StorageError):
-        return
-    try:
-        phases.attach(run)
-        run.event("error", rank=0, error=f"{type(exc).__name__}: {exc}")
-    finally:
-        lock.release()
 
 
 class PeerLost(RuntimeError):
