@@ -12,8 +12,10 @@ files in the page cache for the restore.
 The other ranks wait for that choice with no reading of their own, so their hang watchdog
 (watchdog.py) would see no progress and fire after the startup limit while rank 0 still
 reads a checkpoint of terabytes, or one on slow storage. While it tidies and picks, rank 0
-appends a byte to `<checkpoints>/.verifying` every few seconds (`beats`; the file goes once
-the pick is done), and every rank counts its size as progress.
+appends a byte to `<checkpoints>/.verifying` every few seconds in which its checksum pass read
+something (`beats`; the file goes once the pick is done), and every rank counts its size as
+progress. A read stuck on hung storage gives no beats: the other ranks' watchdogs then fire
+after the startup limit, and so does rank 0's, whose own I/O the beats would move too.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 
 import torch.distributed as tdist
 
-from pyrecover.checkpoint import store
+from pyrecover.checkpoint import checksum, store
 from pyrecover.checkpoint.mode import Parts, Restored
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 from pyrecover.readahead import read_through
@@ -185,18 +187,35 @@ def beats(root: Path) -> int:
 
 
 class _Beats:
-    """_Beats appends one byte to `path` every BEAT_S seconds from `start` until `stop`, which
-    removes the file. A beat that cannot be written (read-only or full storage) is skipped:
+    """_Beats appends one byte to `path` every `every` seconds from `start` until `stop`, which
+    removes the file, but only where the checksum pass read something since the last look
+    (`beat`): a timer alone would beat on while a read hangs, and hide the hang from every
+    rank's watchdog. A beat that cannot be written (read-only or full storage) is skipped:
     the beats only keep the other ranks' watchdogs from firing too early."""
 
     def __init__(self, path: Path, every: float) -> None:
         self.path, self.every = path, every
+        self._read = checksum.checksummed_bytes()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="pyrecover-beats", daemon=True)
 
     def start(self) -> _Beats:
         self._thread.start()
         return self
+
+    def beat(self) -> bool:
+        """beat appends a byte if the checksum reads moved since its last call (or since this
+        was made), and says whether they had. The timer's thread calls it every `every` s."""
+        read = checksum.checksummed_bytes()
+        if read == self._read:
+            return False
+        self._read = read
+        try:
+            with open(self.path, "ab") as f:
+                f.write(b".")
+        except OSError:
+            pass
+        return True
 
     def stop(self) -> None:
         self._done.set()
@@ -208,11 +227,7 @@ class _Beats:
 
     def _beat(self) -> None:
         while not self._done.wait(self.every):
-            try:
-                with open(self.path, "ab") as f:
-                    f.write(b".")
-            except OSError:
-                pass
+            self.beat()
 
 
 def resume_newest(manager: Any, accept: Callable[[Restored], Any],

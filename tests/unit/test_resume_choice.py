@@ -149,14 +149,21 @@ def test_a_rank_waiting_for_a_long_choice_sees_rank_0s_beats_as_progress(tmp_pat
     """A checkpoint of terabytes, or one on slow storage, keeps rank 0 checksumming for longer
     than the startup limit while the other ranks wait for its choice, reading nothing: they
     count rank 0's beats (train.py's watchdog progress) and do not fire until the beats stop.
-    The slow pass is the stand-in here (a pick that waits for the test); the time the
-    watchdog sees is a fake clock, ten seconds per beat."""
+    The slow pass is the stand-in here (a pick that keeps checksumming a file until the test
+    lets it finish: beats follow reads, not the clock); the time the watchdog sees is a fake
+    clock, ten seconds per beat."""
     from pyrecover.watchdog import Rule, Watchdog
 
     run = saved_run(tmp_path, flip=False)
     root = run.checkpoints
     release, real_pick = threading.Event(), resume.pick
-    monkeypatch.setattr(resume, "pick", lambda *a: (release.wait(120), real_pick(*a))[1])
+
+    def slow_pick(*args):
+        while not release.wait(0.005):
+            store.sha256_file(root / "step-2" / store.MANIFEST)
+        return real_pick(*args)
+
+    monkeypatch.setattr(resume, "pick", slow_pick)
     monkeypatch.setattr(resume, "BEAT_S", 0.01)
     now = [1000.0]
     waiting = Watchdog(Rule(fixed=5, startup=60), rank=1, clock=lambda: now[0],
