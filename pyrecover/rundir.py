@@ -251,33 +251,70 @@ class RunLock:
 
 def live_holder(run: RunDir) -> str | None:
     """live_holder names the live process holding the run directory's lock (host, pid, SLURM
-    job), '' where none holds it (its last start ended, however it ended), None where this
-    cannot tell (no lock file, storage without locks). It only reads: a shared lock taken
-    for an instant, which a start that finds it waits out (`lock_wait_seconds`)."""
+    job), '' where none holds it and its last holder is known dead (its last start ended,
+    however it ended), None where this cannot tell (no lock file, storage without locks, or a
+    free lock last held from another host). It only reads: a shared lock taken for an
+    instant, which a start that finds it waits out (`lock_wait_seconds`).
+
+    A held lock means a live holder wherever it runs. A free one proves nothing about a
+    holder on another node: where flock is node-local (Lustre mounted `localflock`, NFS with
+    `local_lock=all` or `local_lock=flock`) another node's lock is invisible here. So a free
+    lock says '' only when the file names this host as its holder's and that pid is gone."""
     try:
         fd = os.open(run.lock_file, os.O_RDONLY)
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return _read_holder(fd)
-    except OSError:
-        return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_holder(fd)
+        except OSError:
+            return None
+        info = _holder_info(fd)
     finally:
         os.close(fd)  # (releases the shared lock where it was taken)
-    return ""
+    if info is None or info.get("host") != socket.gethostname():
+        return None  # another node's holder, or none recorded: its lock may be unseen here
+    return "" if _pid_gone(info.get("pid")) else None
+
+
+def _holder_info(fd: int) -> dict[str, Any] | None:
+    """_holder_info is what RunLock.acquire wrote into the lock file (host, pid, job_id,
+    since); None where it is missing or garbled."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _pid_gone(pid: Any) -> bool:
+    """_pid_gone tells whether no process on this host has this pid (a zombie, dead but not
+    yet reaped, is gone too: it holds no files and no locks). False where unsure."""
+    if type(pid) is not int or pid <= 0:  # (0 and -N would signal process groups)
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # PermissionError: alive, someone else's
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2:].startswith("Z")
+    except (OSError, ValueError):
+        return False
 
 
 def _read_holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        parts = [f"host {info.get('host', '?')}", f"pid {info.get('pid', '?')}"]
-        if info.get("job_id"):
-            parts.append(f"SLURM job {info['job_id']}")
-        return ", ".join(parts)
-    except (OSError, ValueError, AttributeError):
+    info = _holder_info(fd)
+    if info is None:
         return "holder unknown"
+    parts = [f"host {info.get('host', '?')}", f"pid {info.get('pid', '?')}"]
+    if info.get("job_id"):
+        parts.append(f"SLURM job {info['job_id']}")
+    return ", ".join(parts)
 
 
 def lock_wait_seconds(environ: dict[str, str] | None = None) -> float:

@@ -86,7 +86,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
     last_error = next((e.get("error") for e in reversed(events[began + 1:])
                        if e.get("event") in ("error", "crash")), None)
     state = _state(events)
-    if state == RUNNING_OR_KILLED:  # the lock tells a live run from a killed one
+    if state == RUNNING_OR_KILLED:  # a held lock: running; free, holder here and gone: killed
         holder = live_holder(run)
         state = state if holder is None else f"running ({holder})" if holder else (
             "killed (no end recorded)")
@@ -196,7 +196,8 @@ def _cause(attempt: list[dict[str, Any]]) -> str:
     return "killed (no record)"
 
 
-RUNNING_OR_KILLED = "running or killed"  # (where the lock cannot tell which)
+RUNNING_OR_KILLED = "running or killed"  # (where the lock cannot tell which: no locks, or
+# a free lock last held from another host, whose flock may be node-local and unseen here)
 
 
 def _state(events: list[dict[str, Any]]) -> str:

@@ -1,0 +1,143 @@
+"""`pyrecover status` asks run.lock whether a run with no recorded end is running or killed.
+
+A held lock is a live run on any host. A free lock proves a death only for a holder on this
+host: where flock is node-local (Lustre mounted `localflock`, NFS with `local_lock=all` or
+`local_lock=flock`) a trainer on another node holds its lock unseen from here, so a free lock
+last held from another host says "running or killed", never "killed". No sleeps: the dead
+holder is a child that ran RunLock and has been reaped (or waited for without reaping, for
+a zombie), and the held lock is held by this test itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from pyrecover import status
+from pyrecover.rundir import RunDir, RunLock, live_holder
+
+OTHER_HOST = socket.gethostname() + "-other-node"
+
+
+def _run_with_no_recorded_end(tmp_path) -> RunDir:
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    run.event("start", step=0)
+    run.metric(step=1, loss=2.0, step_time=0.1)
+    assert status._state(run.read_events()) == status.RUNNING_OR_KILLED
+    return run
+
+
+def _record_holder(run: RunDir, **holder) -> None:
+    """Writes run.lock as RunLock.acquire does (host, pid, job_id, since), without holding it."""
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": None,
+              "since": 1.0, **holder}
+    run.lock_file.write_text(json.dumps(record) + "\n")
+
+
+def _lock_and_exit(run: RunDir, reap: bool = True) -> subprocess.Popen:
+    """A child process takes the run's lock with RunLock, as a trainer's rank 0 does, and
+    exits without a word (as a SIGKILLed trainer would). With reap=False it is left a zombie:
+    dead, its files closed and its lock gone, its pid not yet free (the caller reaps it)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; "
+         "from pyrecover.rundir import RunDir, RunLock; "
+         "RunLock(RunDir(Path(sys.argv[1]))).acquire(); import os; os._exit(0)",
+         str(run.root)])
+    if reap:
+        assert child.wait() == 0
+    else:  # waits for its exit, leaving it unreaped
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+    return child
+
+
+def test_a_free_lock_last_held_from_another_host_is_not_called_killed(tmp_path):
+    """The review's case: storage whose flock is node-local; the trainer on another node holds
+    the lock, this node sees it free. Status keeps the careful answer."""
+    run = _run_with_no_recorded_end(tmp_path)
+    _record_holder(run, host=OTHER_HOST, pid=12345, job_id="77")
+    assert live_holder(run) is None
+    s = status.read(run.root)
+    assert s.state == "running or killed"
+    assert "killed (no end recorded)" not in status.render(s)
+
+
+def test_a_free_lock_whose_holder_on_another_host_had_this_hosts_dead_pid_is_not_killed(
+        tmp_path):
+    """Another node's pid says nothing about this node's processes: a pid gone here does not
+    make the other host's holder dead."""
+    run = _run_with_no_recorded_end(tmp_path)
+    dead = _lock_and_exit(run).pid
+    _record_holder(run, host=OTHER_HOST, pid=dead)
+    assert live_holder(run) is None
+    assert status.read(run.root).state == "running or killed"
+
+
+def test_a_free_lock_last_held_on_this_host_by_a_dead_process_is_killed(tmp_path):
+    run = _run_with_no_recorded_end(tmp_path)
+    dead = _lock_and_exit(run).pid
+    recorded = json.loads(run.lock_file.read_text())
+    assert (recorded["host"], recorded["pid"]) == (socket.gethostname(), dead)
+    assert live_holder(run) == ""
+    s = status.read(run.root)
+    assert s.state == "killed (no end recorded)"
+    assert "state       killed (no end recorded)" in status.render(s)
+
+
+def test_a_zombie_holder_on_this_host_is_dead(tmp_path):
+    """A holder killed but not yet reaped by its parent holds no lock and no files."""
+    run = _run_with_no_recorded_end(tmp_path)
+    zombie = _lock_and_exit(run, reap=False)
+    try:
+        assert live_holder(run) == ""
+        assert status.read(run.root).state == "killed (no end recorded)"
+    finally:
+        assert zombie.wait() == 0
+
+
+def test_a_free_lock_whose_holder_pid_on_this_host_is_alive_is_not_called_killed(tmp_path):
+    """The lock is free, yet the recorded pid lives (reused by another process, or a holder
+    between its release and its exit): no proof of a death, so the careful answer."""
+    run = _run_with_no_recorded_end(tmp_path)
+    _record_holder(run, pid=os.getpid())
+    assert live_holder(run) is None
+    assert status.read(run.root).state == "running or killed"
+
+
+@pytest.mark.parametrize("content", ["", "not json\n", "[1, 2]\n", '{"pid": 1}\n',
+                                     '{"host": "%s", "pid": 0}\n',
+                                     '{"host": "%s", "pid": -1}\n',
+                                     '{"host": "%s", "pid": "12"}\n',
+                                     '{"host": "%s", "pid": true}\n',
+                                     '{"host": "%s"}\n'])
+def test_a_free_lock_naming_no_usable_holder_is_not_called_killed(tmp_path, content):
+    """An empty, garbled or incomplete record proves nothing (and pid 0 or -1 must never
+    reach os.kill, where they would signal whole process groups)."""
+    run = _run_with_no_recorded_end(tmp_path)
+    run.lock_file.write_text(content.replace("%s", socket.gethostname()))
+    assert live_holder(run) is None
+    assert status.read(run.root).state == "running or killed"
+
+
+@pytest.mark.parametrize("host", [socket.gethostname(), OTHER_HOST])
+def test_a_held_lock_is_running_whatever_host_it_names(tmp_path, host):
+    run = _run_with_no_recorded_end(tmp_path)
+    with RunLock(run):  # held by this process; status's own shared lock is refused
+        if host != socket.gethostname():
+            _record_holder(run, host=host, pid=4242, job_id="9")
+            expected = f"host {host}, pid 4242, SLURM job 9"
+        else:
+            expected = f"host {host}, pid {os.getpid()}"
+        assert live_holder(run) == expected
+        assert status.read(run.root).state == f"running ({expected})"
+
+
+def test_no_lock_file_cannot_tell(tmp_path):
+    run = _run_with_no_recorded_end(tmp_path)
+    assert live_holder(run) is None
+    assert status.read(run.root).state == "running or killed"
