@@ -153,7 +153,10 @@ def local_checks(checks: dict[str, Callable[[], str | None]], node: str, rank: i
     `injected` (pyrecover.faults.health_fault) names a check to fail on purpose.
     """
     for name, check in checks.items():
-        detail = "fault injected (PYRECOVER_HEALTH_FAIL)" if name == injected else check()
+        try:
+            detail = "fault injected (PYRECOVER_HEALTH_FAIL)" if name == injected else check()
+        except OSError as exc:  # e.g. storage that is not a folder: the check fails, says why
+            detail = f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc)
         if detail is not None:
             return Failure(name, node, rank, detail)
     return None

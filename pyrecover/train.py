@@ -109,8 +109,9 @@ def main(cfg: Config, run_dir: Path) -> None:
     else:
         run.create()
     # Issue 15: a bad node is found here, in seconds, and excluded by the job script.
-    checks = cfg.run.health_check
-    health_s = health.before_group(cfg, env, run, kind, node_name()) if checks else 0.0
+    checks = cfg.run.health_check  # a refused rank 0 skips its own: the folder is not its own
+    local = checks and refused is None
+    health_s = health.before_group(cfg, env, run, kind, node_name()) if local else 0.0
     # The process caught stop signals from its first moment (preempt.catch_early).
     flag = preempt.take_over((cfg.run.stop_signal, "SIGTERM", "SIGINT"))  # and earlier ones
     flag.announce = sys.stderr.isatty() and not os.environ.get(dist.SPAWNED)  # Ctrl-C's line

@@ -64,6 +64,16 @@ def test_storage_space_is_the_filesystem_s_free_space(tmp_path: Path):
     assert said is not None and "free under" in said and str(tmp_path) in said
 
 
+def test_storage_that_is_not_a_folder_fails_its_check_with_a_line_not_a_traceback(
+        tmp_path: Path):
+    storage = tmp_path / "storage"
+    storage.write_text("a file where the storage folder should be")
+    checks = {"storage_space": lambda: health.check_storage_space(storage / "run", 1)}
+    failure = health.local_checks(checks, "node2", 0)
+    assert failure is not None and failure.check == "storage_space"
+    assert "Not a directory" in failure.detail and str(storage / "run") in failure.detail
+
+
 def test_the_storage_write_leaves_nothing_behind_and_reports_a_folder_it_cannot_write(
         tmp_path: Path):
     assert health.check_storage_write(tmp_path, "rank0") is None
