@@ -65,9 +65,12 @@ class Status:
         return asdict(self)
 
 
-def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) -> Status:
-    """read builds the Status of a run directory; `squeue(job_id) -> state | None` and
-    `sacct(job_id) -> [(submit, start, end)]` (each attempt's SLURM times) are optional."""
+def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
+         queued=None) -> Status:
+    """read builds the Status of a run directory; `squeue(job_id) -> state | None`,
+    `sacct(job_id) -> [(submit, start, end)]` (each attempt's SLURM times) and
+    `queued(job_script) -> [(job_id, state)] | None` (jobs submitted for the run that have
+    not started it yet) are optional."""
     run = RunDir(Path(path))
     problem = run.problem()
     if problem:
@@ -76,7 +79,8 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
     garbled = [0]  # lines that are no JSON object at all
     events, skipped_events = _well_formed(read_jsonl(run.events, garbled), needs_time=True)
     metrics, skipped_metrics = _well_formed(read_jsonl(run.metrics, garbled), needs_time=False)
-    runs = phases.attempts(events)  # one per process start, a start that failed included
+    runs = [a for a in phases.attempts(events)  # one per process start, a failed one too,
+            if any(e.get("event") not in phases.JOB_SCRIPT_EVENTS for e in a)]  # not a cancel
     step = max([int(m.get("step", 0)) for m in metrics] +
                [int(e.get("step", 0)) for e in events if "step" in e], default=0)
     causes = Counter(_cause(attempt) for attempt in runs[:-1])
@@ -97,11 +101,15 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None) ->
     restore_s = sum(float(e.get("restore_seconds", 0)) for e in events
                     if e.get("event") == "resume")
     last_ckpt, invalid = _last_checkpoint(run, now)
+    slurm_state = squeue(_slurm_name(events, job_id)) if (squeue and job_id) else None
+    waiting = [] if job_id or not queued else queued(run.job_script) or []
+    if waiting:  # launched, not started yet: the job in the queue
+        job_id, slurm_state = waiting[0]
     book = ledger_mod.ledger(events, metrics, [ledger_mod.JobTimes(*t) for t in (
         sacct(job_id) if (sacct and job_id) else [])])
     return Status(
         run_dir=str(run.root), exp_name=run.root.name, state=state,
-        slurm_state=squeue(_slurm_name(events, job_id)) if (squeue and job_id) else None,
+        slurm_state=slurm_state,
         job_id=job_id,
         step=step, max_steps=_max_steps(run), starts=len(runs),
         restarts_by_cause=dict(causes), last_checkpoint=last_ckpt, invalid_checkpoints=invalid,

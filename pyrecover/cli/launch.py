@@ -120,6 +120,7 @@ def launch(
         raise LaunchError(f"image {spec.image!r} does not exist: build it with `make image`, "
                           "fix image/--image, or use --dry-run")
     submit.require_sbatch(os.environ)
+    _refuse_queued(spec.run.job_script, spec.run_dir)
     prepare_run_dir(cfg, spec.run, batch_note)
     spec.run.job_script.write_text(script)
     job_id = submit.submit(argv, cwd=spec.run_dir)
@@ -127,6 +128,19 @@ def launch(
     typer.echo(f"submitted job {job_id}")
     typer.echo(f"run directory: {spec.run_dir}")
     typer.echo(f"follow the log: tail -F {shlex.quote(str(log))}")
+
+
+def _refuse_queued(job_script: Path, run_dir: Path) -> None:
+    """A run has one job at a time: a second one would rewrite run.yaml under the first
+    (its next requeue starts with the new limits) and then wait on the run's lock."""
+    from pyrecover.slurm import LaunchError, query
+
+    jobs = query.queued_jobs(job_script)
+    if jobs:
+        job, state = jobs[0]
+        raise LaunchError(f"run {run_dir} already has SLURM job {job} ({state}): let it run, "
+                          f"or end it with `pyrecover cancel {shlex.quote(str(run_dir))}` "
+                          "first, or launch under another --exp-name")
 
 
 def _notes(cfg: Config, spec: JobSpec) -> list[str]:

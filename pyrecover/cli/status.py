@@ -7,10 +7,6 @@ from typing import Annotated
 
 import typer
 
-# SLURM states of a job that is waiting or running (squeue's long names).
-LIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
-               "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT")
-
 
 def status(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")],
@@ -47,7 +43,7 @@ def status(
     from pyrecover import status as status_mod
     from pyrecover.rundir import RunDir
     from pyrecover.rundir import clear_bad_nodes as clear
-    from pyrecover.slurm.query import job_times, squeue_state
+    from pyrecover.slurm.query import job_times, queued_jobs, squeue_state
 
     if clear_bad_nodes:
         status_mod.read(run_dir)  # refuses what is not a run directory, before changing it
@@ -55,7 +51,7 @@ def status(
         typer.echo(f"cleared {len(cleared)} excluded node(s)" +
                    (f": {', '.join(cleared)}" if cleared else ""), err=True)
 
-    report = status_mod.read(run_dir, squeue=squeue_state, sacct=job_times)
+    report = status_mod.read(run_dir, squeue=squeue_state, sacct=job_times, queued=queued_jobs)
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_mod.render(report))
 
 
@@ -75,19 +71,26 @@ def cancel(
     """
     from pyrecover import status as status_mod
     from pyrecover.rundir import RunDir
-    from pyrecover.slurm.query import cancel_job, squeue_state
+    from pyrecover.slurm.query import LIVE_STATES, cancel_job, queued_jobs, squeue_state
 
-    job = status_mod.slurm_job(run_dir)
-    if job is None:
-        raise status_mod.StatusError(f"{run_dir} has no SLURM job to cancel (it was never "
-                                     "started by one); stop a local run with Ctrl-C")
-    state = squeue_state(job)
-    if state is None or state not in LIVE_STATES:
+    job = status_mod.slurm_job(run_dir)  # the newest job that started the run, if any
+    state = squeue_state(job) if job is not None else None
+    jobs = [(job, state)] if job is not None and state in LIVE_STATES else []
+    # and jobs submitted for it that have not started yet (launch's job.sbatch)
+    jobs += [q for q in queued_jobs(RunDir(run_dir).job_script) or [] if q[0] != job]
+    if not jobs and job is None:
+        raise status_mod.StatusError(f"{run_dir} has no SLURM job to cancel (none started it "
+                                     "and none is queued for it); stop a local run with Ctrl-C")
+    if not jobs:
         raise status_mod.StatusError(f"job {job} of {run_dir} is not queued or running ("
                                      f"{state or 'SLURM does not list it'}); nothing to cancel")
-    RunDir(run_dir).event("cancel", job_id=job, slurm_state=state)
-    said = cancel_job(job)
-    if said:
-        raise status_mod.StatusError(f"could not cancel job {job}: {said}")
-    typer.echo(f"cancelled job {job} ({state}): it saves a checkpoint at its next step and is "
-               "not requeued; `pyrecover status` shows when it has ended", err=True)
+    for queued, said_state in jobs:
+        RunDir(run_dir).event("cancel", job_id=queued, slurm_state=said_state)
+        said = cancel_job(queued)
+        if said:
+            raise status_mod.StatusError(f"could not cancel job {queued}: {said}")
+        typer.echo(f"cancelled job {queued} ({said_state}): " + (
+            "it was waiting in the queue and will not start" if said_state == "PENDING" else
+            "it saves a checkpoint at its next step and is not requeued; `pyrecover status` "
+            "shows when it has ended"),
+            err=True)

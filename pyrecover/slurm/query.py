@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
+from pathlib import Path
+
+# States of a job that is queued or running (squeue's %T): such a job still starts a trainer.
+LIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
+               "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT")
 
 
 def squeue_state(job_id: str) -> str | None:
@@ -125,3 +131,31 @@ def cancel_job(job_id: str) -> str | None:
         except (OSError, subprocess.TimeoutExpired) as exc:
             said = f"{argv[0]}: {exc}"
     return said
+
+
+def queued_jobs(script: str | Path) -> list[tuple[str, str]] | None:
+    """queued_jobs is [(job id, state)] of this user's jobs that run the batch script
+    `script` (squeue's %o, the absolute path sbatch recorded) and are queued or running: a
+    run's own jobs, also those that never started and so left no event in the run directory.
+    COMPLETING jobs are left out (they are ending). None when squeue does not answer."""
+    try:
+        out = subprocess.run(["squeue", "-h", "--me", "-o", "%i|%T|%o"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return parse_queued(out.stdout, script)
+
+
+def parse_queued(text: str, script: str | Path) -> list[tuple[str, str]]:
+    """parse_queued reads `squeue -o %i|%T|%o` lines: the live jobs whose script is `script`."""
+    want = os.path.realpath(script)
+    jobs = []
+    for line in text.splitlines():
+        parts = line.strip().split("|", 2)
+        if len(parts) != 3 or parts[1] not in LIVE_STATES or parts[1] == "COMPLETING":
+            continue
+        if os.path.realpath(parts[2]) == want:
+            jobs.append((parts[0], parts[1]))
+    return jobs

@@ -140,3 +140,44 @@ def test_launcher_none_runs_this_venvs_python_without_a_container(local_slurm, c
     assert done.returncode == 2 and "was started with another config" in done.stderr
     assert "submitted job" not in done.stdout
     assert (run_dir / "job.sbatch").read_text() == before
+
+
+def test_a_run_with_a_job_in_the_queue_is_not_launched_again_until_it_is_cancelled(
+        local_slurm, corpus, tmp_path):
+    """One run, one job: a second launch would rewrite run.yaml under the queued job and then
+    wait on the run's lock. `pyrecover cancel` also ends a job that never started."""
+    storage = tmp_path / "storage"
+    args = ("--exp-name", "queued", "--set", f"run.storage={storage}",
+            "--set", f"data.path={corpus}", "--sbatch-extra=--hold")
+    job_id = submitted_job(launch(local_slurm, tmp_path, *args))  # held: it never starts
+    run_dir = storage / "queued"
+    recorded = (run_dir / "run.yaml").read_text()
+    said = status(local_slurm, run_dir)
+    assert (said["state"], said["job_id"], said["slurm_state"]) == (
+        "not started", str(job_id), "PENDING")
+
+    again = launch(local_slurm, tmp_path, *args, "--time", "0:07:00")
+    assert again.returncode == 2, again.stderr
+    assert again.stderr.splitlines()[-1] == (
+        f"error: run {run_dir} already has SLURM job {job_id} (PENDING): let it run, or end "
+        f"it with `pyrecover cancel {run_dir}` first, or launch under another --exp-name")
+    assert "submitted job" not in again.stdout
+    assert (run_dir / "run.yaml").read_text() == recorded
+
+    cancel = subprocess.run([sys.executable, "-m", "pyrecover", "cancel", str(run_dir)],
+                            env=launch_env(local_slurm), capture_output=True, text=True,
+                            timeout=60)
+    assert cancel.returncode == 0, cancel.stderr
+    assert f"cancelled job {job_id} (PENDING): it was waiting in the queue" in cancel.stderr
+    assert local_slurm.wait_job(job_id, timeout=60) == "CANCELLED"
+    said = status(local_slurm, run_dir)
+    assert (said["state"], said["starts"]) == ("cancelled", 0)  # the job never started it
+    job_id_2 = submitted_job(launch(local_slurm, tmp_path, *args))  # the queue is free again
+    local_slurm.cancel(job_id_2)
+
+
+def status(cluster: LocalSlurm, run_dir: Path) -> dict:
+    done = subprocess.run([sys.executable, "-m", "pyrecover", "status", "--json", str(run_dir)],
+                          env=launch_env(cluster), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
