@@ -25,7 +25,7 @@ MIN_SECONDS = 10.0  # never save more often: each save also costs storage bandwi
 MAX_SECONDS = 6 * 3600.0  # never risk more than this much recomputation
 FIRST_STEPS = 20  # before any save was measured: save soon, to measure one
 # Records written between two attempts (the job script's, a start's phases before it trains).
-BETWEEN_ATTEMPTS = frozenset({"phase", "requeue", "no_requeue", "restart_in_job"})
+BETWEEN_ATTEMPTS = frozenset({"phase", *phases.JOB_SCRIPT_EVENTS})  # a `cancel` too
 
 
 def young_daly_seconds(stall_s: float, mtbf_s: float) -> float:

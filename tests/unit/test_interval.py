@@ -75,6 +75,7 @@ def test_the_attempt_just_ended_counts_at_once_and_the_gap_after_it_is_not_train
     # start's phases. Its first failure shortened nothing before (it waited for one more).
     events = [{"event": "start", "time": 0}, end,
               {"event": "requeue", "time": 230, "exit_code": 1},
+              {"event": "cancel", "time": 250, "job_id": "7"},  # the requeued job, queued
               {"event": "phase", "time": 300, "phase": "process_start"},
               {"event": "phase", "time": 303, "phase": "imports_done"}]
     assert iv.failures_seen(events) == (200.0, failures)
