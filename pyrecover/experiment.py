@@ -72,9 +72,14 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
         write_config(cfg, run, note)
         return
     # The data file is the same (an identity key); given relative here, absolute there.
+    # run.storage and run.exp_name name where run.yaml lives, whatever this start was given
+    # (--run-dir): the job's next requeue (`--config run.yaml` alone) comes back here, also
+    # after the run was moved or copied to another folder.
+    here = os.path.abspath(run.root.parent)
+    storage = old.run.storage if os.path.abspath(old.run.storage) == here else here
     cfg = dataclasses.replace(
         cfg, data=dataclasses.replace(cfg.data, path=old.data.path),
-        run=dataclasses.replace(cfg.run, storage=old.run.storage, exp_name=old.run.exp_name))
+        run=dataclasses.replace(cfg.run, storage=storage, exp_name=run.root.name))
     if config_mod.to_dict(old) != config_mod.to_dict(cfg):
         head = run.config.read_text().split("\n", 1)[0]
         write_config(cfg, run, note or (head[2:] if head.startswith("# ") else None))

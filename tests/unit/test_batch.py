@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from pyrecover import batch, config
@@ -99,3 +101,10 @@ def test_a_restart_with_new_limits_records_them_and_keeps_the_rest_as_recorded(t
     prepare_run_dir(elsewhere, run, None)
     recorded = config.load(run.config)
     assert recorded.train.max_steps == 80 and recorded.run_dir() == run.root
+    # A run moved (or copied) to another folder: its run.yaml names the new place.
+    moved = RunDir(tmp_path / "moved" / "copy")
+    moved.root.parent.mkdir()
+    shutil.copytree(run.root, moved.root)
+    prepare_run_dir(elsewhere, moved, None)
+    assert config.load(moved.config).run_dir() == moved.root
+    assert config.load(run.config).run_dir() == run.root
