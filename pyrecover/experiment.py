@@ -9,16 +9,16 @@ import contextlib
 import dataclasses
 import os
 
-from pyrecover import batch
+from pyrecover import batch, dist
 from pyrecover import config as config_mod
 from pyrecover.config import Config, ConfigError
+from pyrecover.dist import DistEnv
 from pyrecover.phases import Phases
 from pyrecover.rundir import (
     RunDir,
     RunLock,
     RunLocked,
     StorageError,
-    lock_wait_seconds,
     storage_error,
 )
 
@@ -105,9 +105,9 @@ def record_start_error(run: RunDir, phases: Phases, exc: Exception) -> None:
     if not run.is_run():
         return
     lock = RunLock(run) if run.lock_file.exists() else None  # a live run has made one
-    try:
-        if lock is not None:
-            lock.acquire(lock_wait_seconds())
+    try:  # not waited for: the other ranks exit 2 at once, and SLURM ends a waiting rank 0
+        if lock is not None:  # (srun --kill-on-bad-exit) before it could say why
+            lock.acquire(0.0)
     except (RunLocked, StorageError):
         return
     try:
@@ -116,3 +116,18 @@ def record_start_error(run: RunDir, phases: Phases, exc: Exception) -> None:
     finally:
         if lock is not None:
             lock.release()
+
+
+def hold_run_dir(refused: Exception | None, env: DistEnv) -> None:
+    """hold_run_dir tells every rank whether any rank cannot start here (`refused`: this
+    rank's reason): a second start on a live run directory (rank 0 did not get its lock) or
+    storage a rank cannot create the run in is refused on every rank, before it cleans up
+    anything (the other run's in-flight save) or writes a line; rank 0 says why."""
+    reasons = dist.gather_objects(refused, env.world_size)
+    reason = reasons[0] or next((r for r in reasons if r is not None), None)
+    if reason is not None:
+        with contextlib.suppress(Exception):
+            dist.teardown()
+        if env.rank == 0:
+            raise reason
+        raise SystemExit(2 if isinstance(reason, RunLocked) else 1)

@@ -43,7 +43,12 @@ from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
 from pyrecover.config_checks import parse_profile_window
 from pyrecover.data import Batches, DataError, check_tokens, load_tokens
-from pyrecover.experiment import prepare_run_dir, record_start_error, recorded_global_batch
+from pyrecover.experiment import (
+    hold_run_dir,
+    prepare_run_dir,
+    record_start_error,
+    recorded_global_batch,
+)
 from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig, empty_gpt, initialize
 from pyrecover.optim import build_optimizer, build_scheduler
@@ -97,17 +102,17 @@ def main(cfg: Config, run_dir: Path) -> None:
             raise SystemExit(2) from None  # rank 0 read the same files here and says it once
         raise
     lock = RunLock(run)
-    refused: Exception | None = None  # rank 0: another live run holds the run directory
-    if env.rank == 0:
-        if batch_note:
-            log.info("%s", batch_note)
-        try:  # the lock first: a refused start writes nothing into the live run's directory
+    refused: Exception | None = None  # another live run holds the run directory (rank 0's
+    try:  # lock), or the storage cannot hold it: said after the group is up, on every rank
+        if env.rank == 0:  # the lock first: a refused start writes nothing into the folder
+            if batch_note:
+                log.info("%s", batch_note)
             prepare_run_dir(cfg, run, batch_note, lock, rundir.lock_wait_seconds())
             phases.attach(run)
-        except (RunLocked, StorageError) as exc:
-            refused = exc
-    else:
-        run.create()
+        else:
+            run.create()
+    except (RunLocked, StorageError) as exc:
+        refused = exc
     # Issue 15: a bad node is found here, in seconds, and excluded by the job script.
     checks = cfg.run.health_check  # a refused rank 0 skips its own: the folder is not its own
     local = checks and refused is None
@@ -117,11 +122,15 @@ def main(cfg: Config, run_dir: Path) -> None:
     flag.announce = sys.stderr.isatty() and not os.environ.get(dist.SPAWNED)  # Ctrl-C's line
     # Issue 14: the hang watchdog; torch's own timeout is set above its limits (backstop).
     rule = watchdog.rule_from(cfg.run.hang_timeout, cfg.run.hang_startup_timeout)
-    device = dist.setup(env, kind, timeout_s=watchdog.backstop_seconds(rule))
-    phases.mark("group_up")
-    hold_run_dir(refused, env)
-    if checks:
-        health.after_group(run, env, node_name(), health_s)
+    try:  # the lock is released however this start ends (the process may live on: bench)
+        device = dist.setup(env, kind, timeout_s=watchdog.backstop_seconds(rule))
+        phases.mark("group_up")
+        hold_run_dir(refused, env)
+        if checks:
+            health.after_group(run, env, node_name(), health_s)
+    except BaseException:
+        lock.release()
+        raise
     managers: list[CheckpointManager] = []
 
     def persist() -> None:
@@ -183,23 +192,6 @@ def main(cfg: Config, run_dir: Path) -> None:
         lock.release()
         phases.mark("exit")
         gc.enable()
-
-
-def hold_run_dir(refused: Exception | None, env: dist.DistEnv) -> None:
-    """hold_run_dir tells every rank whether rank 0 got the run directory's lock (`refused`
-    is rank 0's answer): a second start on a live run directory is refused on every rank,
-    before it cleans up anything (the other run's in-flight save) or writes a line."""
-    import torch.distributed as tdist
-
-    answer: list[Exception | None] = [refused]
-    if env.world_size > 1 and tdist.is_initialized():
-        tdist.broadcast_object_list(answer, src=0)
-    if answer[0] is not None:
-        with contextlib.suppress(Exception):
-            dist.teardown()
-        if env.rank == 0:
-            raise answer[0]
-        raise SystemExit(2 if isinstance(answer[0], RunLocked) else 1)  # rank 0 says why
 
 
 class PeerLost(RuntimeError):

@@ -3,13 +3,18 @@ line that cannot be written never stops the training."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 from helpers import pyrecover, tiny_args
 
 
-def one_error_line(done) -> str:
-    assert "Traceback" not in done.stderr, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, done.stderr
+def one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, stderr
     return lines[0]
 
 
@@ -18,13 +23,14 @@ def test_storage_that_cannot_hold_a_folder_is_one_line_exit_1(tmp_path, corpus):
     storage.write_text("a file where the storage folder should be")
     done = pyrecover("train", *tiny_args(storage, corpus, "run"))
     assert done.returncode == 1
-    assert one_error_line(done).startswith(f"error: storage: cannot create {storage / 'run'}")
+    line = one_error_line(done.stderr)
+    assert line.startswith(f"error: storage: cannot create {storage / 'run'}")
 
 
 def test_a_disk_full_at_start_is_one_line_exit_1(tmp_path, corpus):
     done = pyrecover("train", *tiny_args(tmp_path, corpus, "run"), max_file_bytes=64)
     assert done.returncode == 1
-    line = one_error_line(done)
+    line = one_error_line(done.stderr)
     assert line.startswith(f"error: storage: cannot write {tmp_path / 'run' / 'run.yaml'}")
     assert "File too large" in line
 
@@ -35,3 +41,31 @@ def test_a_metrics_file_that_cannot_be_appended_to_does_not_stop_training(tmp_pa
     assert done.returncode == 0, done.stderr
     assert "could not append to" in done.stderr and "finished at step 10" in done.stderr
     assert (tmp_path / "run" / "checkpoints" / "step-10" / "manifest.json").is_file()
+
+
+def test_at_two_ranks_storage_that_cannot_hold_the_run_is_one_line_from_rank_0(tmp_path,
+                                                                               corpus):
+    """Every rank finds it before the group; they agree once the group is up, so rank 0 says
+    it and ends. Before, rank 0 held it for later and waited in the rendezvous for a rank 1
+    that had already exited: until a launcher killed it, or the rendezvous timed out."""
+    storage = tmp_path / "storage"
+    storage.write_text("a file where the storage folder should be")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), WANDB_MODE="disabled")
+    argv = [sys.executable, "-m", "pyrecover", "train", *tiny_args(storage, corpus, "run")]
+    ranks = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:  # an event, not a time bound: a rank 0 left waiting never ends on its own
+        said = [p.communicate(timeout=240)[1] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert [p.returncode for p in ranks] == [1, 1], said
+    assert one_error_line(said[0]) == (
+        f"error: storage: cannot create {storage / 'run'}: Not a directory")
+    assert "error" not in said[1], said[1]  # rank 0 says it once
+
