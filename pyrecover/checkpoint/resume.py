@@ -186,6 +186,12 @@ def beats(root: Path) -> int:
         return 0
 
 
+def _progress() -> int:
+    """_progress moves as rank 0's choice gets on: checksum reads, and a killed save's files
+    removed by `tidy`."""
+    return checksum.checksummed_bytes() + store.removed_entries()
+
+
 class _Beats:
     """_Beats appends one byte to `path` every `every` seconds from `start` until `stop`, which
     removes the file, but only where the checksum pass read something since the last look
@@ -195,7 +201,7 @@ class _Beats:
 
     def __init__(self, path: Path, every: float) -> None:
         self.path, self.every = path, every
-        self._read = checksum.checksummed_bytes()
+        self._read = _progress()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="pyrecover-beats", daemon=True)
 
@@ -206,7 +212,7 @@ class _Beats:
     def beat(self) -> bool:
         """beat appends a byte if the checksum reads moved since its last call (or since this
         was made), and says whether they had. The timer's thread calls it every `every` s."""
-        read = checksum.checksummed_bytes()
+        read = _progress()
         if read == self._read:
             return False
         self._read = read

@@ -336,12 +336,36 @@ def scan(root: Path, checksums: bool = True, environ: Mapping[str, str] | None =
             yield step, folder, None, str(exc)
 
 
+_removed = 0  # entries clean_uncommitted has removed, in this process
+
+
+def removed_entries() -> int:
+    """removed_entries is how many files and folders `clean_uncommitted` has removed so far in
+    this process: it moves only as a removal returns, so rank 0's beats while it tidies a
+    killed save's many files follow it (resume.py), and stand still where storage hangs."""
+    return _removed
+
+
 def clean_uncommitted(root: Path) -> list[Path]:
-    """clean_uncommitted removes temporary folders a killed save left behind; returns them."""
+    """clean_uncommitted removes temporary folders a killed save left behind; returns them.
+    Errors are ignored (what is left is removed at the next start)."""
     removed = []
     if root.is_dir():
         for p in root.iterdir():
             if p.is_dir() and (p.name.startswith(".tmp-step-") or p.name.startswith(".old-step-")):
-                shutil.rmtree(p, ignore_errors=True)
+                for folder, dirs, files in os.walk(p, topdown=False):  # links are not followed
+                    links = [d for d in dirs if os.path.islink(os.path.join(folder, d))]
+                    for name in files + links:
+                        _remove(os.unlink, os.path.join(folder, name))
+                    _remove(os.rmdir, folder)
                 removed.append(p)
     return removed
+
+
+def _remove(remove: Any, path: str) -> None:
+    global _removed
+    try:
+        remove(path)
+    except OSError:
+        pass
+    _removed += 1

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from pyrecover.checkpoint import checksum, resume
+from pyrecover.checkpoint import checksum, resume, store
 from pyrecover.watchdog import Rule, Watchdog
 
 
@@ -96,3 +96,21 @@ def test_a_stuck_choice_gives_no_beats_and_the_waiting_rank_fires(tmp_path, monk
         release.set()
     assert chosen.result(timeout=60).found is None
     assert not (root / resume.VERIFYING).exists()
+
+
+def test_removing_a_killed_save_s_files_beats_and_leaves_nothing(tmp_path):
+    """tidy removes what a killed save left (a large DCP save: thousands of files, slow on a
+    parallel file system); each removal is progress, so the waiting ranks do not take a long
+    tidy for a hang."""
+    root = tmp_path / "checkpoints"
+    left = root / ".tmp-step-40-abc"
+    (left / "shards").mkdir(parents=True)
+    for i in range(5):
+        (left / "shards" / f"__{i}_0.distcp").write_bytes(b"x")
+    (root / "elsewhere").mkdir()
+    (left / "link").symlink_to(root / "elsewhere", target_is_directory=True)  # not followed
+    (root / "step-30").mkdir()
+    beating = resume._Beats(tmp_path / resume.VERIFYING, every=3600.0)
+    assert store.clean_uncommitted(root) == [left]
+    assert beating.beat() and not beating.beat()  # moved once for the removals, then still
+    assert sorted(p.name for p in root.iterdir()) == ["elsewhere", "step-30"]
