@@ -19,6 +19,7 @@ from pyrecover import ledger as ledger_mod
 from pyrecover import phases
 from pyrecover.profiling import describe
 from pyrecover.rundir import RunDir, live_holder, read_bad_nodes, read_jsonl
+from pyrecover.slurm.query import LIVE_STATES
 
 
 class StatusError(ValueError):
@@ -102,8 +103,10 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
                     if e.get("event") == "resume")
     last_ckpt, invalid = _last_checkpoint(run, now)
     slurm_state = squeue(_slurm_name(events, job_id)) if (squeue and job_id) else None
-    waiting = [] if job_id or not queued else queued(run.job_script) or []
-    if waiting:  # launched, not started yet: the job in the queue
+    ended = slurm_state not in LIVE_STATES  # the last job that started it, or none did
+    waiting = [q for q in (queued(run.job_script) or []) if q[0] != job_id] if (
+        queued and ended) else []
+    if waiting:  # launched again, not started yet: the job in the queue
         job_id, slurm_state = waiting[0]
     book = ledger_mod.ledger(events, metrics, [ledger_mod.JobTimes(*t) for t in (
         sacct(job_id) if (sacct and job_id) else [])])

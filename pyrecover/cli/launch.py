@@ -19,6 +19,7 @@ from pyrecover.cli import site_options as site
 
 if TYPE_CHECKING:
     from pyrecover.config import Config
+    from pyrecover.rundir import RunDir
     from pyrecover.slurm.render import JobSpec
 
 P = site.P  # help text: which options override the profile
@@ -120,7 +121,7 @@ def launch(
         raise LaunchError(f"image {spec.image!r} does not exist: build it with `make image`, "
                           "fix image/--image, or use --dry-run")
     submit.require_sbatch(os.environ)
-    _refuse_queued(spec.run.job_script, spec.run_dir)
+    _refuse_live(spec.run)
     prepare_run_dir(cfg, spec.run, batch_note)
     spec.run.job_script.write_text(script)
     job_id = submit.submit(argv, cwd=spec.run_dir)
@@ -130,17 +131,22 @@ def launch(
     typer.echo(f"follow the log: tail -F {shlex.quote(str(log))}")
 
 
-def _refuse_queued(job_script: Path, run_dir: Path) -> None:
-    """A run has one job at a time: a second one would rewrite run.yaml under the first
-    (its next requeue starts with the new limits) and then wait on the run's lock."""
+def _refuse_live(run: RunDir) -> None:
+    """A run has one job at a time: a second one would rewrite run.yaml under the first (its
+    next requeue starts with the new limits) and then wait on the run's lock. Its job is one
+    of this user's in the queue that runs its job.sbatch, or whatever holds its lock."""
+    from pyrecover.rundir import live_holder
     from pyrecover.slurm import LaunchError, query
 
-    jobs = query.queued_jobs(job_script)
+    end = (f"let it run, or end it with `pyrecover cancel {shlex.quote(str(run.root))}` first, "
+           "or launch under another --exp-name")
+    jobs = query.queued_jobs(run.job_script)
     if jobs:
-        job, state = jobs[0]
-        raise LaunchError(f"run {run_dir} already has SLURM job {job} ({state}): let it run, "
-                          f"or end it with `pyrecover cancel {shlex.quote(str(run_dir))}` "
-                          "first, or launch under another --exp-name")
+        raise LaunchError(f"run {run.root} already has SLURM job {jobs[0][0]} ({jobs[0][1]}): "
+                          + end)
+    holder = live_holder(run)
+    if holder:  # started some other way (a job script of one's own, srun by hand)
+        raise LaunchError(f"run {run.root} is in use by a live run ({holder}): " + end)
 
 
 def _notes(cfg: Config, spec: JobSpec) -> list[str]:

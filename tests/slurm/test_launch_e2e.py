@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from localslurm import LocalSlurm
 
+from pyrecover.rundir import RunDir, RunLock
+
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -172,7 +174,15 @@ def test_a_run_with_a_job_in_the_queue_is_not_launched_again_until_it_is_cancell
     assert local_slurm.wait_job(job_id, timeout=60) == "CANCELLED"
     said = status(local_slurm, run_dir)
     assert (said["state"], said["starts"]) == ("cancelled", 0)  # the job never started it
-    job_id_2 = submitted_job(launch(local_slurm, tmp_path, *args))  # the queue is free again
+    # A live run started some other way (srun by hand) holds the run's lock: refused too.
+    with RunLock(RunDir(run_dir)):
+        again = launch(local_slurm, tmp_path, *args)
+    assert again.returncode == 2 and "submitted job" not in again.stdout, again.stderr
+    assert again.stderr.splitlines()[-1].startswith(
+        f"error: run {run_dir} is in use by a live run (host "), again.stderr
+    job_id_2 = submitted_job(launch(local_slurm, tmp_path, *args))  # free again
+    said = status(local_slurm, run_dir)  # the queued job, not the cancelled one
+    assert (said["job_id"], said["slurm_state"]) == (str(job_id_2), "PENDING"), said
     local_slurm.cancel(job_id_2)
 
 
