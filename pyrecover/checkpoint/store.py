@@ -17,7 +17,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -362,7 +362,7 @@ def clean_uncommitted(root: Path) -> list[Path]:
     return removed
 
 
-def _remove(remove: Any, path: str) -> None:
+def _remove(remove: Callable[[str], None], path: str) -> None:
     global _removed
     try:
         remove(path)

@@ -73,8 +73,9 @@ def launch(
 
     The run directory is <run.storage>/<run.exp_name>; run.yaml there records the resolved
     experiment with absolute paths. Launching again with a config that changes what the run
-    computes is refused. Secrets such as WANDB_API_KEY are never written into the script: the
-    job inherits them from this environment.
+    computes is refused, and so is a run that already has a job queued or running (one job
+    per run: `pyrecover cancel RUN_DIR` ends it). Secrets such as WANDB_API_KEY are never
+    written into the script: the job inherits them from this environment.
 
     \b
     Examples:

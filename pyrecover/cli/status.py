@@ -64,6 +64,7 @@ def cancel(
     requeues itself. This makes the job non-requeueable first (`scontrol update
     Requeue=0`), then cancels it; the trainer still stops cleanly at the next step and
     writes its checkpoint, so `pyrecover launch` of the same run later resumes from there.
+    A job launched for the run that has not started yet is cancelled too.
 
     \b
     Examples:
