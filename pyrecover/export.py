@@ -3,7 +3,8 @@ inference without pyrecover, in one of three formats (FORMATS).
 
 Every output is written under a temporary name next to `--out` and renamed into place, so
 `--out` is either absent, what it was before, or complete; an existing folder with anything in
-it is never replaced (rename(2) refuses a non-empty folder, and it is checked first).
+it is never replaced (rename(2) refuses a non-empty folder, and it is checked first). What
+`--format` and `--out` can be refused for is said before torch is imported.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from pyrecover import hf
-from pyrecover.checkpoint import store, tools
+from pyrecover.checkpoint import store
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 from pyrecover.config_checks import short
 from pyrecover.rundir import RunDir
+
+if TYPE_CHECKING:
+    import torch
 
 FORMATS = {
     "torch": "one file: the model's plain state_dict (torch.load(OUT, weights_only=True))",
@@ -49,6 +51,11 @@ def export_model(run: RunDir, step: int | None, out: Path, fmt: str = "torch",
         raise CheckpointError(f"--format {short(fmt)}: expected one of {', '.join(FORMATS)}")
     out = _target(out, run, fmt, replace)
     save_file = _safetensors(fmt) if fmt != "torch" else None
+    import torch
+
+    from pyrecover import hf
+    from pyrecover.checkpoint import tools
+
     ckpt, (state, model) = tools.first_that_works(run, step, _weights_and_config)
     if fmt == "hf":
         try:
@@ -79,6 +86,8 @@ def export_model(run: RunDir, step: int | None, out: Path, fmt: str = "torch",
 
 
 def _weights_and_config(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], dict]:
+    from pyrecover.checkpoint import tools
+
     return tools.model_state(ckpt), dict(tools.config_of(ckpt)["model"])
 
 
@@ -139,6 +148,8 @@ def _safetensors(fmt: str):
 def _once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """_once drops the head when it is the token embedding (safetensors keeps no tensor twice);
     `safetensors.torch.load_model(GPT(cfg), OUT)` ties it again."""
+    import torch
+
     out = {k: v.contiguous() for k, v in state.items()}
     head, wte = out.get("head.weight"), out.get("wte.weight")
     if head is not None and wte is not None and torch.equal(head, wte):

@@ -33,6 +33,7 @@ from pyrecover.checkpoint.checksum import (  # noqa: F401 (callers know them as 
     tree_digest,
     tree_file,
 )
+from pyrecover.rundir import RunDir
 
 MANIFEST = "manifest.json"
 SNAPSHOT_GLOB = ".snap-step-*"  # memory mode's survivors' snapshots (layout.py's SNAP_PREFIX)
@@ -275,6 +276,12 @@ def _structure_problem(manifest: object, folder: Path) -> str:
             return (f"the entry of {name!r} has no checksum this version knows (one of "
                     f"{', '.join(CHECKSUM_KINDS)}; written by a newer pyrecover?)")
     return _mode_problem(manifest["mode"], list(files))
+
+
+def no_such_step(run: RunDir, step: int) -> CheckpointError:
+    """no_such_step is the error for a `--step` the run has no folder for, naming those it has."""
+    have = ", ".join(str(s) for s, _ in committed_steps(run.checkpoints)) or "none"
+    return CheckpointError(f"{run.root} has no checkpoint step {step} (steps: {have})")
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""What `pyrecover ckpt ...` does: list, verify and convert the checkpoints of a run directory
-(export, which writes the model alone, is pyrecover/export.py)."""
+"""What `pyrecover ckpt ...` does with torch: open, verify and convert the checkpoints of a run
+directory (listing them is listing.py, without torch; export, which writes the model alone,
+is pyrecover/export.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ import json
 import logging
 import os
 import shutil
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,29 +20,6 @@ from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 from pyrecover.rundir import RunDir
 
 log = logging.getLogger("pyrecover")
-
-
-def open_run(path: str | Path) -> RunDir:
-    """open_run returns the run directory at `path`, or raises naming what is wrong."""
-    run = RunDir(Path(path))
-    problem = run.problem()
-    if problem:
-        raise CheckpointError(problem)
-    return run
-
-
-@dataclass(frozen=True)
-class Row:
-    step: int
-    mode: str
-    world_size: int | str
-    size: int
-    age_s: float | None
-    problem: str  # "" when the checkpoint verifies
-
-    @property
-    def valid(self) -> bool:
-        return not self.problem
 
 
 def load_problem(ckpt: Checkpoint) -> str:
@@ -69,30 +45,6 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
-def list_checkpoints(run: RunDir, checksums: bool = True, steps: set[int] | None = None,
-                     now: float | None = None) -> list[Row]:
-    """list_checkpoints describes every step folder, newest first, verified or with its problem.
-
-    With `checksums`, a checkpoint whose files verify must also load safely (load_problem).
-    """
-    now = time.time() if now is None else now
-    rows = []
-    for step, folder, ckpt, problem in store.scan(run.checkpoints, checksums):
-        if steps is not None and step not in steps:
-            continue
-        if ckpt is not None and checksums:
-            problem = load_problem(ckpt)
-        try:
-            manifest = ckpt.manifest if ckpt else store.read_manifest(folder)
-            mode, world = manifest["mode"], manifest["world_size"]
-            size = sum(int(f["size"]) for f in manifest["files"].values())
-            age = now - float(manifest.get("time", folder.stat().st_mtime))
-        except CheckpointError:
-            mode, world, size, age = "?", "?", _du(folder), None
-        rows.append(Row(step, mode, world, size, age, problem))
-    return rows
-
-
 def pick(run: RunDir, step: int | None) -> Checkpoint:
     """pick returns the checkpoint of `step` (or the newest valid one), verified."""
     return next(candidates(run, step))
@@ -104,8 +56,7 @@ def candidates(run: RunDir, step: int | None) -> Iterator[Checkpoint]:
     if step is not None:
         folder = run.checkpoints / store.step_folder_name(step)
         if not (folder.is_dir() or folder.is_symlink()):
-            have = ", ".join(str(s) for s, _ in store.committed_steps(run.checkpoints)) or "none"
-            raise CheckpointError(f"{run.root} has no checkpoint step {step} (steps: {have})")
+            raise store.no_such_step(run, step)
         ckpt = store.verify(folder)
         if problem := load_problem(ckpt):
             raise CheckpointError(f"checkpoint step {step} is invalid: {problem}")
@@ -183,27 +134,6 @@ class temporary:
                 self.tmp.unlink()
         if isinstance(exc, OSError):  # a full disk, an --out that is a folder: one line
             raise CheckpointError(f"cannot write {self.out}: {exc.strerror or exc}") from None
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def human_age(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
-
-
-def _du(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def config_of(ckpt: Checkpoint) -> dict:

@@ -27,9 +27,9 @@ def ls(
       pyrecover ckpt ls runs/tiny
       pyrecover ckpt ls runs/tiny --fast --json
     """
-    from pyrecover.checkpoint import tools
+    from pyrecover.checkpoint import listing
 
-    rows = tools.list_checkpoints(tools.open_run(run_dir), checksums=not fast)
+    rows = listing.list_checkpoints(listing.open_run(run_dir), checksums=not fast)
     if as_json:
         for r in rows:
             typer.echo(json.dumps({"step": r.step, "mode": r.mode, "world_size": r.world_size,
@@ -42,8 +42,8 @@ def ls(
     typer.echo(f"{'step':>8}  {'mode':<8} {'world':>5} {'size':>10} {'age':>7}  status")
     for r in rows:
         status = "ok" if r.valid else f"INVALID: {r.problem}"
-        typer.echo(f"{r.step:>8}  {r.mode:<8} {r.world_size!s:>5} {tools.human_bytes(r.size):>10}"
-                   f" {tools.human_age(r.age_s):>7}  {status}")
+        size, age = listing.human_bytes(r.size), listing.human_age(r.age_s)
+        typer.echo(f"{r.step:>8}  {r.mode:<8} {r.world_size!s:>5} {size:>10} {age:>7}  {status}")
 
 
 @ckpt_app.command("verify")
@@ -58,12 +58,12 @@ def verify(run_dir: RunArg, step: Annotated[int | None, typer.Option(
       pyrecover ckpt verify runs/tiny
       pyrecover ckpt verify runs/tiny --step 100
     """
-    from pyrecover.checkpoint import tools
+    from pyrecover.checkpoint import listing, store
 
-    run = tools.open_run(run_dir)
-    rows = tools.list_checkpoints(run, steps={step} if step is not None else None)
+    run = listing.open_run(run_dir)
+    rows = listing.list_checkpoints(run, steps={step} if step is not None else None)
     if step is not None and not rows:
-        tools.pick(run, step)  # raises the "no such step" error
+        raise store.no_such_step(run, step)
     if not rows:
         typer.echo(f"error: {run_dir} has no checkpoints", err=True)
         raise typer.Exit(1)
@@ -101,13 +101,13 @@ def export(
       pyrecover ckpt export runs/tiny --format hf --out my-gpt2/
     """
     from pyrecover import export as export_mod
-    from pyrecover.checkpoint import tools
+    from pyrecover.checkpoint import listing
 
-    done = export_mod.export_model(tools.open_run(run_dir), step, out, fmt, replace=force)
+    done = export_mod.export_model(listing.open_run(run_dir), step, out, fmt, replace=force)
     how = {"torch": "", "safetensors": " as safetensors",
            "hf": " as a Hugging Face GPT-2 folder"}[fmt]
     typer.echo(f"exported step {done.ckpt.step} ({done.ckpt.mode}){how} to {done.out} "
-               f"({tools.human_bytes(done.size)})")
+               f"({listing.human_bytes(done.size)})")
     if fmt == "hf":
         typer.echo(f"load it: transformers.GPT2LMHeadModel.from_pretrained({str(done.out)!r})")
 
@@ -130,7 +130,10 @@ def convert(
       pyrecover ckpt convert runs/tiny --to torch state.pt
       pyrecover ckpt convert runs/tiny --step 100 --to dcp state-dcp/
     """
+    from pyrecover.checkpoint import listing
+
+    run = listing.open_run(run_dir)  # a path that is no run is said before torch's import
     from pyrecover.checkpoint import tools
 
-    ckpt = tools.convert(tools.open_run(run_dir), step, to, out)
+    ckpt = tools.convert(run, step, to, out)
     typer.echo(f"converted step {ckpt.step} ({ckpt.mode}) to {to}: {out}")

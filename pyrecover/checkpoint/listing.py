@@ -1,0 +1,87 @@
+"""What `pyrecover ckpt ls` and `verify` show of a run's checkpoints, without torch.
+
+Listing reads manifests and, with checksums, every file's bytes; only a checkpoint that
+verifies is then opened the way a restore opens it (tools.load_problem), which needs torch.
+So `ckpt ls --fast`, a run without checkpoints and a path that is no run answer at once, not
+after torch's import (seconds; far more on a cluster's login node).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyrecover.checkpoint import store
+from pyrecover.checkpoint.store import CheckpointError
+from pyrecover.rundir import RunDir
+
+
+def open_run(path: str | Path) -> RunDir:
+    """open_run returns the run directory at `path`, or raises naming what is wrong."""
+    run = RunDir(Path(path))
+    problem = run.problem()
+    if problem:
+        raise CheckpointError(problem)
+    return run
+
+
+@dataclass(frozen=True)
+class Row:
+    step: int
+    mode: str
+    world_size: int | str
+    size: int
+    age_s: float | None
+    problem: str  # "" when the checkpoint verifies
+
+    @property
+    def valid(self) -> bool:
+        return not self.problem
+
+
+def list_checkpoints(run: RunDir, checksums: bool = True, steps: set[int] | None = None,
+                     now: float | None = None) -> list[Row]:
+    """list_checkpoints describes every step folder, newest first, verified or with its problem.
+
+    With `checksums`, a checkpoint whose files verify must also load safely (load_problem).
+    """
+    now = time.time() if now is None else now
+    rows = []
+    for step, folder, ckpt, problem in store.scan(run.checkpoints, checksums):
+        if steps is not None and step not in steps:
+            continue
+        if ckpt is not None and checksums:
+            from pyrecover.checkpoint.tools import load_problem  # torch: only for one to open
+
+            problem = load_problem(ckpt)
+        try:
+            manifest = ckpt.manifest if ckpt else store.read_manifest(folder)
+            mode, world = manifest["mode"], manifest["world_size"]
+            size = sum(int(f["size"]) for f in manifest["files"].values())
+            age = now - float(manifest.get("time", folder.stat().st_mtime))
+        except CheckpointError:
+            mode, world, size, age = "?", "?", _du(folder), None
+        rows.append(Row(step, mode, world, size, age, problem))
+    return rows
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def human_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _du(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())

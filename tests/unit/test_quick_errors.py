@@ -1,0 +1,87 @@
+"""A mistake is said before torch is imported: seconds on a laptop, far more on a cluster's
+login node, where torch comes off a shared file system. So are the answers of `ckpt ls --fast`
+and of a run without checkpoints, which read manifests only."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from helpers import TINY
+
+from pyrecover.checkpoint import store
+from pyrecover.cli.app import FAULTS, USER_ERRORS
+
+# Runs the CLI as `python -m pyrecover` does, then says whether torch was imported.
+PROBE = """
+import runpy, sys
+sys.argv = ["pyrecover", *sys.argv[1:]]
+try:
+    runpy.run_module("pyrecover", run_name="__main__")
+    code = 0
+except SystemExit as done:
+    code = done.code
+print(f"exit={code} torch={'torch' in sys.modules}")
+"""
+
+
+def run_cli(*args: str, cwd=None) -> tuple[str, str]:
+    done = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+    return done.stdout.strip().splitlines()[-1], done.stderr
+
+
+def committed_run(root):
+    """A run directory with one committed checkpoint whose file is not one torch can read."""
+    root.mkdir(parents=True)
+    (root / "run.yaml").write_text(TINY.read_text())
+    pending = store.begin(root / "checkpoints", 10)
+    with pending.open("state.pt") as f:
+        f.write(b"not a torch file")
+    pending.commit("vanilla", 1, {"step": 10})
+    return root
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
+    (["train", "--config", str(TINY), "--set", "train.lr=abc"], "train.lr"),
+    (["ckpt", "ls", "nope"], "run directory 'nope' does not exist"),
+    (["ckpt", "verify", "nope"], "run directory 'nope' does not exist"),
+    (["ckpt", "export", "nope", "--out", "m.pt"], "run directory 'nope' does not exist"),
+    (["ckpt", "convert", "nope", "--to", "torch", "s.pt"], "run directory 'nope' does not exist"),
+    (["ckpt", "verify", "run", "--step", "7"], "has no checkpoint step 7 (steps: 10)"),
+    (["ckpt", "export", "run", "--out", "run/run.yaml"], "would replace run.yaml"),
+    (["ckpt", "export", "run", "--out", "m.pt", "--format", "onnx"], "--format 'onnx'"),
+    (["launch", "--config", str(TINY), "--set", "checkpoint.mode=nonsense"], "checkpoint.mode"),
+])
+def test_a_mistake_is_one_line_exit_2_before_torch_is_imported(tmp_path, args, message):
+    committed_run(tmp_path / "run")
+    outcome, stderr = run_cli(*args, cwd=tmp_path)
+    assert outcome == "exit=2 torch=False", stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr
+
+
+def test_ckpt_ls_fast_reads_manifests_only_and_the_full_listing_opens_the_checkpoint(tmp_path):
+    run = committed_run(tmp_path / "run")
+    outcome, _ = run_cli("ckpt", "ls", str(run), "--fast")
+    assert outcome == "exit=0 torch=False"
+    empty = tmp_path / "empty"
+    (empty / "checkpoints").mkdir(parents=True)
+    assert run_cli("ckpt", "ls", str(empty))[0] == "exit=0 torch=False"
+    # Without --fast, a checkpoint whose files verify is opened as a restore would open it.
+    done = subprocess.run([sys.executable, "-c", PROBE, "ckpt", "ls", str(run), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    rows, outcome = done.stdout.strip().splitlines()[:-1], done.stdout.strip().splitlines()[-1]
+    assert outcome == "exit=0 torch=True"
+    assert len(rows) == 1 and '"valid": false' in rows[0] and "cannot be read" in rows[0], rows
+
+
+@pytest.mark.parametrize("module, name", USER_ERRORS + FAULTS)
+def test_every_error_the_cli_says_in_one_line_names_a_class_where_it_is_defined(module, name):
+    # The CLI looks each up only once its module is imported: a name that no longer matches
+    # would turn that mistake into a traceback.
+    __import__(module)
+    cls = getattr(sys.modules[module], name)
+    assert issubclass(cls, Exception) and cls.__module__ == module
