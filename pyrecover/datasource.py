@@ -1,10 +1,13 @@
-"""The corpus file itself: is it there, is it parquet, has it the column. No torch here, so a
-launcher (`train --nproc`, `bench memory`) checks the data before it starts any worker without
-paying torch's import; data.py builds the token stream from it.
+"""The corpus file itself: built from text files (`pyrecover data prepare`), and checked: is it
+there, is it parquet, has it the column. No torch here, so a launcher (`train --nproc`, `bench
+memory`) checks the data before it starts any worker, and `data prepare` runs, without paying
+torch's import; data.py builds the token stream from it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -37,3 +40,48 @@ def check_source(path: str | Path, column: str) -> pa.Schema:
 
 def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = (".py",),
+            max_bytes: int | None = None) -> tuple[int, int]:
+    """prepare writes one row per text file under src_dir into a parquet `text` column.
+
+    Files are taken in sorted path order, so the corpus is the same on every machine with the
+    same sources; undecodable files are skipped. Returns (files, bytes) written.
+    """
+    src = Path(src_dir)
+    if not src.is_dir():
+        what = "is not a folder" if src.exists() else "does not exist"
+        raise DataError(f"source folder {str(src)!r} {what}")
+    paths, texts, total = [], [], 0
+    for path in sorted(src.rglob("*")):
+        if not path.is_file() or (suffixes and path.suffix not in suffixes):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not text:
+            continue
+        if max_bytes is not None and total + len(text) > max_bytes:
+            break
+        paths.append(str(path.relative_to(src)))
+        texts.append(text)
+        total += len(text)
+    if not texts:
+        kinds = "/".join(s or "suffix-less" for s in suffixes)
+        raise DataError(f"no readable {kinds} files under {src}")
+    out_path = Path(out)
+    if out_path.is_dir():
+        raise DataError(f"{out_path} is a folder; give the parquet file to write, e.g. "
+                        f"{out_path / 'corpus.parquet'}")
+    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"path": paths, "text": texts}), tmp)
+        os.replace(tmp, out_path)
+    except OSError as exc:  # a read-only or missing place, a full disk: say where, no traceback
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise DataError(f"cannot write {out_path}: {exc.strerror or exc}") from None
+    return len(texts), total

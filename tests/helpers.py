@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pyrecover import data
+from pyrecover import datasource
 from pyrecover.rundir import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,7 +20,7 @@ TINY = REPO / "launch" / "experiments" / "tiny.yaml"
 
 def build_corpus(out: Path, max_bytes: int = 400_000) -> Path:
     """build_corpus writes a parquet of real text: the start of Python's own stdlib sources."""
-    data.prepare(sysconfig.get_paths()["stdlib"], out, (".py",), max_bytes=max_bytes)
+    datasource.prepare(sysconfig.get_paths()["stdlib"], out, (".py",), max_bytes=max_bytes)
     return out
 
 

@@ -26,10 +26,10 @@ def prepare(
       pyrecover data prepare ~/my-texts corpus.parquet --suffix .txt --suffix .md
       pyrecover data prepare /usr/lib/python3.11 data/stdlib.parquet --max-mb 2
     """
-    from pyrecover import data
+    from pyrecover import datasource
 
     # `--suffix txt` means `.txt`: Path.suffix, which it is matched against, has the dot
     suffixes = tuple(s if s.startswith(".") or not s else f".{s}" for s in suffix or [".py"])
     max_bytes = int(max_mb * 1e6) if max_mb is not None else None
-    files, size = data.prepare(src_dir, out, suffixes, max_bytes)
+    files, size = datasource.prepare(src_dir, out, suffixes, max_bytes)
     typer.echo(f"wrote {out}: {files} files, {size / 1e6:.1f} MB of text")

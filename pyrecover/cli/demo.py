@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from pyrecover import config as config_mod
-from pyrecover import data
+from pyrecover import datasource
 from pyrecover.rundir import RunDir, read_jsonl
 
 KILL_AFTER_STEPS = 30  # steps past the first checkpoint: work the kill throws away
@@ -37,7 +37,7 @@ def run(workdir: Path, nproc: int) -> int:
     if not corpus.is_file():
         stdlib = sysconfig.get_paths()["stdlib"]
         say(f"building the corpus from the standard library's .py files in {stdlib}")
-        files, size = data.prepare(stdlib, corpus, (".py",), max_bytes=5_000_000)
+        files, size = datasource.prepare(stdlib, corpus, (".py",), max_bytes=5_000_000)
         print(f"wrote {corpus}: {files} files, {size / 1e6:.1f} MB of text")
     if run_dir.root.exists():
         say(f"removing the previous demo run {run_dir.root}")

@@ -7,7 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pyrecover.data import EOD, Batches, DataError, load_tokens, prepare
+from pyrecover.data import EOD, Batches, DataError, load_tokens
+from pyrecover.datasource import prepare
 
 
 def batches(n_windows=37, block=8, seed=3) -> Batches:

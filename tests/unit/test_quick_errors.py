@@ -54,6 +54,7 @@ def committed_run(root):
     (["ckpt", "export", "run", "--out", "run/run.yaml"], "would replace run.yaml"),
     (["ckpt", "export", "run", "--out", "m.pt", "--format", "onnx"], "--format 'onnx'"),
     (["launch", "--config", str(TINY), "--set", "checkpoint.mode=nonsense"], "checkpoint.mode"),
+    (["data", "prepare", "nope", "out.parquet"], "source folder 'nope' does not exist"),
 ])
 def test_a_mistake_is_one_line_exit_2_before_torch_is_imported(tmp_path, args, message):
     committed_run(tmp_path / "run")
@@ -70,6 +71,11 @@ def test_ckpt_ls_fast_reads_manifests_only_and_the_full_listing_opens_the_checkp
     empty = tmp_path / "empty"
     (empty / "checkpoints").mkdir(parents=True)
     assert run_cli("ckpt", "ls", str(empty))[0] == "exit=0 torch=False"
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("print('hi')\n")
+    assert run_cli("data", "prepare", str(tmp_path / "src"), str(tmp_path / "c.parquet")
+                   )[0] == "exit=0 torch=False"
+    assert (tmp_path / "c.parquet").is_file()
     # Without --fast, a checkpoint whose files verify is opened as a restore would open it.
     done = subprocess.run([sys.executable, "-c", PROBE, "ckpt", "ls", str(run), "--json"],
                           capture_output=True, text=True, timeout=120)
