@@ -141,7 +141,7 @@ def memory(
     by 2 ranks vs 1, and training tokens/s with a snapshot every step, as ratios."""
     from pyrecover.bench import common, memory
     from pyrecover.config import ConfigError
-    from pyrecover.data import DataError
+    from pyrecover.datasource import DataError
 
     try:
         report = memory.bench_memory(directory, size_gb, repeat, config, overrides or [],
