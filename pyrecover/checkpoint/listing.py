@@ -48,9 +48,7 @@ def list_checkpoints(run: RunDir, checksums: bool = True, steps: set[int] | None
     """
     now = time.time() if now is None else now
     rows = []
-    for step, folder, ckpt, problem in store.scan(run.checkpoints, checksums):
-        if steps is not None and step not in steps:
-            continue
+    for step, folder, ckpt, problem in store.scan(run.checkpoints, checksums, steps=steps):
         if ckpt is not None and checksums:
             from pyrecover.checkpoint.tools import load_problem  # torch: only for one to open
 
@@ -64,6 +62,27 @@ def list_checkpoints(run: RunDir, checksums: bool = True, steps: set[int] | None
             mode, world, size, age = "?", "?", _du(folder), None
         rows.append(Row(step, mode, world, size, age, problem))
     return rows
+
+
+def check_step(run: RunDir, step: int | None) -> None:
+    """check_step refuses a `--step` the run has no folder for (before torch is imported; one
+    that exists is verified where it is read)."""
+    if step is not None:
+        folder = run.checkpoints / store.step_folder_name(step)
+        if not (folder.is_dir() or folder.is_symlink()):
+            raise store.no_such_step(run, step)
+
+
+# What `ckpt convert --to` writes: one torch.save file, or a folder plain DCP loads.
+CONVERT_TO = ("torch", "dcp")
+
+
+def convert_target(to: str, out: Path) -> None:
+    """convert_target refuses a `--to` or an `out` that `ckpt convert` cannot write."""
+    if to not in CONVERT_TO:
+        raise CheckpointError(f"--to {to!r}: expected {' or '.join(CONVERT_TO)}")
+    if out.exists() or out.is_symlink():
+        raise CheckpointError(f"{out} already exists; choose a new path")
 
 
 def human_bytes(n: float) -> str:

@@ -332,11 +332,13 @@ def verify(folder: Path, checksums: bool = True,
     return Checkpoint(folder, manifest, checked)
 
 
-def scan(root: Path, checksums: bool = True, environ: Mapping[str, str] | None = None
-         ) -> Iterator[tuple[int, Path, Checkpoint | None, str]]:
-    """scan yields (step, folder, checkpoint or None, problem) per step folder, newest first
-    (`environ`: see verify)."""
+def scan(root: Path, checksums: bool = True, environ: Mapping[str, str] | None = None,
+         steps: set[int] | None = None) -> Iterator[tuple[int, Path, Checkpoint | None, str]]:
+    """scan yields (step, folder, checkpoint or None, problem) per step folder, newest first,
+    of `steps` only where given, unread otherwise (`environ`: see verify)."""
     for step, folder in committed_steps(root):
+        if steps is not None and step not in steps:
+            continue
         try:
             yield step, folder, verify(folder, checksums, environ), ""
         except CheckpointError as exc:

@@ -184,11 +184,9 @@ def convert(run: RunDir, step: int | None, to: str, out: Path) -> Checkpoint:
     `torch`: one file with what a vanilla `state.pt` holds (`torch.load(weights_only=True)`).
     `dcp`: a folder that plain `torch.distributed.checkpoint.load` reads (`model.*`,
     `optim.*`), plus `extra.json` and `rng-<rank>.pt` as a pyrecover dcp checkpoint has.
+
+    `to` and `out` are as listing.convert_target accepted them (before torch's import).
     """
-    if to not in ("torch", "dcp"):
-        raise CheckpointError(f"--to {to!r}: expected torch or dcp")
-    if out.exists() or out.is_symlink():
-        raise CheckpointError(f"{out} already exists; choose a new path")
     ckpt, (parts, rngs) = first_that_works(run, step, _read_full)
     train = dict(ckpt.manifest["train_state"])
     with temporary(out) as tmp:

@@ -59,9 +59,10 @@ FAULTS = (("pyrecover.train", "PeerLost"), ("pyrecover.checkpoint.manager", "Sav
 
 
 def loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
-    """loaded is the classes `names` (module, class) whose modules this process imported."""
-    return tuple(getattr(sys.modules[module], name) for module, name in names
-                 if module in sys.modules)
+    """loaded is the classes `names` (module, class) whose modules this process imported (one
+    still being imported may not have its class yet)."""
+    found = (getattr(sys.modules.get(module), name, None) for module, name in names)
+    return tuple(cls for cls in found if cls is not None)
 
 
 def main() -> None:

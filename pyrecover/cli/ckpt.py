@@ -132,7 +132,9 @@ def convert(
     """
     from pyrecover.checkpoint import listing
 
-    run = listing.open_run(run_dir)  # a path that is no run is said before torch's import
+    run = listing.open_run(run_dir)  # what it refuses is said before torch's import
+    listing.convert_target(to, out)
+    listing.check_step(run, step)
     from pyrecover.checkpoint import tools
 
     ckpt = tools.convert(run, step, to, out)

@@ -26,10 +26,15 @@ print(f"exit={code} torch={'torch' in sys.modules}")
 """
 
 
-def run_cli(*args: str, cwd=None) -> tuple[str, str]:
+def run_cli(*args: str, cwd=None) -> tuple[str, str, list[str]]:
+    """run_cli is the CLI's outcome (`exit=N torch=B`, or `crashed` where it ended with a
+    traceback), its stderr and the lines it printed before the outcome."""
     done = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True,
                           timeout=120, cwd=cwd)
-    return done.stdout.strip().splitlines()[-1], done.stderr
+    lines = done.stdout.strip().splitlines()
+    if not lines or not lines[-1].startswith("exit="):
+        return "crashed", done.stderr, lines
+    return lines[-1], done.stderr, lines[:-1]
 
 
 def committed_run(root):
@@ -51,6 +56,10 @@ def committed_run(root):
     (["ckpt", "export", "nope", "--out", "m.pt"], "run directory 'nope' does not exist"),
     (["ckpt", "convert", "nope", "--to", "torch", "s.pt"], "run directory 'nope' does not exist"),
     (["ckpt", "verify", "run", "--step", "7"], "has no checkpoint step 7 (steps: 10)"),
+    (["ckpt", "export", "run", "--step", "7", "--out", "m.pt"], "has no checkpoint step 7"),
+    (["ckpt", "convert", "run", "--step", "7", "--to", "dcp", "d"], "has no checkpoint step 7"),
+    (["ckpt", "convert", "run", "--to", "onnx", "m.onnx"], "--to 'onnx': expected torch or dcp"),
+    (["ckpt", "convert", "run", "--to", "torch", "run/run.yaml"], "already exists"),
     (["ckpt", "export", "run", "--out", "run/run.yaml"], "would replace run.yaml"),
     (["ckpt", "export", "run", "--out", "m.pt", "--format", "onnx"], "--format 'onnx'"),
     (["launch", "--config", str(TINY), "--set", "checkpoint.mode=nonsense"], "checkpoint.mode"),
@@ -58,7 +67,7 @@ def committed_run(root):
 ])
 def test_a_mistake_is_one_line_exit_2_before_torch_is_imported(tmp_path, args, message):
     committed_run(tmp_path / "run")
-    outcome, stderr = run_cli(*args, cwd=tmp_path)
+    outcome, stderr, _ = run_cli(*args, cwd=tmp_path)
     assert outcome == "exit=2 torch=False", stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr
@@ -66,8 +75,8 @@ def test_a_mistake_is_one_line_exit_2_before_torch_is_imported(tmp_path, args, m
 
 def test_ckpt_ls_fast_reads_manifests_only_and_the_full_listing_opens_the_checkpoint(tmp_path):
     run = committed_run(tmp_path / "run")
-    outcome, _ = run_cli("ckpt", "ls", str(run), "--fast")
-    assert outcome == "exit=0 torch=False"
+    outcome, stderr, _ = run_cli("ckpt", "ls", str(run), "--fast")
+    assert outcome == "exit=0 torch=False", stderr
     empty = tmp_path / "empty"
     (empty / "checkpoints").mkdir(parents=True)
     assert run_cli("ckpt", "ls", str(empty))[0] == "exit=0 torch=False"
@@ -77,10 +86,8 @@ def test_ckpt_ls_fast_reads_manifests_only_and_the_full_listing_opens_the_checkp
                    )[0] == "exit=0 torch=False"
     assert (tmp_path / "c.parquet").is_file()
     # Without --fast, a checkpoint whose files verify is opened as a restore would open it.
-    done = subprocess.run([sys.executable, "-c", PROBE, "ckpt", "ls", str(run), "--json"],
-                          capture_output=True, text=True, timeout=120)
-    rows, outcome = done.stdout.strip().splitlines()[:-1], done.stdout.strip().splitlines()[-1]
-    assert outcome == "exit=0 torch=True"
+    outcome, stderr, rows = run_cli("ckpt", "ls", str(run), "--json")
+    assert outcome == "exit=0 torch=True", stderr
     assert len(rows) == 1 and '"valid": false' in rows[0] and "cannot be read" in rows[0], rows
 
 

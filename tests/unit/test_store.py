@@ -105,3 +105,15 @@ def test_a_symlinked_step_folder_is_refused(tmp_path):
     (tmp_path / "ckpts" / "step-10").symlink_to(real)
     (row,) = list(store.scan(tmp_path / "ckpts"))
     assert row[2] is None and "symbolic link" in row[3]
+
+
+def test_a_scan_of_some_steps_reads_no_other_checkpoint(tmp_path, monkeypatch):
+    # `ckpt verify --step N` checksums step N alone, not every checkpoint of the run.
+    for step in (10, 20, 30):
+        commit(tmp_path, step)
+    read = []
+    verify = store.verify
+    monkeypatch.setattr(store, "verify", lambda folder, *a, **k: read.append(folder.name)
+                        or verify(folder, *a, **k))
+    found = [(step, ckpt is not None) for step, _, ckpt, _ in store.scan(tmp_path, steps={20})]
+    assert found == [(20, True)] and read == ["step-20"]
