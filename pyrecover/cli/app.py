@@ -29,6 +29,36 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+
+def versions() -> str:
+    """versions names pyrecover, torch and Python, as a bug report needs them; torch's from its
+    installed metadata (importing torch would cost seconds)."""
+    from importlib import metadata
+
+    import pyrecover
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "not installed"
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"pyrecover {pyrecover.__version__} (torch {torch}, Python {python})"
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(versions())
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_version,
+        help="Print the versions of pyrecover, torch and Python, and exit.")) -> None:
+    """Train PyTorch models on SLURM clusters through time limits, preemption and crashes."""
+
+
 app.command()(train)
 app.add_typer(data_app, name="data")
 app.add_typer(ckpt_app, name="ckpt")

@@ -98,3 +98,15 @@ def test_every_error_the_cli_says_in_one_line_names_a_class_where_it_is_defined(
     __import__(module)
     cls = getattr(sys.modules[module], name)
     assert issubclass(cls, Exception) and cls.__module__ == module
+
+
+def test_version_names_pyrecover_torch_and_python_without_importing_torch():
+    from importlib import metadata
+
+    import pyrecover
+
+    outcome, stderr, printed = run_cli("--version")
+    assert outcome == "exit=0 torch=False", stderr
+    python = ".".join(map(str, sys.version_info[:3]))
+    assert printed == [f"pyrecover {pyrecover.__version__} (torch {metadata.version('torch')}, "
+                       f"Python {python})"]
