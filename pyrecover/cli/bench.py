@@ -91,9 +91,15 @@ def train(
     so read the GPU) every train.log_interval steps, as the config says: --warmup and
     --steps are rounded up to multiples of it.
     """
+    from pyrecover import config as config_mod
+    from pyrecover.config import ConfigError
+
+    try:  # a mistake in the config is said before the bench's imports (torch: seconds)
+        config_mod.load(config, overrides or [])
+    except ConfigError as exc:
+        raise user_error(exc) from None
     from pyrecover.bench import common
     from pyrecover.bench import train as bench_train
-    from pyrecover.config import ConfigError
     from pyrecover.preempt import StopRequested
 
     try:

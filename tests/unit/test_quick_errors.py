@@ -64,6 +64,7 @@ def committed_run(root):
     (["ckpt", "export", "run", "--out", "m.pt", "--format", "onnx"], "--format 'onnx'"),
     (["launch", "--config", str(TINY), "--set", "checkpoint.mode=nonsense"], "checkpoint.mode"),
     (["data", "prepare", "nope", "out.parquet"], "source folder 'nope' does not exist"),
+    (["bench", "train", "--config", str(TINY), "--set", "train.nope=1"], "unknown key"),
 ])
 def test_a_mistake_is_one_line_exit_2_before_torch_is_imported(tmp_path, args, message):
     committed_run(tmp_path / "run")
