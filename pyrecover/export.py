@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pyrecover.checkpoint import listing, store
+from pyrecover.checkpoint import store
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 from pyrecover.config_checks import short
 from pyrecover.rundir import RunDir
@@ -51,7 +51,8 @@ def export_model(run: RunDir, step: int | None, out: Path, fmt: str = "torch",
         raise CheckpointError(f"--format {short(fmt)}: expected one of {', '.join(FORMATS)}")
     out = _target(out, run, fmt, replace)
     save_file = _safetensors(fmt) if fmt != "torch" else None
-    listing.check_step(run, step)
+    if step is not None:
+        store.step_folder(run, step)  # a step the run lacks: said before torch's import
     import torch
 
     from pyrecover import hf

@@ -64,15 +64,6 @@ def list_checkpoints(run: RunDir, checksums: bool = True, steps: set[int] | None
     return rows
 
 
-def check_step(run: RunDir, step: int | None) -> None:
-    """check_step refuses a `--step` the run has no folder for (before torch is imported; one
-    that exists is verified where it is read)."""
-    if step is not None:
-        folder = run.checkpoints / store.step_folder_name(step)
-        if not (folder.is_dir() or folder.is_symlink()):
-            raise store.no_such_step(run, step)
-
-
 # What `ckpt convert --to` writes: one torch.save file, or a folder plain DCP loads.
 CONVERT_TO = ("torch", "dcp")
 

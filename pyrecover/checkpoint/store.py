@@ -278,10 +278,14 @@ def _structure_problem(manifest: object, folder: Path) -> str:
     return _mode_problem(manifest["mode"], list(files))
 
 
-def no_such_step(run: RunDir, step: int) -> CheckpointError:
-    """no_such_step is the error for a `--step` the run has no folder for, naming those it has."""
-    have = ", ".join(str(s) for s, _ in committed_steps(run.checkpoints)) or "none"
-    return CheckpointError(f"{run.root} has no checkpoint step {step} (steps: {have})")
+def step_folder(run: RunDir, step: int) -> Path:
+    """step_folder is the folder of checkpoint `step` of `run`, or a CheckpointError naming the
+    steps it has where there is none (unverified: a symlink too, which verify then refuses)."""
+    folder = run.checkpoints / step_folder_name(step)
+    if not (folder.is_dir() or folder.is_symlink()):
+        have = ", ".join(str(s) for s, _ in committed_steps(run.checkpoints)) or "none"
+        raise CheckpointError(f"{run.root} has no checkpoint step {step} (steps: {have})")
+    return folder
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:

@@ -54,10 +54,7 @@ def candidates(run: RunDir, step: int | None) -> Iterator[Checkpoint]:
     """candidates yields the checkpoint of `step`, or every valid one newest first, verified
     and loading safely; raises CheckpointError when there is none (more)."""
     if step is not None:
-        folder = run.checkpoints / store.step_folder_name(step)
-        if not (folder.is_dir() or folder.is_symlink()):
-            raise store.no_such_step(run, step)
-        ckpt = store.verify(folder)
+        ckpt = store.verify(store.step_folder(run, step))
         if problem := load_problem(ckpt):
             raise CheckpointError(f"checkpoint step {step} is invalid: {problem}")
         yield ckpt

@@ -61,9 +61,9 @@ def verify(run_dir: RunArg, step: Annotated[int | None, typer.Option(
     from pyrecover.checkpoint import listing, store
 
     run = listing.open_run(run_dir)
+    if step is not None:
+        store.step_folder(run, step)  # a step the run lacks: one line, exit 2
     rows = listing.list_checkpoints(run, steps={step} if step is not None else None)
-    if step is not None and not rows:
-        raise store.no_such_step(run, step)
     if not rows:
         typer.echo(f"error: {run_dir} has no checkpoints", err=True)
         raise typer.Exit(1)
@@ -130,11 +130,12 @@ def convert(
       pyrecover ckpt convert runs/tiny --to torch state.pt
       pyrecover ckpt convert runs/tiny --step 100 --to dcp state-dcp/
     """
-    from pyrecover.checkpoint import listing
+    from pyrecover.checkpoint import listing, store
 
     run = listing.open_run(run_dir)  # what it refuses is said before torch's import
     listing.convert_target(to, out)
-    listing.check_step(run, step)
+    if step is not None:
+        store.step_folder(run, step)
     from pyrecover.checkpoint import tools
 
     ckpt = tools.convert(run, step, to, out)
