@@ -13,7 +13,7 @@ from pyrecover import batch, dist
 from pyrecover import config as config_mod
 from pyrecover.config import Config, ConfigError
 from pyrecover.dist import DistEnv
-from pyrecover.phases import Phases
+from pyrecover.phases import Phases, process_start_time
 from pyrecover.rundir import (
     RunDir,
     RunLock,
@@ -116,6 +116,25 @@ def record_start_error(run: RunDir, phases: Phases, exc: Exception) -> None:
     finally:
         if lock is not None:
             lock.release()
+
+
+def check_data_early(data_path: str, column: str, run: RunDir, env: DistEnv) -> None:
+    """check_data_early says a missing or unreadable data file (or its missing column) before
+    torch is imported: seconds sooner than the trainer's own check, the same line, recorded in
+    an existing run as that start's error (record_start_error) the way the trainer records it.
+    Node 0's other ranks exit 2 without a line: rank 0 checked the same file and says it."""
+    from pyrecover import datasource  # pyarrow: only where a trainer is about to start
+
+    try:
+        datasource.check_source(data_path, column)
+    except datasource.DataError as exc:
+        if env.rank == 0:
+            phases = Phases(0)
+            phases.mark("process_start", process_start_time())
+            record_start_error(run, phases, exc)
+        elif env.node_rank == 0:
+            raise SystemExit(2) from None
+        raise
 
 
 def hold_run_dir(refused: Exception | None, env: DistEnv) -> None:

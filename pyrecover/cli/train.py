@@ -49,12 +49,14 @@ def train(
     would compile torch again: train caches it in PYRECOVER_PYCACHE (default
     $XDG_CACHE_HOME/pyrecover/pycache, else ~/.cache/pyrecover/pycache; off: no cache).
     """
-    from pyrecover import batch, datasource, dist, spawn, startup
+    from pyrecover import batch, dist, experiment, spawn, startup
     from pyrecover import config as config_mod
+    from pyrecover.rundir import RunDir
 
     cfg = config_mod.load(config, overrides or [])
     target = run_dir if run_dir is not None else cfg.run_dir()
     env = dist.detect(os.environ)
+    run = RunDir(target)
     if startup.CACHE_CREATED and env.rank == 0:
         typer.echo(f"pyrecover: torch's bytecode is neither installed nor writable next to "
                    f"it: this first start compiles it into {startup.BYTECODE_CACHE}, which "
@@ -64,7 +66,7 @@ def train(
         batch.resolve(cfg, int(workers[0]["WORLD_SIZE"]))  # before spawning anything
         if cfg.train.device != "cpu":  # on a GPU machine counting them imports torch
             config_mod.check_local_gpus(cfg, nproc, dist.visible_gpus())
-        datasource.check_source(cfg.data.path, cfg.data.column)
+        experiment.check_data_early(cfg.data.path, cfg.data.column, run, env)
         argv = spawn.python_argv() + ["train", "--run-dir", str(target)]
         if config is not None:
             argv += ["--config", str(config)]
@@ -77,11 +79,11 @@ def train(
     if nproc > 1:
         typer.echo(f"note: --nproc {nproc} ignored; this process is rank {env.rank} of "
                    f"{env.world_size} under {env.launcher}", err=True)
+    experiment.check_data_early(cfg.data.path, cfg.data.column, run, env)  # before torch
     from pyrecover import readahead
-    from pyrecover.rundir import RunDir
 
     # The checkpoint to resume comes off storage while torch is imported (readahead.py).
-    readahead.start(RunDir(target).checkpoints, env.rank, env.local_rank)
+    readahead.start(run.checkpoints, env.rank, env.local_rank)
     from pyrecover import train as train_mod
 
     train_mod.main(cfg, target)

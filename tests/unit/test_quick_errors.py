@@ -65,6 +65,12 @@ def committed_run(root):
     (["launch", "--config", str(TINY), "--set", "checkpoint.mode=nonsense"], "checkpoint.mode"),
     (["data", "prepare", "nope", "out.parquet"], "source folder 'nope' does not exist"),
     (["bench", "train", "--config", str(TINY), "--set", "train.nope=1"], "unknown key"),
+    (["train", "--config", str(TINY), "--set", "data.path=no.parquet"],
+     "data file 'no.parquet' does not exist"),
+    (["train", "--config", str(TINY), "--set", "data.path=run", "--nproc", "2"],
+     "data file 'run' is a folder"),
+    (["train", "--config", str(TINY), "--set", "data.path=run/run.yaml"],
+     "not a readable parquet file"),
 ])
 def test_a_mistake_is_one_line_exit_2_before_torch_is_imported(tmp_path, args, message):
     committed_run(tmp_path / "run")
@@ -72,6 +78,21 @@ def test_a_mistake_is_one_line_exit_2_before_torch_is_imported(tmp_path, args, m
     assert outcome == "exit=2 torch=False", stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_a_data_mistake_on_an_existing_run_is_recorded_as_its_error_before_torch(tmp_path, nproc):
+    """The job script and `status` read a start's error from the run's events; the trainer
+    and `train --nproc` (before it spawns) record it the same way."""
+    from pyrecover.rundir import RunDir, read_jsonl
+
+    run = RunDir(committed_run(tmp_path / "run"))
+    outcome, stderr, _ = run_cli("train", "--config", str(TINY), "--run-dir", str(run.root),
+                                 "--nproc", nproc, "--set", "data.path=no.parquet",
+                                 cwd=tmp_path)
+    assert outcome == "exit=2 torch=False", stderr
+    errors = [e for e in read_jsonl(run.events) if e["event"] == "error"]
+    assert len(errors) == 1 and "no.parquet" in errors[0]["error"], errors
 
 
 def test_ckpt_ls_fast_reads_manifests_only_and_the_full_listing_opens_the_checkpoint(tmp_path):
