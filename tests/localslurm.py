@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import random
@@ -60,6 +61,8 @@ LOCK_FILE = Path(tempfile.gettempdir()) / "localslurm.lock"
 PORT_RANGE = (15000, 30000)
 # A unix socket path must fit in sockaddr_un.sun_path (108 bytes with the NUL).
 MAX_SOCKET_PATH = 107
+# SLURM's default MaxJobId: a job id has at most its 8 digits in a step's socket name.
+MAX_JOB_ID = 67043328
 NVIDIA_MAJOR = 195
 # Seconds between SIGTERM and SIGKILL when slurm ends a job (the notes' KillWait=5).
 KILL_WAIT = 5
@@ -123,12 +126,24 @@ class LocalSlurm:
         return self.root / "log"
 
     @property
+    def socket_root(self) -> Path:
+        """Where the unix sockets go: `root`, unless a step's socket in slurmd's spool
+        (`spool/<node>/<node>_<job id>.<step id>`) would not fit in a socket path there (a
+        pytest-xdist worker's tmp_path is 10 bytes longer than pytest's): then a short folder
+        named after `root` in /tmp, which `start` makes and `stop` removes."""
+        node = self.node_names[-1]
+        step = f"spool/{node}/{node}_{MAX_JOB_ID}.4294967291"  # the batch step's id
+        if len(str(self.root / step)) <= MAX_SOCKET_PATH:
+            return self.root
+        return Path("/tmp") / f"localslurm-{hashlib.sha256(bytes(self.root)).hexdigest()[:12]}"
+
+    @property
     def spool_dir(self) -> Path:
-        return self.root / "spool"
+        return self.socket_root / "spool"
 
     @property
     def munge_socket(self) -> Path:
-        return self.root / "munge" / "munge.socket"
+        return self.socket_root / "munge" / "munge.socket"
 
     @property
     def node_names(self) -> list[str]:
@@ -204,6 +219,8 @@ class LocalSlurm:
             raise LocalSlurmError(f"could not stop {', '.join(still)} (see {self.pids_path})")
         self.pids_path.unlink(missing_ok=True)
         self._procs.clear()
+        if self.socket_root != self.root:
+            shutil.rmtree(self.socket_root, ignore_errors=True)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Wait until `scontrol ping` answers and `sinfo` shows every node idle."""
@@ -317,9 +334,12 @@ class LocalSlurm:
     # ------------------------------------------------------------------------ internals
 
     def _make_dirs(self) -> None:
-        for sub in ("state", "spool", "log", "run", "munge", "dev"):
+        for sub in ("state", "log", "run", "munge", "dev"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         (self.root / "munge").chmod(0o700)
+        for folder in (self.spool_dir, self.munge_socket.parent):
+            folder.mkdir(parents=True, exist_ok=True)
+        self.munge_socket.parent.chmod(0o700)
 
     def _start_munge(self, deadline: float) -> None:
         munge_dir = self.root / "munge"
@@ -587,7 +607,7 @@ CredType=cred/munge
 # cred_expire is also how long a requeued job waits before it may start again (+1 s).
 AuthInfo=socket={cluster.munge_socket},cred_expire=10
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool/%n
+SlurmdSpoolDir={cluster.spool_dir}/%n
 SlurmctldPidFile={root}/run/slurmctld.pid
 SlurmdPidFile={root}/run/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log

@@ -162,7 +162,12 @@ def test_a_job_submitted_with_export_none_still_reaches_the_cluster(local_slurm,
 
 
 def test_stop_cancels_running_jobs_and_leaves_none_of_its_processes_alive(tmp_path):
-    cluster = LocalSlurm(tmp_path / "cluster", nodes=1, cpus_per_node=2, gpus_per_node=0)
+    # A folder too deep for the batch step's socket in slurmd's spool (sun_path's 108 bytes):
+    # the sockets go to a short folder of their own, which stop removes.
+    root = tmp_path / ("deep-" * 12) / "cluster"
+    cluster = LocalSlurm(root, nodes=1, cpus_per_node=2, gpus_per_node=0)
+    assert len(str(root / "spool/node1/node1_1234567.4294967291")) > 107
+    assert cluster.socket_root != root and not cluster.spool_dir.is_relative_to(root)
     cluster.start()
     try:
         pid_file = tmp_path / "sleep.pid"
@@ -180,7 +185,7 @@ def test_stop_cancels_running_jobs_and_leaves_none_of_its_processes_alive(tmp_pa
     pids = [rec["pid"] for rec in started.values()] + [int(pid_file.read_text())]
     assert [pid for pid in pids if is_running(pid)] == []
     assert cluster.hosts_marker not in HOSTS_FILE.read_text()
-    assert not cluster.pids_path.exists()
+    assert not cluster.pids_path.exists() and not cluster.socket_root.exists()
     cluster.stop()  # a second stop is harmless
 
 
