@@ -90,13 +90,13 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
 
     said_ctrl_c: list[bool] = []
 
-    def forward(signum, _frame):
+    def forward(signum, _frame, from_terminal: bool | None = None):
         if signum == signal.SIGINT:
             if not said_ctrl_c:  # the workers' output is no terminal: they do not say it
                 said_ctrl_c.append(True)
                 preempt.say(f"\n{preempt.CTRL_C}\n")  # (a handler: one write, no print)
-            if terminal_sent_it():  # a Ctrl-C reached every worker already
-                return
+            if terminal_sent_it() if from_terminal is None else from_terminal:
+                return  # a Ctrl-C reached every worker already
         for p in procs:
             if p.poll() is None:
                 if catching(p.pid):
@@ -104,11 +104,12 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                 else:  # its default action would end a worker still starting: held back
                     held.append((p, signum))
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
-                                                  signal.SIGINT)}
+    old = {s: signal.signal(s, forward) for s in FORWARDED}
     early = preempt.caught_early()  # caught by this launcher before it could forward
     if early is not None:
         forward(early, None)
+    # From here the main thread takes them with sigtimedwait, which says who sent each.
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
         failures: list[int] = []  # in the order they were seen, none that was stopped here
         counted: set[int] = set()
@@ -130,7 +131,9 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                 if deadline is not None and time.monotonic() > deadline:
                     _stop_all(procs)
                     stopped = True
-            time.sleep(0.05)
+            info = signal.sigtimedwait(FORWARDED, 0.05)
+            if info is not None:
+                forward(info.si_signo, None, from_terminal=info.si_code == SI_KERNEL)
         if not stopped:
             for i, p in enumerate(procs):
                 if p.returncode != 0 and i not in counted:
@@ -139,8 +142,18 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
         return exit_status(cause(failures))
     finally:
         _stop_all(procs)
+        while signal.sigtimedwait(FORWARDED, 0) is not None:
+            pass  # for workers that are gone: nothing to hand on
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+# The stop signals a launcher hands on to its workers.
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+# si_code of a signal the kernel sent (<asm-generic/siginfo.h>), as a terminal's Ctrl-C is: to
+# its whole foreground process group, the workers too. A kill(2) from anyone is SI_USER (0).
+SI_KERNEL = 0x80
 
 
 def terminal_sent_it() -> bool:
@@ -148,7 +161,9 @@ def terminal_sent_it() -> bool:
     controlling terminal: a Ctrl-C there goes to every process of the group, the workers
     too. Asked of the terminal itself (/dev/tty), not of stderr, which may be a pipe
     (`pyrecover train --nproc 2 2>&1 | tee log`): the launcher would then hand on a second
-    SIGINT, which a worker a second later takes for "quit at once"."""
+    SIGINT, which a worker a second later takes for "quit at once". Only a guess, for a
+    SIGINT taken by a handler: spawn_local's own wait knows the sender (SI_KERNEL), and so
+    hands on a `kill -INT` of the launcher even where it is in the foreground."""
     try:
         fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
     except OSError:  # no controlling terminal: a kill -INT, SLURM, a test

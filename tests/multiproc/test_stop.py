@@ -89,9 +89,9 @@ def assert_one_clean_stop(run_dir: Path, reason: str) -> dict:
     return stop[0]
 
 
-# SIGINT: Ctrl-C, here sent to the launcher and every worker as a terminal sends it, and
-# handed on by the launcher too (no controlling terminal here to tell it the workers have
-# it): each worker takes the two as one (preempt.INT_AGAIN_S).
+# SIGINT: here a `kill -INT -PGID`, to the launcher and every worker as a terminal's Ctrl-C
+# is, and handed on by the launcher too (a kill(2): nothing tells it the workers have it):
+# each worker takes the two as one (preempt.INT_AGAIN_S).
 @pytest.mark.parametrize("sig, reason", [(signal.SIGUSR2, "SIGUSR2"),
                                          (signal.SIGTERM, "SIGTERM"),
                                          (signal.SIGINT, "SIGINT")])
@@ -129,11 +129,16 @@ def test_a_sigint_to_the_launcher_alone_is_one_clean_stop(tmp_path, corpus):
     assert "KeyboardInterrupt" not in done.stderr, done.stderr[-3000:]
 
 
-def test_ctrl_c_at_a_terminal_with_the_output_piped_is_handed_on_by_nobody(tmp_path, corpus):
+@pytest.mark.parametrize("sender", ["terminal", "kill"])
+def test_a_launcher_at_a_terminal_hands_on_a_kill_but_not_the_terminals_ctrl_c(tmp_path, corpus,
+                                                                              sender):
     """A real terminal (a pty whose foreground group is the launcher's and its workers') and
-    stderr a pipe (`pyrecover train --nproc 2 2>&1 | tee log`): the terminal's SIGINT reaches
-    every worker, and the launcher, asking the terminal rather than its stderr, hands on no
-    second one, which a worker a second later would take for "quit at once"."""
+    stderr a pipe (`pyrecover train --nproc 2 2>&1 | tee log`). Ctrl-C typed there reaches
+    every worker, and the launcher, which sees the kernel sent it, hands on no second one,
+    which a worker a second later would take for "quit at once". A `kill -INT` of the
+    launcher alone, from another terminal, reaches no worker: the launcher hands it on, and
+    the run stops as cleanly (it once took every SIGINT in the foreground for the terminal's,
+    and the workers trained on)."""
     import fcntl
     import termios
 
@@ -151,7 +156,10 @@ def test_ctrl_c_at_a_terminal_with_the_output_piped_is_handed_on_by_nobody(tmp_p
     try:
         wait_for_step(proc, run_dir, 20)
         assert os.tcgetpgrp(master) == proc.pid  # the launcher's group is the foreground
-        os.write(master, b"\x03")  # Ctrl-C, typed
+        if sender == "terminal":
+            os.write(master, b"\x03")  # Ctrl-C, typed
+        else:
+            os.kill(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
