@@ -135,13 +135,18 @@ def launch(
 def _refuse_live(run: RunDir) -> None:
     """A run has one job at a time: a second one would rewrite run.yaml under the first (its
     next requeue starts with the new limits) and then wait on the run's lock. Its job is one
-    of this user's in the queue that runs its job.sbatch, or whatever holds its lock."""
+    of this user's in the queue that runs its job.sbatch, or whatever holds its lock. A run
+    launched before is not launched again while squeue cannot tell (a new one has no job)."""
     from pyrecover.rundir import live_holder
     from pyrecover.slurm import LaunchError, query
 
     end = (f"let it run, or end it with `pyrecover cancel {shlex.quote(str(run.root))}` first, "
            "or launch under another --exp-name")
     jobs = query.queued_jobs(run.job_script)
+    if jobs is None and run.job_script.exists():  # launched before: its job may be queued
+        raise LaunchError(f"squeue did not answer, so whether run {run.root} already has a "
+                          "job in the queue is unknown: try again once SLURM answers "
+                          "(`squeue --me`)")
     if jobs:
         raise LaunchError(f"run {run.root} already has SLURM job {jobs[0][0]} ({jobs[0][1]}): "
                           + end)

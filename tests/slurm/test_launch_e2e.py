@@ -20,6 +20,7 @@ import pytest
 from localslurm import LocalSlurm
 
 from pyrecover.rundir import RunDir, RunLock
+from pyrecover.spawn import free_port
 
 pytestmark = pytest.mark.slurm
 
@@ -44,13 +45,17 @@ def launch_env(cluster: LocalSlurm) -> dict[str, str]:
     return env
 
 
-def launch(cluster: LocalSlurm, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+def launch_argv() -> list[str]:
     argv = [sys.executable, "-m", "pyrecover", "launch", "--config", str(TINY),
             "--cluster", str(LOCAL), "--nodes", "2", "--gpus-per-node", "2"]
     for item in TINY_SETS:
         argv += ["--set", item]
-    return subprocess.run([*argv, *args], env=launch_env(cluster), cwd=cwd, capture_output=True,
-                          text=True, timeout=60)
+    return argv
+
+
+def launch(cluster: LocalSlurm, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*launch_argv(), *args], env=launch_env(cluster), cwd=cwd,
+                          capture_output=True, text=True, timeout=60)
 
 
 def submitted_job(done: subprocess.CompletedProcess) -> int:
@@ -164,6 +169,19 @@ def test_a_run_with_a_job_in_the_queue_is_not_launched_again_until_it_is_cancell
         f"error: run {run_dir} already has SLURM job {job_id} (PENDING): let it run, or end "
         f"it with `pyrecover cancel {run_dir}` first, or launch under another --exp-name")
     assert "submitted job" not in again.stdout
+    assert (run_dir / "run.yaml").read_text() == recorded
+    # While SLURM does not answer, a run launched before is not launched again: its job may
+    # be in the queue. (A copy of the cluster's config whose controller port nobody serves.)
+    unreachable = tmp_path / "unreachable.conf"
+    unreachable.write_text(re.sub(r"^SlurmctldPort=\d+$", f"SlurmctldPort={free_port()}",
+                                  local_slurm.conf_path.read_text(), flags=re.M))
+    env = {**launch_env(local_slurm), "SLURM_CONF": str(unreachable)}
+    again = subprocess.run([*launch_argv(), *args, "--time", "0:07:00"], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2, again.stderr
+    assert again.stderr.splitlines()[-1] == (
+        f"error: squeue did not answer, so whether run {run_dir} already has a job in the "
+        "queue is unknown: try again once SLURM answers (`squeue --me`)")
     assert (run_dir / "run.yaml").read_text() == recorded
 
     cancel = subprocess.run([sys.executable, "-m", "pyrecover", "cancel", str(run_dir)],
