@@ -6,6 +6,7 @@ convert a checkpoint) build exactly the same thing.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -15,6 +16,31 @@ from pyrecover.config import Config
 # Devices with torch's fused AdamW kernel (one pass over each tensor): on the 2-core VM it
 # updated an 80M-parameter model in 46 ms against 135-385 ms for the default foreach one.
 FUSED_DEVICES = ("cuda", "cpu")
+
+
+def _eager(name: str):
+    """_eager is AdamW's method `name` as torch defines it, without the wrappers around it."""
+    return inspect.unwrap(getattr(torch.optim.AdamW, name))
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, the same arithmetic, state and hooks, without two wrappers that matter
+    only while torch.compile traces an optimizer, which no run does (a compiled run compiles
+    the model): `torch._disable_dynamo` (add_param_group, zero_grad, state_dict,
+    load_state_dict) and `_use_grad_for_differentiable` (step: grad off, a graph break). Each
+    imports torch._dynamo at its first call, and that import (sympy and all) cost every
+    eager start 1.0-1.1 s of CPU on a 2-core VM, before the first step and so in every
+    restart. A run that compiles imports it anyway. `differentiable=True` is not offered."""
+
+    add_param_group = _eager("add_param_group")
+    zero_grad = _eager("zero_grad")
+    state_dict = _eager("state_dict")
+    load_state_dict = _eager("load_state_dict")
+    _step = staticmethod(_eager("step"))
+
+    def step(self, closure=None):  # what the wrapper does for a non-differentiable optimizer
+        with torch.no_grad():
+            return AdamW._step(self, closure)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config,
@@ -27,7 +53,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config,
     groups = [{"params": decay, "weight_decay": t.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     fused = device.type in FUSED_DEVICES or None
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
+    optimizer = AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
     optimizer.register_load_state_dict_post_hook(lambda opt: keep_fused(opt, fused))
     return optimizer
 
