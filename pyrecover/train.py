@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import logging
 import os
 import socket
@@ -240,7 +241,12 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         # `_orig_mod.` and a compiled run resumes an eager checkpoint and the reverse.
         model.compile()
     optimizer = build_optimizer(model, cfg, device)
-    end_startup_imports()  # torch._dynamo is in now: the garbage collector back on
+    if env.world_size > 1 or cfg.checkpoint.mode != "vanilla" or compiled:
+        # DDP's constructor and DCP's state_dict helpers import it later; here it is beside
+        # rank 0's checksum pass, with the collector off. A vanilla eager run of one rank
+        # never needs it (optim.AdamW).
+        importlib.import_module("torch._dynamo")
+    end_startup_imports()  # the garbage collector back on
     scheduler = build_scheduler(optimizer, cfg)
     batches = Batches(tokens, cfg.model.block_size, t.seed)
     state = TrainState()
