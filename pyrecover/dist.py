@@ -96,9 +96,14 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
     ))
 
 
-def port_for_job(job_id: int) -> int:
-    """port_for_job maps a SLURM job id to a port that two concurrent jobs rarely share."""
-    return PORT_BASE + job_id % PORT_SPAN
+def port_for_job(job_id: int, step: int = 0, steps: int = 1) -> int:
+    """port_for_job is the rendezvous port of step `step` (0, 1, ...: a restart inside the
+    allocation starts a new one) of a SLURM job that may run `steps` of them. Each job has a
+    block of `steps` ports of its own, so neither a new step and its job's last one, whose
+    processes may still be leaving, nor two jobs with neighbouring ids on one node (a sweep's
+    trials) share a port; two concurrent jobs whose ids differ by about PORT_SPAN / steps can.
+    The job script computes the same in shell (slurm/render.py)."""
+    return PORT_BASE + (job_id * steps + step) % PORT_SPAN
 
 
 def expand_hostlist(hostlist: str) -> list[str]:

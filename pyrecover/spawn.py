@@ -15,12 +15,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pyrecover import preempt
-from pyrecover.dist import SPAWNED, DistEnv, DistError
+from pyrecover.dist import PORT_BASE, PORT_SPAN, SPAWNED, DistEnv, DistError
 
 # Where free_port looks first: below the kernel's ephemeral range, whose ports every outgoing
 # connection (gloo's own sockets among them) takes from, so none is handed out by accident
-# between free_port and the rendezvous binding it.
-_PORTS_FROM = 20000
+# between free_port and the rendezvous binding it; and above the job scripts' rendezvous ports
+# (dist.port_for_job), so a local run on a node does not take a SLURM job's port.
+_PORTS_FROM = PORT_BASE + PORT_SPAN
 _PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 

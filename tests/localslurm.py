@@ -57,8 +57,11 @@ HOSTS_FILE = Path("/etc/hosts")
 # Serialises port choice, daemon start-up and /etc/hosts edits between clusters started at
 # the same time, so two clusters never pick the same port.
 LOCK_FILE = Path(tempfile.gettempdir()) / "localslurm.lock"
-# Below the kernel's ephemeral range (32768+), so outgoing connections never take these.
-PORT_RANGE = (15000, 30000)
+# Below the kernel's ephemeral range (32768+), so outgoing connections never take these, and
+# below the ports the job scripts' rendezvous (10000-29999, pyrecover.dist.port_for_job) and
+# local runs (pyrecover.spawn.free_port) use: a daemon of one cluster once held the port a job
+# of another (the other pytest worker's) needed, and the job's step failed with EADDRINUSE.
+PORT_RANGE = (2000, 10000)
 # A unix socket path must fit in sockaddr_un.sun_path (108 bytes with the NUL).
 MAX_SOCKET_PATH = 107
 # SLURM's default MaxJobId: a job id has at most its 8 digits in a step's socket name.

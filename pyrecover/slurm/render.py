@@ -297,13 +297,15 @@ def render(spec: JobSpec) -> str:
         SCRIPT_BLOCK if spec.array is None else _array_requeue(SCRIPT_BLOCK),
         "",
         "# The first node of each step hosts the process group's rendezvous. The port follows",
-        "# from the job id (pyrecover.dist.port_for_job) and the step, so two jobs sharing a",
-        "# node rarely collide and a new step never waits for the last one's port.",
+        "# from the job id and the step (pyrecover.dist.port_for_job): each job has a block of",
+        "# MAX_RESTARTS_IN_JOB + 1 ports, so jobs sharing a node (a sweep's trials: neighbouring",
+        "# ids) rarely collide and a new step never waits for the last one's port.",
         "IN_JOB=0",
         *_setup_lines(spec),
         "while :; do",
         f"{INDENT}start_step",
-        f"{INDENT}MASTER_PORT=$(({PORT_BASE} + (SLURM_JOB_ID + IN_JOB) % {PORT_SPAN}))",
+        f"{INDENT}MASTER_PORT=$(({PORT_BASE} + (SLURM_JOB_ID * (MAX_RESTARTS_IN_JOB + 1) + IN_JOB)"
+        f" % {PORT_SPAN}))",
         f"{INDENT}export MASTER_PORT",
         f'{INDENT}echo "pyrecover: job $SLURM_JOB_ID (nodes $SLURM_JOB_NODELIST), step $IN_JOB '
         'on $STEP_NODES, rendezvous $MASTER_ADDR:$MASTER_PORT" >&2',

@@ -16,6 +16,7 @@ from helpers import pyrecover
 from sbatch_support import TINY_SETS, spec_for
 
 from pyrecover import status as status_mod
+from pyrecover.dist import port_for_job
 from pyrecover.slurm import render
 
 HEALTH_FAIL = {"event": "health", "time": 5.0, "ok": False, "rank": 1, "node": "node2",
@@ -85,12 +86,16 @@ def decisions(run: Path) -> list[tuple[str, int, str]]:
 
 def test_with_a_spare_a_killed_task_s_node_is_replaced_and_the_job_finishes_without_requeue(
         tmp_path):
-    killed = "echo 'srun: error: node2: task 1: Killed' >&2\nexit 137\n"
-    done, run = run_job(tmp_path, [killed, "exit 0\n"], spares=1, nodes="node1 node2 node3")
+    port = f"echo \"$MASTER_PORT\" >> {shlex.quote(str(tmp_path / 'ports'))}\n"
+    killed = port + "echo 'srun: error: node2: task 1: Killed' >&2\nexit 137\n"
+    done, run = run_job(tmp_path, [killed, port + "exit 0\n"], spares=1,
+                        nodes="node1 node2 node3")
     assert done.returncode == 0, lines(run / "logs" / "123.out")
     argv = lines(tmp_path / "srun.argv")
     assert [a.split()[1:3] for a in argv] == [["--nodelist=node1,node2", "--nodes=2"],
                                               ["--nodelist=node1,node3", "--nodes=2"]]
+    steps = spec_for("none").max_restarts_in_job + 1  # each step its port, as dist computes it
+    assert lines(tmp_path / "ports") == [str(port_for_job(123, k, steps)) for k in (0, 1)]
     [bad] = [line.split("\t") for line in lines(run / "bad-nodes")]
     assert (bad[0], bad[2]) == ("node2", "task Killed")
     assert decisions(run) == [("restart_in_job", 137, "crash")]

@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from pyrecover.dist import (
+    PORT_BASE,
+    PORT_SPAN,
     DistError,
     cpu_threads,
     detect,
@@ -207,3 +209,14 @@ def test_a_free_port_is_outside_the_ephemeral_range_and_can_be_listened_on(monke
         pass
     monkeypatch.setattr(spawn, "_PORT_RANGE", spawn.Path("/nonexistent"))
     assert 0 < spawn.free_port() < 65536  # no /proc: the kernel's choice
+
+
+@pytest.mark.parametrize("steps", [1, 3, 8])
+def test_jobs_with_neighbouring_ids_never_share_a_rendezvous_port_in_any_of_their_steps(steps):
+    """A sweep's trials are jobs with neighbouring ids, often on one node; a restart inside
+    the allocation starts a new step on a new port. With the job id plus the step, job N's
+    second step took job N+1's first port (seen as EADDRINUSE under load)."""
+    jobs = range(4_000_000, 4_000_000 + 20_000 // steps)
+    ports = [port_for_job(job, step, steps) for job in jobs for step in range(steps)]
+    assert len(set(ports)) == len(ports)
+    assert all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in ports)

@@ -24,8 +24,12 @@ from sbatch_support import (
 )
 
 from pyrecover import config as config_mod
+from pyrecover.dist import port_for_job
 from pyrecover.slurm import LaunchError, profile, render
 from pyrecover.slurm.render import JobSpec
+
+# Job 123's first step, where the profile allows its default in-job restarts.
+FIRST_PORT = port_for_job(123, 0, profile.ClusterProfile().max_restarts_in_job + 1)
 
 # ---------------------------------------------------------------- golden files, shellcheck
 
@@ -99,7 +103,7 @@ STEP = ("--nodelist=node1,node2", "--nodes=2")  # the step's nodes, chosen by th
                   "--bind", "/scratch/pyrecover:/scratch/pyrecover", "/images/pyrecover.sif",
                   "python", "-m", "pyrecover.elastic_agent", "--stop-signal", "USR2",
                   "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend",
-                  "c10d", "--rdzv-endpoint", "node1:10123", "--rdzv-id", "123", "-m",
+                  "c10d", "--rdzv-endpoint", f"node1:{FIRST_PORT}", "--rdzv-id", "123", "-m",
                   "pyrecover", "train", "--config", "/scratch/pyrecover/tiny-gpt/run.yaml"]),
     ("spawn", ["srun", "--kill-on-bad-exit=1", *STEP, "--ntasks=2",
                "--ntasks-per-node=1", "--cpus-per-task=32", "apptainer", "exec", "--nv",
@@ -114,10 +118,10 @@ def test_the_script_runs_exactly_the_launchers_command(launcher, command, tmp_pa
 
 
 def test_master_address_and_port_come_from_the_allocation(tmp_path):
-    _, stderr, _ = run_step(render.render(spec_for("srun")), tmp_path)
-    from pyrecover.dist import port_for_job
-
-    assert f"rendezvous node1:{port_for_job(123)}" in stderr
+    spec = spec_for("srun")
+    _, stderr, _ = run_step(render.render(spec), tmp_path)
+    steps = spec.max_restarts_in_job + 1  # the shell's arithmetic is port_for_job's
+    assert f"rendezvous node1:{port_for_job(123, 0, steps)}" in stderr
 
 
 @pytest.mark.parametrize("code, restart, decision", [
