@@ -25,12 +25,13 @@ def build_corpus(out: Path, max_bytes: int = 400_000) -> Path:
 
 
 def pyrecover(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
-              timeout: float = 300, max_file_bytes: int | None = None
-              ) -> subprocess.CompletedProcess:
+              timeout: float = 300, max_file_bytes: int | None = None,
+              via: tuple[str, ...] = ("-m", "pyrecover")) -> subprocess.CompletedProcess:
     """pyrecover runs the CLI in a fresh interpreter, in its own session (process group).
 
     `max_file_bytes` caps the size of any file it writes (RLIMIT_FSIZE): a write past it fails
-    with EFBIG, as on a full disk (Python ignores SIGXFSZ).
+    with EFBIG, as on a full disk (Python ignores SIGXFSZ). `via` is what the interpreter runs
+    before `args` (a script of a test's own that runs the CLI: `("-c", CODE, ...)`).
     """
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PYRECOVER_")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
@@ -43,7 +44,7 @@ def pyrecover(*args: str, env: dict[str, str] | None = None, cwd: Path | None = 
         if max_file_bytes is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
 
-    return subprocess.run([sys.executable, "-m", "pyrecover", *args], env=full_env, cwd=cwd,
+    return subprocess.run([sys.executable, *via, *args], env=full_env, cwd=cwd,
                           capture_output=True, text=True, timeout=timeout,
                           start_new_session=True, preexec_fn=limit)
 

@@ -45,17 +45,16 @@ def launch_env(cluster: LocalSlurm) -> dict[str, str]:
     return env
 
 
-def launch_argv() -> list[str]:
+def launch(cluster: LocalSlurm, cwd: Path, *args: str, conf: Path | None = None
+           ) -> subprocess.CompletedProcess:
+    """`pyrecover launch` of the tiny run on `cluster` (or as `conf`, a slurm.conf, says)."""
     argv = [sys.executable, "-m", "pyrecover", "launch", "--config", str(TINY),
             "--cluster", str(LOCAL), "--nodes", "2", "--gpus-per-node", "2"]
     for item in TINY_SETS:
         argv += ["--set", item]
-    return argv
-
-
-def launch(cluster: LocalSlurm, cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*launch_argv(), *args], env=launch_env(cluster), cwd=cwd,
-                          capture_output=True, text=True, timeout=60)
+    env = launch_env(cluster) | ({"SLURM_CONF": str(conf)} if conf else {})
+    return subprocess.run([*argv, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
 
 
 def submitted_job(done: subprocess.CompletedProcess) -> int:
@@ -175,9 +174,7 @@ def test_a_run_with_a_job_in_the_queue_is_not_launched_again_until_it_is_cancell
     unreachable = tmp_path / "unreachable.conf"
     unreachable.write_text(re.sub(r"^SlurmctldPort=\d+$", f"SlurmctldPort={free_port()}",
                                   local_slurm.conf_path.read_text(), flags=re.M))
-    env = {**launch_env(local_slurm), "SLURM_CONF": str(unreachable)}
-    again = subprocess.run([*launch_argv(), *args, "--time", "0:07:00"], env=env, cwd=tmp_path,
-                           capture_output=True, text=True, timeout=120)
+    again = launch(local_slurm, tmp_path, *args, "--time", "0:07:00", conf=unreachable)
     assert again.returncode == 2, again.stderr
     assert again.stderr.splitlines()[-1] == (
         f"error: squeue did not answer, so whether run {run_dir} already has a job in the "
