@@ -129,7 +129,7 @@ def verdicts(steps: dict[str, Step]) -> list[dict[str, Any]]:
 def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup: int,
               interval: int, size_gb: float, run_tests: bool = True, allow_cpu: bool = False,
               note: Note = lambda _: None, only: tuple[str, ...] = (),
-              cpu_repeat: int = 2, cpu_state_gb: float = 1.0,
+              cpu_repeat: int = 2, cpu_state_gb: float = 1.0, cpu_steps: int = 60,
               step_timeout: float | None = None, budget_s: float | None = None,
               clock: Callable[[], float] = time.monotonic, rounds: int = 1) -> dict[str, Any]:
     """gpu_check runs every step (or those in `only`) and writes the report into `out`
@@ -193,7 +193,8 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
     (out / "memory").mkdir(exist_ok=True)
     plan.append((Step("memory-cpu", [
         *python_argv(), "bench", "memory", "--dir", str(out / "memory"), "--size-gb",
-        str(cpu_state_gb), "--repeat", str(cpu_repeat), "--json", "--set", "train.device=cpu",
+        str(cpu_state_gb), "--repeat", str(cpu_repeat), "--steps", str(cpu_steps), "--json",
+        "--set", "train.device=cpu",
         *data]), True))
     (out / "compile").mkdir(exist_ok=True)
     compile_argv = [*python_argv(), "bench", "compile", "--dir", str(out / "compile"),

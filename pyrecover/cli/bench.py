@@ -307,6 +307,9 @@ def gpu_check(
     cpu_state_gb: Annotated[float, typer.Option(
         help="The state of memory-cpu and restart-cpu-1gb, in GB (the issues bound 1 GB).")]
     = 1.0,
+    cpu_steps: Annotated[int, typer.Option(
+        min=1, help="Measured training steps of each throughput run of memory-cpu (bench "
+        "memory's --steps); fewer try the check quickly, with figures that mean less.")] = 60,
     step_timeout: Annotated[float, typer.Option(
         help="Seconds one step may take; past it the step is stopped (SIGTERM, then SIGKILL), "
         "reported as failed, and the check goes on with the next; 0: no limit.")] = 1800.0,
@@ -337,7 +340,7 @@ def gpu_check(
         report = check.gpu_check(out, config, overrides or [], steps, warmup, interval, size_gb,
                                  tests, allow_cpu, note=_note, only=tuple(only or ()),
                                  cpu_repeat=cpu_repeat,
-                                 cpu_state_gb=cpu_state_gb,
+                                 cpu_state_gb=cpu_state_gb, cpu_steps=cpu_steps,
                                  step_timeout=step_timeout if step_timeout > 0 else None,
                                  budget_s=budget if budget > 0 else None, rounds=rounds)
     except check.GpuCheckError as exc:

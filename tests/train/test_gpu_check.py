@@ -14,7 +14,8 @@ def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus)
     done = pyrecover("bench", "gpu-check", "--out", str(out), "--config", str(TINY),
                      "--set", f"data.path={corpus}", "--steps", "3", "--warmup", "1",
                      "--interval", "2", "--size-gb", "0.01", "--no-tests", "--allow-cpu",
-                     "--cpu-repeat", "1", "--cpu-state-gb", "0.01", timeout=600)
+                     "--cpu-repeat", "1", "--cpu-state-gb", "0.01", "--cpu-steps", "4",
+                     timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert {n: s["returncode"] for n, s in report["steps"].items()} == {
@@ -44,6 +45,8 @@ def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus)
     # Memory mode's snapshots on the CPU cores, at world size 2, with the core count.
     memory = {r["mode"]: r for r in report["steps"]["memory-cpu"]["report"]["train"]["rows"]}
     assert memory["memory"]["snapshots"] > 0 and memory["none"]["snapshots"] == 0
+    cpu_argv = report["steps"]["memory-cpu"]["argv"]
+    assert cpu_argv[cpu_argv.index("--steps") + 1] == "4"  # --cpu-steps
     assert f"--- bench memory (memory-cpu, {report['cpus']} CPUs) ---" in text
     # The restarts: world sizes 2 and 4 on the CPU, and the experiment on the device.
     worlds = {n: report["steps"][n]["report"]["world_size"]
