@@ -143,13 +143,20 @@ def parse_global_batch(value: int | str) -> int | None:
     return target
 
 
-def check_local_gpus(cfg: Config, local_processes: int, visible_gpus: int) -> None:
+def check_local_gpus(cfg: Config, local_processes: int, visible_gpus: int,
+                     per_task: bool = False) -> None:
     """check_local_gpus raises unless each of `local_processes` processes on this machine gets
-    a GPU of its own when the run trains on CUDA (NCCL refuses two ranks on one device)."""
+    a GPU of its own when the run trains on CUDA (NCCL refuses two ranks on one device).
+
+    `per_task`: the count is one task's own view, where SLURM may show each task only the GPU
+    it was given; one visible GPU is then left to the ranks' comparison once the group is up
+    (dist.check_own_gpus)."""
     if cfg.train.device == "cpu" or local_processes <= visible_gpus:
         return
     if cfg.train.device == "auto" and visible_gpus == 0:
         return  # auto trains on the CPU where there is no GPU
+    if per_task and visible_gpus == 1:
+        return
     raise ConfigError(
         f"{local_processes} processes on this machine need {local_processes} GPUs, but "
         f"{visible_gpus} {'is' if visible_gpus == 1 else 'are'} visible; start at most "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -227,9 +228,16 @@ def setup(env: DistEnv, device_kind: str, timeout_s: float = 600.0):
     import torch
     import torch.distributed as tdist
 
+    # One GPU visible to each of a node's several tasks: SLURM gave each its own
+    # (--gpus-per-task, --gpu-bind) or they all see the same one, which NCCL's eager start
+    # would refuse with a traceback of its own. Then the group starts lazily and the ranks
+    # compare their GPUs first (check_own_gpus).
+    one_each = False
     if device_kind == "cuda":
-        device = torch.device("cuda", device_index(env.local_rank, torch.cuda.device_count()))
+        visible = torch.cuda.device_count()
+        device = torch.device("cuda", device_index(env.local_rank, visible))
         torch.cuda.set_device(device)
+        one_each = visible == 1 and env.local_world_size > 1
     else:
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(os.environ, len(os.sched_getaffinity(0)),
@@ -245,9 +253,43 @@ def setup(env: DistEnv, device_kind: str, timeout_s: float = 600.0):
             rank=env.rank,
             world_size=env.world_size,
             timeout=timedelta(seconds=timeout_s),
-            device_id=device if device_kind == "cuda" else None,
+            device_id=device if device_kind == "cuda" and not one_each else None,
         )
+        if one_each:
+            check_own_gpus(env, str(torch.cuda.get_device_properties(device).uuid))
     return device
+
+
+def node_name() -> str:
+    """node_name is SLURM's name for this node (several can share a host), else the host's."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def shared_gpus(seen: list[tuple[str, str]]) -> str | None:
+    """shared_gpus says which ranks share a GPU, from every rank's (node, GPU UUID) in rank
+    order; None where each has its own."""
+    first: dict[tuple[str, str], int] = {}
+    for rank, where in enumerate(seen):
+        if where in first:
+            return (f"ranks {first[where]} and {rank} on {where[0]} see the same single GPU "
+                    f"({where[1]}): each task needs one of its own; give the job a GPU per "
+                    "task (gpus_per_node = tasks per node, or --gpus-per-task=1), or train on "
+                    "the CPU (--set train.device=cpu)")
+        first[where] = rank
+    return None
+
+
+def check_own_gpus(env: DistEnv, gpu: str) -> None:
+    """check_own_gpus compares this rank's GPU (`gpu`, its UUID) with every other rank's on
+    its node, once the group is up; where two share one, rank 0 raises DistError saying
+    which, the others exit 2 (rank 0 says it once)."""
+    message = shared_gpus(gather_objects((node_name(), gpu), env.world_size))
+    if message is None:
+        return
+    teardown()
+    if env.rank == 0:
+        raise DistError(message)
+    raise SystemExit(2)
 
 
 def cpu_threads(environ: Mapping[str, str], cores: int, local_world_size: int) -> int:

@@ -70,6 +70,16 @@ def state_bytes(params: int, mode: str, replicas: int, local_ranks: int) -> int:
     return local_ranks * params * BYTES_PER_PARAM + snapshots
 
 
+def too_few_gpus(seen: int, local_ranks: int) -> str | None:
+    """too_few_gpus: a task that sees `seen` GPUs on a node of `local_ranks` tasks is short of
+    them. One is enough: the task's own, where SLURM shows each task only its GPU
+    (--gpus-per-task, --gpu-bind); whether two tasks share it is settled once the group is up
+    (dist.check_own_gpus)."""
+    if seen == 0 or 1 < seen < local_ranks:
+        return f"{seen} GPU(s) visible, this node's {local_ranks} tasks need one each"
+    return None
+
+
 def check_gpu(device_kind: str, local_rank: int, local_ranks: int) -> str | None:
     """check_gpu: on CUDA, the task's GPUs are visible and a matmul on its GPU matches the CPU's."""
     if device_kind != "cuda":
@@ -77,8 +87,9 @@ def check_gpu(device_kind: str, local_rank: int, local_ranks: int) -> str | None
     import torch
 
     seen = torch.cuda.device_count()
-    if seen < local_ranks:
-        return f"{seen} GPU(s) visible, this node's {local_ranks} tasks need one each"
+    short = too_few_gpus(seen, local_ranks)
+    if short is not None:
+        return short
     index = local_rank % seen
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(64, 64, generator=gen)

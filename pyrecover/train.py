@@ -11,7 +11,6 @@ import gc
 import importlib
 import logging
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -92,7 +91,8 @@ def main(cfg: Config, run_dir: Path) -> None:
         cfg, batch_note = batch.resolve(cfg, env.world_size, recorded_global_batch(run))
         kind = device_kind(cfg)
         if kind == "cuda":
-            config_mod.check_local_gpus(cfg, env.local_world_size, torch.cuda.device_count())
+            config_mod.check_local_gpus(cfg, env.local_world_size, torch.cuda.device_count(),
+                                        per_task=True)
         tokens = load_tokens(cfg.data.path, cfg.data.column)
         check_tokens(tokens, cfg.model.vocab_size, cfg.model.block_size, cfg.data.path)
         phases.mark("data_ready")
@@ -117,7 +117,7 @@ def main(cfg: Config, run_dir: Path) -> None:
     # Issue 15: a bad node is found here, in seconds, and excluded by the job script.
     checks = cfg.run.health_check  # a refused rank 0 skips its own: the folder is not its own
     local = checks and refused is None
-    health_s = health.before_group(cfg, env, run, kind, node_name()) if local else 0.0
+    health_s = health.before_group(cfg, env, run, kind, dist.node_name()) if local else 0.0
     # The process caught stop signals from its first moment (preempt.catch_early).
     flag = preempt.take_over((cfg.run.stop_signal, "SIGTERM", "SIGINT"))  # and earlier ones
     flag.announce = sys.stderr.isatty() and not os.environ.get(dist.SPAWNED)  # Ctrl-C's line
@@ -128,7 +128,7 @@ def main(cfg: Config, run_dir: Path) -> None:
         phases.mark("group_up")
         hold_run_dir(refused, env)
         if checks:
-            health.after_group(run, env, node_name(), health_s)
+            health.after_group(run, env, dist.node_name(), health_s)
     except BaseException:
         lock.release()
         raise
@@ -140,12 +140,12 @@ def main(cfg: Config, run_dir: Path) -> None:
 
     # A rank that stops altogether cannot report its hang: its heartbeat names it instead.
     beats = heartbeat.start(env.master_addr, env.master_port, env.rank, env.world_size,
-                            node_name()) if env.is_distributed else None
+                            dist.node_name()) if env.is_distributed else None
     def progress() -> int:  # and rank 0's beats while it chooses a checkpoint (resume.py)
         return (watchdog.io_bytes() + watchdog.saving_bytes(run.checkpoints)
                 + resume_beats(run.checkpoints))
 
-    dog = watchdog.Watchdog(rule, env.rank, node_name(), on_hang=lambda hang: watchdog.handle(
+    dog = watchdog.Watchdog(rule, env.rank, dist.node_name(), on_hang=lambda hang: watchdog.handle(
                             hang, run.event, persist, device, silent=beats and beats.silent,
                             leaving=beats and beats.stop, progress=watchdog.io_bytes),
                             progress=progress).start()
@@ -346,7 +346,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                 watchdog=dog, stragglers=straggler.StragglerWatch(
                     cfg.run.straggler_interval, cfg.run.straggler_factor,
                     cfg.run.straggler_windows, env.world_size,
-                    dist.gather_objects(node_name(), env.world_size)),
+                    dist.gather_objects(dist.node_name(), env.world_size)),
                 on_step=after_step)
     if state.step >= t.max_steps:
         log.info("nothing to do: step %d already reached train.max_steps=%d", state.step,
@@ -378,11 +378,6 @@ def autocast_for(cfg: Config, device: torch.device):
     if precision == "bf16":
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
-
-
-def node_name() -> str:
-    """node_name is SLURM's name for this node (several can share a host), else the host's."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def last_logged_step(run: RunDir) -> int:

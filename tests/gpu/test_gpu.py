@@ -299,8 +299,30 @@ def test_the_health_check_s_gpu_part_passes_on_a_working_gpu_and_counts_the_gpus
     from pyrecover import health
 
     assert health.check_gpu("cuda", 0, 1) is None  # the matmul matches the CPU's
+    if GPUS == 1:  # one visible GPU may be the task's own (SLURM's per-task binding)
+        assert health.check_gpu("cuda", 3, 4) is None
+        return
     said = health.check_gpu("cuda", 0, GPUS + 1)
     assert said == f"{GPUS} GPU(s) visible, this node's {GPUS + 1} tasks need one each"
+
+
+@pytest.mark.skipif(GPUS != 1, reason=f"needs exactly 1 CUDA GPU, torch sees {GPUS}")
+def test_two_tasks_shown_the_same_single_gpu_stop_in_one_line_once_the_group_is_up(tmp_path,
+                                                                                  corpus):
+    """torchrun shows both of its workers this machine's one GPU, as a cluster without
+    per-task binding would: each sees one GPU, as with --gpus-per-task=1, so only comparing
+    the GPUs' UUIDs tells the two apart, before NCCL starts (which would say 'Duplicate GPU
+    detected' in a traceback)."""
+    via = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "pyrecover")
+    done = pyrecover("train", *gpu_args(tmp_path, corpus, "shared", 2), via=via,
+                     timeout=TIMEOUT)
+    assert done.returncode != 0
+    said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and "ranks 0 and 1 on" in said[0], done.stderr[-3000:]
+    uuid = str(torch.cuda.get_device_properties(0).uuid)
+    assert f"see the same single GPU ({uuid})" in said[0] and "train.device=cpu" in said[0]
+    assert "Duplicate GPU" not in done.stderr
 
 
 @needs_gpus(1)

@@ -157,6 +157,24 @@ def test_local_processes_need_a_gpu_each_when_training_on_cuda(device, processes
     assert "\n" not in line
 
 
+@pytest.mark.parametrize("processes,gpus,ok", [(4, 1, True), (8, 1, True), (4, 2, False),
+                                               (4, 0, False), (2, 2, True)])
+def test_a_tasks_own_single_gpu_is_left_to_the_ranks_comparison(processes, gpus, ok):
+    """Under SLURM each task may see only the GPU it was given (--gpus-per-task=1): one visible
+    GPU with several tasks on the node is no mistake there, and the trainer's check (per_task)
+    lets it through to dist.check_own_gpus; `--nproc` and bench memory (all of this machine's
+    GPUs seen by every process) still refuse it."""
+    cfg = config.load(None, ["train.device=cuda"])
+    if ok:
+        config.check_local_gpus(cfg, processes, gpus, per_task=True)
+    else:
+        with pytest.raises(config.ConfigError):
+            config.check_local_gpus(cfg, processes, gpus, per_task=True)
+    if processes > gpus:
+        with pytest.raises(config.ConfigError):
+            config.check_local_gpus(cfg, processes, gpus)
+
+
 @pytest.mark.parametrize("text,expected", [("true", "true"), ("false", "false"),
                                            ("auto", "auto")])
 def test_compile_reads_yaml_booleans(text, expected):

@@ -17,6 +17,7 @@ from pyrecover.dist import (
     expand_hostlist,
     expand_tasks_per_node,
     port_for_job,
+    shared_gpus,
 )
 from pyrecover.spawn import exit_status, worker_envs
 
@@ -220,3 +221,11 @@ def test_jobs_with_neighbouring_ids_never_share_a_rendezvous_port_in_any_of_thei
     ports = [port_for_job(job, step, steps) for job in jobs for step in range(steps)]
     assert len(set(ports)) == len(ports)
     assert all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in ports)
+
+
+def test_ranks_sharing_one_gpu_on_a_node_are_named_and_the_same_uuid_on_two_nodes_is_not():
+    own = [("node1", "GPU-a"), ("node1", "GPU-b"), ("node2", "GPU-a"), ("node2", "GPU-b")]
+    assert shared_gpus(own) is None  # (a UUID is the device's; another node's is another GPU)
+    said = shared_gpus([("node1", "GPU-a"), ("node1", "GPU-b"), ("node1", "GPU-a")])
+    assert said is not None and said.startswith("ranks 0 and 2 on node1 see the same single GPU")
+    assert "train.device=cpu" in said and "\n" not in said

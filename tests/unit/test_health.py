@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pyrecover import faults, health
 
 
@@ -43,6 +45,17 @@ def test_an_injected_fault_fails_its_check_only_on_the_named_nodes(monkeypatch):
 
 def test_the_gpu_check_is_skipped_on_the_cpu_path():
     assert health.check_gpu("cpu", 0, 4) is None
+
+
+@pytest.mark.parametrize("seen,tasks,short", [(8, 8, False), (7, 8, True), (0, 1, True),
+                                              (1, 8, False), (1, 1, False), (2, 4, True)])
+def test_a_node_is_short_of_gpus_unless_each_task_sees_one_or_all_are_there(seen, tasks, short):
+    """A GPU fallen off the bus (7 of 8) makes a bad node; a task shown only its own GPU by
+    SLURM's per-task binding (1 of 8) does not, or every node of such a cluster would be
+    excluded."""
+    said = health.too_few_gpus(seen, tasks)
+    assert (said == f"{seen} GPU(s) visible, this node's {tasks} tasks need one each"
+            if short else said is None)
 
 
 def test_memory_is_compared_with_what_the_state_needs():
