@@ -12,33 +12,40 @@ import torch
 
 def capture() -> dict[str, Any]:
     """capture returns this process's python, torch CPU and CUDA generator states: the CUDA
-    one of its own device only (a list of one), the device every rank uses alone."""
+    one of its own device only (a list of one), the device every rank uses alone.
+
+    Only a process that uses CUDA has a CUDA state: a CPU run on a GPU node (train.device=cpu,
+    gpu-check's CPU benches) asked for one at every save, and so started CUDA on GPU 0 in
+    every rank (a context of hundreds of MB and a second or so, inside the save)."""
     return {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
-        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],
+        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_initialized() else [],
     }
 
 
 def restore(state: dict[str, Any]) -> None:
     random.setstate(_as_tuple(state["python"]))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        own = own_cuda_state(list(state["cuda"]), torch.cuda.current_device())
+    if state["cuda"] and torch.cuda.is_initialized():  # a CPU run leaves CUDA alone
+        own = own_cuda_state(list(state["cuda"]), torch.cuda.current_device(),
+                             torch.cuda.device_count())
         if own is not None:
             torch.cuda.set_rng_state(own)
 
 
-def own_cuda_state(states: list[torch.Tensor], device: int) -> torch.Tensor | None:
-    """own_cuda_state is the saved CUDA generator state for this process's device `device`:
-    the one state this version saves, or, from a checkpoint of an earlier version (which
-    saved every device of the node), the state at the device's index. None where that list
-    has no such index: the job now runs on another GPU layout (8 GPUs a node before, 4 now;
-    one visible GPU per task), whose device's stream was never saved; the device keeps the
-    stream of the run's seed. Restoring every saved device failed there on every requeue."""
+def own_cuda_state(states: list[torch.Tensor], device: int,
+                   visible: int) -> torch.Tensor | None:
+    """own_cuda_state is the saved CUDA generator state for this process's device `device`
+    (of `visible`): the one state this version saves, or, from a checkpoint of an earlier
+    version (which saved every device of the node), the state at the device's index where
+    the node's GPUs are seen as they were then. None on another GPU layout (8 GPUs a node
+    before, 4 now; one visible GPU per task, where every task's device is 0 and which of the
+    saved ones was its own is not recorded): the device keeps the stream of the run's seed.
+    Restoring every saved device failed there on every requeue."""
     if len(states) == 1:
         return states[0]
-    return states[device] if device < len(states) else None
+    return states[device] if len(states) == visible and device < visible else None
 
 
 def seed_rank(seed: int, rank: int) -> None:

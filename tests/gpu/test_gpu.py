@@ -333,3 +333,23 @@ def test_a_cuda_run_passes_the_health_check_before_training(tmp_path, corpus):
     passed = [e for e in read_jsonl(tmp_path / "health" / "events.jsonl")
               if e["event"] == "health"]
     assert [e["ok"] for e in passed] == [True]
+
+
+@needs_gpus(1)
+def test_a_process_on_the_cpu_keeps_no_cuda_rng_and_one_on_the_gpu_keeps_its_own():
+    """A CPU run on a GPU node (train.device=cpu, gpu-check's CPU benches) started CUDA on
+    GPU 0 at every save, for its generator state; a CUDA process still saves that state."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from pyrecover.checkpoint import rng\n"
+            "rng.restore(rng.capture())\n"
+            "assert torch.cuda.is_available() and not torch.cuda.is_initialized()\n"
+            "torch.zeros(1, device='cuda')\n"
+            "state = rng.capture()\n"
+            "assert len(state['cuda']) == 1, state['cuda']\n"
+            "rng.restore(state)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-2000:]
