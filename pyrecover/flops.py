@@ -13,6 +13,7 @@ from pyrecover.config import ModelConfig
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("GB200", 2500.0),
     ("B200", 2250.0),
+    ("H200 NVL", 835.0),  # the PCIe card: 600 W, against the SXM part's 700 W
     ("H200", 989.0),
     ("GH200", 989.0),
     ("H100 PCIe", 756.0),

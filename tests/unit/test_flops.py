@@ -11,6 +11,7 @@ from pyrecover.model import GPT
 
 @pytest.mark.parametrize("name,tflops", [
     ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0),
+    ("NVIDIA H200 NVL", 835.0), ("NVIDIA H100 NVL", 835.0),
     ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0),
 ])
 def test_known_gpus_have_their_datasheet_peak(name, tflops):
