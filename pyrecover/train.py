@@ -129,7 +129,9 @@ def main(cfg: Config, run_dir: Path) -> None:
         hold_run_dir(refused, env)
         if checks:
             health.after_group(run, env, dist.node_name(), health_s)
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, dist.DistError) and env.rank == 0 and refused is None:
+            run.event("error", rank=0, error=f"DistError: {exc}")  # two ranks on one GPU
         lock.release()
         raise
     managers: list[CheckpointManager] = []

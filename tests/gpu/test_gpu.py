@@ -323,6 +323,8 @@ def test_two_tasks_shown_the_same_single_gpu_stop_in_one_line_once_the_group_is_
     uuid = str(torch.cuda.get_device_properties(0).uuid)
     assert f"see the same single GPU ({uuid})" in said[0] and "train.device=cpu" in said[0]
     assert "Duplicate GPU" not in done.stderr
+    errors = [e for e in events(tmp_path / "shared") if e["event"] == "error"]
+    assert [e["error"].startswith("DistError: ranks 0 and 1 on") for e in errors] == [True]
 
 
 @needs_gpus(1)
