@@ -259,9 +259,10 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                   train_state_later=lambda: (
                       loop.state_later() if loop is not None
                       else (lambda now: lambda: now)(state.to_dict())))
+    auto_past = env.rank == 0 and cfg.checkpoint.interval == "auto"
     interval, auto = checkpoint_interval.for_config(
         cfg.checkpoint.interval, cfg.checkpoint.mtbf_hours, t.max_steps,
-        run.read_events() if env.rank == 0 else [])
+        run.read_events() if auto_past else [], read_jsonl(run.metrics) if auto_past else [])
     manager = CheckpointManager(run, cfg.checkpoint.mode, interval,
                                 cfg.checkpoint.keep, env.rank, env.world_size, parts, device,
                                 cfg.checkpoint.async_save, cfg.checkpoint.snapshot_interval,

@@ -47,39 +47,64 @@ def mtbf(prior_s: float, observed_s: float, failures: int) -> float:
     return (prior_s + max(observed_s, 0.0)) / (1 + max(failures, 0))
 
 
-def failures_seen(events: Iterable[dict[str, Any]]) -> tuple[float, int]:
+def _time(record: dict[str, Any]) -> float | None:
+    at = record.get("time")
+    return float(at) if type(at) in (int, float) and math.isfinite(at) else None
+
+
+def failures_seen(events: Iterable[dict[str, Any]],
+                  metrics: Iterable[dict[str, Any]] = ()) -> tuple[float, int]:
     """failures_seen: (seconds of training observed, failures) over a run's past attempts.
 
-    The events split into attempts at each process start (`phases.attempts`). A failure is a
-    crash, a preemption (SIGTERM) or an attempt that trained and ended with no record at all
-    (killed); a stop for the time limit (the deadline or the warning signal) is planned and
-    is not one. Every attempt in `events` is over (a start reads them before it writes its
-    own `start` or `resume`), the last one too: its failure counts at once. An attempt's
-    time runs from its `start` or `resume` to its last record after that; what it wrote
-    before (health checks, snapshots recovered, start-up phases) and what the job script
-    wrote after it (requeue decisions) is time between attempts, not observed training. An
-    attempt that never began training (killed or refused during start-up) lost no training
-    and counts neither way.
+    The events split into attempts at each process start (`phases.attempts`). A failure is an
+    interruption that lost work: a crash, or an attempt that trained and ended
+    with no record at all (killed: SIGKILL, a lost node, a preemption whose grace ran out). A
+    recorded stop (the time limit, a preemption's SIGTERM, a cancel, USR2) is none: the trainer
+    writes it only once the stop checkpoint is committed, so nothing was redone, and the
+    Young/Daly rule prices only what a failure makes the run compute again. Every attempt
+    in `events` is over (a start reads them before it writes its own `start` or `resume`),
+    the last one too: its failure counts at once. An attempt's time runs from its `start` or
+    `resume` to its last record after that, a metrics row included (a killed attempt's last
+    event may be its newest checkpoint, long before it died); what it wrote before (health
+    checks, snapshots recovered, start-up phases) and what the job script wrote after it
+    (requeue decisions) is time between attempts, not observed training. An attempt that
+    never began training (killed or refused during start-up) lost no training and counts
+    neither way. Records without a numeric time are left out.
     """
+    runs = phases.attempts([e for e in events if _time(e) is not None])
+    begins = [next((_time(e) for e in a if e.get("event") in ("start", "resume")), None)
+              for a in runs]
+    rows = sorted(t for t in map(_time, metrics) if t is not None)
     observed, failures = 0.0, 0
-    for attempt in phases.attempts(list(events)):
-        began, last, ended_well = None, None, False
+    for i, attempt in enumerate(runs):
+        began = begins[i]
+        if began is None:
+            continue
+        following = min([b for b in begins[i + 1:] if b is not None], default=math.inf)
+        last, ended_well = began, False
         for e in attempt:
-            kind, at = e.get("event"), float(e.get("time", 0.0))
-            if kind in ("start", "resume") and began is None:
-                began = last = at
+            kind, at = e.get("event"), _time(e)
+            if at is None or at < began or kind in BETWEEN_ATTEMPTS:
                 continue
-            if began is None or kind in BETWEEN_ATTEMPTS:
-                continue
-            if kind in ("stop", "finish", "error"):
-                ended_well = kind != "stop" or e.get("reason") != "SIGTERM"
+            if kind in ("stop", "finish", "error"):  # an error: the input's, no retry helps
+                ended_well = True
             if kind == "crash":
                 ended_well = False
             last = max(last, at)
-        if began is not None:
-            observed += last - began
-            failures += not ended_well
+        last = max([last, *(t for t in rows if began <= t < following)])
+        observed += last - began
+        failures += not ended_well
     return observed, failures
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Where the interval counts from: a save's start (or the attempt's first step), the time
+    then (perf_counter) and the loop's checkpoint stall until then."""
+
+    step: int
+    time: float
+    stall: float
 
 
 @dataclass
@@ -91,6 +116,31 @@ class AutoInterval:
     step_s: float = 0.0
     stall_s: float = 0.0
     steps: int = FIRST_STEPS
+    clock: Clock | None = None  # the newest save's start, or the attempt's first step
+
+    def begin(self, clock: Clock) -> None:
+        """begin starts the count at the attempt's first step boundary."""
+        if self.clock is None:
+            self.clock = clock
+
+    def due(self, step: int, interval: int) -> bool:
+        """due: `interval` steps after the newest save began, not after it committed (counted
+        from the commit, a save still being written made the very next step due as well,
+        which then waited for the write and saved again)."""
+        return self.clock is not None and step - self.clock.step >= interval
+
+    def started(self, clock: Clock) -> tuple[Clock | None, Clock]:
+        """started moves the count to a save that begins at `clock`; returns (the clock it
+        counted from, `clock`), for `observe_steps` once that save is committed."""
+        since, self.clock = self.clock, clock
+        return since, clock
+
+    def observe_steps(self, since: Clock | None, until: Clock | None) -> None:
+        """observe_steps folds in the mean step time between two clocks, less whatever the
+        checkpoints blocked the loop for in between."""
+        if since is not None and until is not None and until.step > since.step:
+            training = (until.time - since.time) - (until.stall - since.stall)
+            self.observe_step(max(0.0, training) / (until.step - since.step))
 
     def observe_step(self, seconds: float) -> None:
         """observe_step folds one step's time in (the mean of recent steps, outliers damped)."""
@@ -107,12 +157,14 @@ class AutoInterval:
 
 
 def for_config(interval: int | str, mtbf_hours: float, max_steps: int,
-               events: Iterable[dict[str, Any]]) -> tuple[int, AutoInterval | None]:
+               events: Iterable[dict[str, Any]], metrics: Iterable[dict[str, Any]] = (),
+               ) -> tuple[int, AutoInterval | None]:
     """for_config: the interval to start with and, for `auto`, its tracker (the MTBF from the
-    prior and this run's past `events`; pass them on rank 0, whose choices every rank takes)."""
+    prior and this run's past `events` and `metrics`; pass them on rank 0, whose choices every
+    rank takes)."""
     if interval != "auto":
         return int(interval), None
-    observed, failures = failures_seen(events)
+    observed, failures = failures_seen(events, metrics)
     auto = AutoInterval(mtbf(mtbf_hours * 3600.0, observed, failures), max_steps,
                         steps=max(1, min(FIRST_STEPS, max_steps)))
     return auto.steps, auto

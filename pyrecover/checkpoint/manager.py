@@ -28,7 +28,7 @@ import torch
 import torch.distributed as tdist
 
 from pyrecover.checkpoint import retention, store
-from pyrecover.checkpoint.interval import AutoInterval
+from pyrecover.checkpoint.interval import AutoInterval, Clock
 from pyrecover.checkpoint.mode import (
     ModeSettings,
     Parts,
@@ -58,6 +58,8 @@ class _InFlight:
     train: TrainArg
     started: float
     blocked: float
+    since: Clock | None = None  # auto: the clock this save counted from (_retune)
+    clock: Clock | None = None  # auto: the clock at this save's start
 
 
 class CheckpointManager:
@@ -82,7 +84,6 @@ class CheckpointManager:
         self._clock = StallClock()  # the host's blocked spans, so a device wait counts once
         self.last_save_seconds = 0.0  # start to commit of the newest checkpoint (rank 0)
         self.auto: AutoInterval | None = None  # `checkpoint.interval: auto` (see _retune)
-        self._auto_clock: tuple[int, float] | None = None  # (last save or first step, time)
         self._prepared = False  # the mode's buffers are allocated (at the first step boundary)
         self.chosen: Future | None = None  # rank 0's first pick, begun early (find_resume)
         self.choice_times: dict[str, float] = {}  # rank 0's newest pick: its seconds
@@ -103,8 +104,9 @@ class CheckpointManager:
         if not self._prepared and self.parts.optimizer.state:
             self._prepared = True
             self.mode.prepare(self.parts)
-        if self.auto is not None and self._auto_clock is None:
-            self._auto_clock = (step, started)
+        clock = Clock(step, started, self.stall_seconds)  # the device's waits until now in it
+        if self.auto is not None:
+            self.auto.begin(clock)
         if self.inflight is not None:
             self._try_commit(wait=False)
         if self.snapshot_interval and step % self.snapshot_interval == 0:
@@ -119,7 +121,7 @@ class CheckpointManager:
                     log.warning("checkpoint of step %d is still being written; waiting for it "
                                 "before saving step %d", self.inflight.pending.step, step)
                 self._commit_now()
-            self._start(step, final)
+            self._start(step, final, clock)
             if self.inflight is not None and (final or not self.mode.asynchronous):
                 self._commit_now()
         self.stall_seconds += self._clock.end(started)
@@ -190,7 +192,7 @@ class CheckpointManager:
             log.warning("rank %d persisted its in-memory snapshots of steps %s", self.rank, steps)
             self.run.event("snapshot_persisted", rank=self.rank, steps=steps)
 
-    def _start(self, step: int, final: bool = False) -> None:
+    def _start(self, step: int, final: bool = False, clock: Clock | None = None) -> None:
         started = time.perf_counter()
         pending = self._begin(step)
         if pending is None:  # the storage refused the folder: this save failed, on every rank
@@ -204,6 +206,9 @@ class CheckpointManager:
             train = self.parts.train_state()
         self.mode.start(pending, self.parts, train)
         self.inflight = _InFlight(pending, train, started, time.perf_counter() - started)
+        if self.auto is not None:  # the next save is due counted from this one's start
+            self.inflight.since, self.inflight.clock = self.auto.started(
+                clock or Clock(step, started, self.stall_seconds))
 
     def _begin(self, step: int) -> Pending | None:
         path: list[Any] = [None, ""]
@@ -263,24 +268,21 @@ class CheckpointManager:
     def _due(self, step: int) -> bool:
         """_due: a fixed interval saves at its multiples (aligned across restarts); `auto` saves
         `interval` steps after the previous save or the attempt's first step."""
-        if self._auto_clock is None:
+        if self.auto is None:
             return step % self.interval == 0
-        return step - self._auto_clock[0] >= self.interval
+        return self.auto.due(step, self.interval)
 
     def _retune(self, flight: _InFlight) -> None:
         """_retune re-chooses the interval (checkpoint/interval.py) after a commit from rank 0's
         measured step time and stall; every rank takes rank 0's choice (one broadcast), so
         saves stay collective."""
-        assert self.auto is not None and self._auto_clock is not None
-        now, (since, clock) = time.perf_counter(), self._auto_clock
-        steps_done = flight.pending.step - since
-        if steps_done > 0:
-            self.auto.observe_step(max(0.0, now - clock - flight.blocked) / steps_done)
+        assert self.auto is not None
+        self.auto.observe_steps(flight.since, flight.clock)
         self.auto.observe_stall(flight.blocked)
         choice = torch.tensor([self.auto.propose()], dtype=torch.int64)
         if tdist.is_initialized() and self.world_size > 1:
             tdist.broadcast(choice, src=0)
-        steps, self._auto_clock = int(choice.item()), (flight.pending.step, now)
+        steps = int(choice.item())
         if steps != self.interval and self.rank == 0:
             log.info("checkpoint interval %d -> %d steps (auto: save stall %.3fs, step %.3fs, "
                      "MTBF %.1fh)", self.interval, steps, self.auto.stall_s, self.auto.step_s,

@@ -11,12 +11,13 @@ from pyrecover.rundir import read_jsonl
 pytestmark = pytest.mark.multiproc
 
 
+@pytest.mark.parametrize("mode", ["vanilla", "dcp"])  # dcp: asynchronous, committed steps later
 def test_an_auto_interval_is_chosen_after_the_first_save_and_every_save_follows_it(tmp_path,
-                                                                                    corpus):
+                                                                                    corpus, mode):
     # A prior MTBF of 36 s makes the rule ask for saves every MIN_SECONDS (10 s) of steps.
     done = pyrecover("train", "--nproc", "2", *tiny_args(
         tmp_path, corpus, "run", "train.max_steps=60", "checkpoint.interval=auto",
-        "checkpoint.mtbf_hours=0.01"))
+        "checkpoint.mtbf_hours=0.01", f"checkpoint.mode={mode}"))
     assert done.returncode == 0, done.stderr
     events = list(read_jsonl(tmp_path / "run" / "events.jsonl"))
     saved = [e["step"] for e in events if e["event"] == "checkpoint"]

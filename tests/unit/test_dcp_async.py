@@ -262,3 +262,35 @@ def test_a_save_failing_as_it_starts_leaves_nothing_for_the_garbage_collector(
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_an_auto_interval_counts_from_a_save_s_start_so_a_write_in_flight_is_not_due_again(
+        tmp_path):
+    """With `checkpoint.interval: auto` the next save used to be due `interval` steps after the
+    previous one committed: while an asynchronous write was still going, the very next step
+    was due too, waited for the write and saved again."""
+    from pyrecover.checkpoint.interval import AutoInterval
+
+    parts = build_state(200_000).parts
+    run = RunDir(tmp_path / "run")
+    run.create()
+    manager = CheckpointManager(run, "dcp", 2, 2, 0, 1, parts, torch.device("cpu"), True)
+    manager.auto = AutoInterval(mtbf_s=3600.0, max_steps=1000, steps=2)
+    written, real_save = threading.Event(), manager.mode._save
+
+    def slow_disk(state, writer) -> None:  # the write outlasts the steps below
+        assert written.wait(30), "the write was never let through"
+        real_save(state, writer)
+
+    manager.mode._save = slow_disk
+    for step in range(1, 5):  # the attempt's first step is 1: step 3 is due, step 4 is not
+        manager.at_step(step)
+        manager.before_update()
+        if step >= 3:
+            assert manager.inflight is not None and manager.inflight.pending.step == 3
+    written.set()
+    manager.commit_inflight()
+    assert manager.auto.step_s > 0  # the steps' own time, from the first step to the save
+    manager.finish(5)
+    steps = [e["step"] for e in run.read_events() if e["event"] == "checkpoint"]
+    assert steps == [3, 5]

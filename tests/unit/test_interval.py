@@ -50,7 +50,7 @@ def test_the_mtbf_counts_the_prior_as_one_failure_free_period(prior_h, observed_
     assert iv.mtbf(prior_h * HOUR, observed_h * HOUR, failures) == pytest.approx(expected_h * HOUR)
 
 
-def test_crashes_preemptions_and_kills_are_failures_and_planned_stops_are_not():
+def test_crashes_and_kills_are_failures_and_stops_that_saved_their_checkpoint_are_not():
     events = [
         {"event": "start", "time": 0}, {"event": "stop", "time": 100, "reason": "SIGUSR2"},
         {"event": "resume", "time": 110}, {"event": "crash", "time": 200},
@@ -60,13 +60,14 @@ def test_crashes_preemptions_and_kills_are_failures_and_planned_stops_are_not():
         {"event": "resume", "time": 510}, {"event": "finish", "time": 600},
     ]
     observed, failures = iv.failures_seen(events)
-    assert failures == 3 and observed == 100 + 5 * 90
+    # The crash and the kill; a preemption's SIGTERM stop saved its checkpoint and lost nothing.
+    assert failures == 2 and observed == 100 + 5 * 90
 
 
 @pytest.mark.parametrize("end, failures", [
     ({"event": "crash", "time": 200}, 1),
     ({"event": "checkpoint", "time": 200}, 1),  # then killed: no record of its end
-    ({"event": "stop", "time": 200, "reason": "SIGTERM"}, 1),  # preempted
+    ({"event": "stop", "time": 200, "reason": "SIGTERM"}, 0),  # preempted, saved: nothing lost
     ({"event": "stop", "time": 200, "reason": "deadline"}, 0),
 ])
 def test_the_attempt_just_ended_counts_at_once_and_the_gap_after_it_is_not_training(end,
@@ -115,3 +116,34 @@ def test_auto_is_accepted_and_a_fixed_interval_stays_the_default():
     assert config.load(None, ["checkpoint.interval=7"]).checkpoint.interval == 7
     with pytest.raises(config.ConfigError, match="an integer >= 1 or auto"):
         config.load(None, ["checkpoint.interval=often"])
+
+
+def test_a_killed_attempt_was_observed_until_its_last_metrics_row_not_its_last_event():
+    # Killed 55 minutes after its newest checkpoint: its events end at 600 s, its metrics go on.
+    events = [{"event": "start", "time": 0}, {"event": "checkpoint", "time": 600},
+              {"event": "resume", "time": 4000}, {"event": "finish", "time": 4100}]
+    metrics = [{"step": s, "time": t} for s, t in ((10, 300), (20, 3900), (30, 4050))]
+    assert iv.failures_seen(events, metrics) == (3900 + 100, 1)
+
+
+def test_records_without_a_numeric_time_are_left_out_of_the_failures():
+    # A hand-edited line used to stop the start of an `auto` run with a ValueError.
+    events = [{"event": "start", "time": 0}, {"event": "checkpoint", "time": "soon"},
+              {"event": "stop", "time": 50, "reason": "deadline"},
+              {"event": "resume", "time": None},
+              {"event": "resume", "time": 100}, {"event": "finish", "time": float("nan")},
+              {"event": "finish", "time": 150}]
+    assert iv.failures_seen(events) == (100, 0)
+
+
+def test_the_next_save_is_due_counted_from_the_newest_save_s_start_and_steps_exclude_stalls():
+    auto = iv.AutoInterval(mtbf_s=3600.0, max_steps=1000)
+    assert not auto.due(5, 2)  # no first step yet
+    auto.begin(iv.Clock(step=1, time=10.0, stall=0.0))
+    auto.begin(iv.Clock(step=2, time=11.0, stall=0.0))  # only the attempt's first counts
+    assert [auto.due(s, 4) for s in (4, 5)] == [False, True]
+    since, clock = auto.started(iv.Clock(step=5, time=14.5, stall=0.5))
+    assert since == iv.Clock(1, 10.0, 0.0) and auto.clock == clock
+    assert not auto.due(6, 4)  # the save of step 5 may still be writing: not due again
+    auto.observe_steps(since, clock)  # 4 steps in 4.5 s, of which 0.5 s were a save's stall
+    assert auto.step_s == pytest.approx(1.0)
