@@ -20,6 +20,7 @@ The causes add up to `wall_seconds`, the first record (or submit) to the last.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -83,6 +84,71 @@ def _stall(attempt: list[dict[str, Any]], metrics: list[dict[str, Any]], until: 
     return total
 
 
+@dataclass(frozen=True)
+class _Trained:
+    """What one attempt computed: from the step it started or resumed at to the highest step
+    its records show (None for an attempt that never began training)."""
+
+    began: int | None
+    reached: int
+
+
+def _began(e: dict[str, Any]) -> int | None:
+    if e.get("event") == "start":
+        return 0
+    return int(e["step"]) if "step" in e else None  # a resume of old records may lack it
+
+
+def _trained(runs: list[list[dict[str, Any]]], windows: list[list[dict[str, Any]]]
+             ) -> list[_Trained]:
+    out = []
+    for attempt, mine in zip(runs, windows, strict=True):
+        began = next((_began(e) for e in attempt if e.get("event") in ("start", "resume")),
+                     None)
+        steps = [int(r["step"]) for r in mine if "step" in r] + [
+            int(e["step"]) for e in attempt
+            if "step" in e and e.get("event") in ("checkpoint", "stop", "finish")]
+        out.append(_Trained(began, max([began or 0, *steps])))
+    return out
+
+
+def _redone_from(trained: list[_Trained]) -> list[int | None]:
+    """_redone_from[i]: the lowest step a later attempt began training at (a start is step
+    0), or None: attempt i's steps above it were computed again."""
+    out: list[int | None] = []
+    low: int | None = None
+    for t in reversed(trained):
+        out.append(low)
+        if t.began is not None:
+            low = t.began if low is None else min(low, t.began)
+    return out[::-1]
+
+
+def _lost_steps(t: _Trained, redone_from: int | None) -> int:
+    if t.began is None or redone_from is None:
+        return 0
+    return max(0, t.reached - max(redone_from, t.began))
+
+
+def _windows(runs: list[list[dict[str, Any]]], metrics: Sequence[dict[str, Any]]
+             ) -> tuple[list[float], list[list[dict[str, Any]]]]:
+    """_windows: each attempt's start and the metrics rows written from it to the next."""
+    starts = [_phase(a, "process_start") or min(_times(a)) for a in runs]
+    windows = []
+    for i, started in enumerate(starts):
+        following = starts[i + 1] if i + 1 < len(runs) else float("inf")
+        windows.append([m for m in metrics
+                        if "time" in m and started <= float(m["time"]) < following])
+    return starts, windows
+
+
+def _job_of(jobs: Sequence[JobTimes], after: float, started: float) -> JobTimes | None:
+    """_job_of: the SLURM attempt that started this one, the newest start in the gap before it
+    (one per attempt, so rows that overlap, such as a whole array's, count once)."""
+    inside = [j for j in jobs if after <= j.start <= started]
+    return max(inside, key=lambda j: j.start, default=None)
+
+
 def ledger(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
            jobs: Sequence[JobTimes] = ()) -> Ledger:
     """ledger accounts for a run's wall time by cause (see the module's docstring)."""
@@ -90,20 +156,20 @@ def ledger(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
     records = _times(list(events)) + _times(list(metrics))
     if not runs or not records:
         return Ledger()
-    begin = min(records + [j.submit for j in jobs])
-    end = max(records + [j.end for j in jobs if j.end is not None])
     causes = dict.fromkeys(CAUSES, 0.0)
-    starts = [_phase(a, "process_start") or min(_times(a)) for a in runs]
-    previous_end = begin
-    for i, attempt in enumerate(runs):
+    starts, windows = _windows(runs, metrics)
+    trained = _trained(runs, windows)
+    redone_from = _redone_from(trained)
+    previous_end, used = min(records), []
+    for i, (attempt, mine) in enumerate(zip(runs, windows, strict=True)):
         started = starts[i]
         following = starts[i + 1] if i + 1 < len(runs) else float("inf")
-        mine = [m for m in metrics if "time" in m and started <= float(m["time"]) < following]
         last = max(_times(attempt) + _times(mine))
-        for job in jobs:  # the queue wait that led to this attempt, clipped to the gap before it
-            if previous_end <= job.start <= started:
-                causes["queue_wait"] += _span(max(job.submit, previous_end),
-                                              min(job.start, started))
+        job = _job_of(jobs, float("-inf") if i == 0 else previous_end, started)
+        if job is not None:  # the queue wait that led to this attempt, after the one before
+            used.append(job)
+            queued_from = job.submit if i == 0 else max(job.submit, previous_end)
+            causes["queue_wait"] += _span(queued_from, min(job.start, started))
         chosen, restored = _phase(attempt, "checkpoint_chosen"), _phase(attempt, "restored")
         first = _phase(attempt, "first_step")
         if first is None and chosen is None:  # records from before phase timings
@@ -113,25 +179,29 @@ def ledger(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
         agreed, saved = _phase(attempt, "stop_agreed"), _phase(attempt, "save_done")
         ends = _times(mine) + [t for t in (_first_event(attempt, "finish"), first) if t]
         train_end = agreed if agreed is not None else max(ends, default=None)
+        if train_end is not None:  # an attempt's records past the next one's start: its own
+            train_end = min(train_end, following)
         training = _span(first, train_end)
         # No sign that training began (an attempt that ended during start-up): no stall.
         stall = min(training, _stall(attempt, mine, train_end)) if train_end is not None else 0.0
-        causes["checkpoint_stall"] += stall + _span(agreed, saved)
+        causes["checkpoint_stall"] += stall + _span(
+            agreed, min(saved, following) if saved is not None else None)
         lost = 0.0
-        # The next attempt that began training (one that failed during start-up did not):
-        # a resume redid the steps it names; a start from step 0 (no checkpoint survived)
-        # lost all of this attempt's training.
-        after = next((a for a in runs[i + 1:] if _first_event(a, "start", "resume")), [])
-        if _first_event(after, "resume") is not None:
-            redone = sum(int(e.get("steps_lost", 0)) for e in after if e.get("event") == "resume")
-            step_times = [float(m["step_time"]) for m in mine if "step_time" in m]
-            if redone and step_times:
-                lost = min(training - stall, redone * statistics.median(step_times))
-        elif _first_event(after, "start") is not None:
+        # A later attempt that began training at or below where this one began redid all of
+        # it (a start from step 0 after no checkpoint survived, an older checkpoint chosen);
+        # one that began above that, the steps of this one past its step.
+        t, low = trained[i], redone_from[i]
+        if t.began is not None and low is not None and low <= t.began:
             lost = training - stall
+        elif (steps := _lost_steps(t, low)):
+            step_times = [float(m["step_time"]) for m in mine if "step_time" in m]
+            if step_times:
+                lost = min(training - stall, steps * statistics.median(step_times))
         causes["lost_work"] += lost
         causes["productive"] += training - stall - lost
-        previous_end = last
+        previous_end = max(previous_end, last)
+    begin = min(records + [j.submit for j in used])
+    end = max(records + [j.end for j in used[-1:] if j.end is not None])
     wall = round(end - begin, 3)
     causes = {k: round(v, 3) for k, v in causes.items()}
     causes["remainder"] = round(wall - sum(v for k, v in causes.items() if k != "remainder"), 3)
@@ -141,20 +211,37 @@ def ledger(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
 
 
 def steps_lost(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]]) -> int:
-    """steps_lost counts the steps computed and then computed again: each resume's own count
-    (its `steps_lost`: past the checkpoint it restored), and at a start from step 0 after
-    training (no checkpoint had survived) every step reached since the run last began."""
-    records = sorted([(float(e["time"]), 0, e) for e in events if "time" in e]
-                     + [(float(m["time"]), 1, m) for m in metrics if "time" in m],
-                     key=lambda r: (r[0], r[1]))
-    lost = reached = 0
-    for _, is_metric, r in records:
-        kind = None if is_metric else r.get("event")
-        if kind == "resume":
-            lost += int(r.get("steps_lost", 0))
-            reached = int(r.get("step", 0))
-        elif kind == "start":
-            lost, reached = lost + reached, 0
-        elif "step" in r and (is_metric or kind in ("checkpoint", "stop", "finish")):
-            reached = max(reached, int(r["step"]))
-    return lost
+    """steps_lost counts the steps computed and then computed again: of every attempt, those
+    past the lowest step a later attempt began training at (the checkpoint it resumed
+    from; a start from step 0 after no checkpoint survived), as the ledger's `lost_work`
+    counts their time."""
+    runs = attempts(list(events))
+    if not runs:
+        return 0
+    trained = _trained(runs, _windows(runs, metrics)[1])
+    return sum(_lost_steps(t, low) for t, low in zip(trained, _redone_from(trained),
+                                                     strict=True))
+
+
+def _readable(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """_readable: the records whose `time` is a number and `step`, if any, a count (a
+    hand-edited line must not stop a resume)."""
+    def ok(r: dict[str, Any]) -> bool:
+        at, step = r.get("time"), r.get("step", 0)
+        return (type(at) in (int, float) and math.isfinite(at)
+                and type(step) is int and step >= 0)
+    return [r for r in records if ok(r)]
+
+
+def steps_redone(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
+                 step: int) -> int:
+    """steps_redone: what a resume at `step` computes again: the steps past it that the newest
+    attempt which trained had reached (what older attempts reached past it was counted at
+    the resume that followed them). Reads the records as they are in the run directory."""
+    events, metrics = _readable(events), _readable(metrics)
+    runs = attempts(list(events))
+    if not runs:
+        return 0
+    last = next((t for t in reversed(_trained(runs, _windows(runs, metrics)[1]))
+                 if t.began is not None), None)
+    return max(0, last.reached - step) if last is not None else 0

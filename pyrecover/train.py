@@ -24,6 +24,7 @@ from pyrecover import (
     flops,
     health,
     heartbeat,
+    ledger,
     parallel,
     preempt,
     profiling,
@@ -313,7 +314,7 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         else:  # another world size: the old ranks' streams do not map onto the new ones
             rng.seed_rank(t.seed + state.step, env.rank)
         if env.rank == 0:
-            lost = max(0, last_logged_step(run) - state.step)
+            lost = ledger.steps_redone(run.read_events(), run.read_metrics(), state.step)
             log.info("resumed from %s (step %d, %d steps redone; restored in %.2fs)", ckpt.path,
                      state.step, lost, restore_s)
             run.event("resume", step=state.step, path=str(ckpt.path), steps_lost=lost,
@@ -381,10 +382,6 @@ def autocast_for(cfg: Config, device: torch.device):
     if precision == "bf16":
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
-
-
-def last_logged_step(run: RunDir) -> int:
-    return max((int(m.get("step", 0)) for m in read_jsonl(run.metrics)), default=0)
 
 
 def kind_name(device: torch.device) -> str:

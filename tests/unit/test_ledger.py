@@ -109,3 +109,69 @@ def test_a_start_over_after_a_kill_loses_all_the_training_before_it():
     assert sum(book.causes.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
     assert steps_lost(FROM_SCRATCH, SCRATCH_METRICS) == 8
     assert steps_lost(EVENTS, METRICS) == 4  # a resume's own count
+
+
+def attempt(start: float, began: int, until: int, end: str = "", ckpts=(), stopped=False):
+    """An attempt's records: its process start at `start`, training from step `began` (a
+    resume, or a start at 0) at 1 s a step to step `until`, checkpoints at `ckpts`, then a
+    `stop` (saved) if `stopped`, else nothing (killed)."""
+    first = start + 2.0
+    kind = {"event": "start", "step": 0} if began == 0 else {"event": "resume", "step": began}
+    events = [ph("process_start", start), ph("checkpoint_chosen", start + 1.0),
+              {**kind, "time": start + 1.0}, ph("first_step", first)]
+    events += [{"event": "checkpoint", "time": first + c - began, "step": c, "blocked": 0.0}
+               for c in ckpts]
+    if stopped:
+        events += [ph("stop_agreed", first + until - began), {"event": "stop", "step": until,
+                                                              "time": first + until - began}]
+    metrics = [{"time": first + s - began, "step": s, "step_time": 1.0}
+               for s in range(began + 1, until + 1)]
+    return events, metrics
+
+
+def run_of(*parts):
+    return [e for p in parts for e in p[0]], [m for p in parts for m in p[1]]
+
+
+@pytest.mark.parametrize("name, parts, lost", [
+    # A stops cleanly at 100; B resumes there and is killed at 120; its checkpoint at 100 is
+    # found damaged, so C resumes from 50: A's steps 51-100 and B's 101-120 are redone.
+    ("an older checkpoint", (attempt(0, 0, 100, ckpts=(50, 100), stopped=True),
+                             attempt(200, 100, 120), attempt(400, 50, 60, stopped=True)), 70),
+    # A reaches 120 (checkpoint 100) and is killed; B resumes at 100, saves 110, is killed at
+    # 115; C resumes at 110: A's 101-120 and B's 111-115, not 120 - 110 again.
+    ("two kills", (attempt(0, 0, 120, ckpts=(100,)), attempt(200, 100, 115, ckpts=(110,)),
+                   attempt(400, 110, 130, stopped=True)), 25),
+])
+def test_lost_work_is_every_attempt_s_steps_that_a_later_one_computed_again(name, parts, lost):
+    from pyrecover.ledger import steps_lost, steps_redone
+
+    events, metrics = run_of(*parts)
+    assert steps_lost(events, metrics) == lost, name
+    book = ledger(events, metrics)
+    assert book.causes["lost_work"] == pytest.approx(lost * 1.0)
+    assert sum(book.causes.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
+    # What each resume records as redone adds up to the same count.
+    resumes = [p for p in parts[1:]]
+    redone = sum(steps_redone(*run_of(*parts[:i + 1]), step=p[0][2]["step"])
+                 for i, p in enumerate(resumes))
+    assert redone == lost
+
+
+def test_sacct_rows_that_overlap_count_once_and_the_remainder_never_goes_negative():
+    # sacct asked about a whole array lists every task: three rows queued together.
+    events, metrics = run_of(attempt(100, 0, 20, stopped=True))
+    jobs = [JobTimes(0.0, 100.0, 130.0), JobTimes(0.0, 60.0, 90.0), JobTimes(0.0, 30.0, 200.0)]
+    book = ledger(events, metrics, jobs)
+    assert book.causes["queue_wait"] == 100.0
+    assert book.wall_seconds == 130.0  # from the row that started the attempt
+    assert book.causes["remainder"] >= 0
+    assert sum(book.causes.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
+
+
+def test_an_attempt_that_outlived_the_next_one_s_start_is_not_counted_twice():
+    # A new process started (the lock's wait allows it) while the old one still wrote records.
+    events, metrics = run_of(attempt(0, 0, 30, stopped=True), attempt(25, 30, 40, stopped=True))
+    book = ledger(events, metrics)
+    assert book.causes["remainder"] >= 0
+    assert sum(book.causes.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
