@@ -108,8 +108,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
         queued and ended) else []
     if waiting:  # launched again, not started yet: the job in the queue
         job_id, slurm_state = waiting[0]
-    book = ledger_mod.ledger(events, metrics, [ledger_mod.JobTimes(*t) for t in (
-        sacct(job_id) if (sacct and job_id) else [])])
+    book = ledger_mod.ledger(events, metrics, _job_times(events, sacct) if sacct else [])
     return Status(
         run_dir=str(run.root), exp_name=run.root.name, state=state,
         slurm_state=slurm_state,
@@ -177,6 +176,24 @@ def slurm_job(path: str | Path) -> str | None:
     events, _ = _well_formed(read_jsonl(run.events), needs_time=True)
     job_id = next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
     return _slurm_name(events, job_id) if job_id else None
+
+
+MAX_JOBS_ASKED = 20  # a run launched again and again by hand: its newest jobs' queue times
+
+
+def _job_times(events: list[dict[str, Any]], sacct) -> list[ledger_mod.JobTimes]:
+    """_job_times is SLURM's times of every job that ran the run (each array task by its own
+    name, not the whole array), newest first until one gives none (accounting off, or the
+    older jobs purged from it); not the job queued now, which has not started the run."""
+    names = list(dict.fromkeys(str(e.get("array_task") or e["job_id"]) for e in events
+                               if e.get("job_id") and e.get("event") != "cancel"))
+    rows: list[ledger_mod.JobTimes] = []
+    for name in reversed(names[-MAX_JOBS_ASKED:]):
+        times = sacct(name)
+        if not times:
+            break
+        rows += [ledger_mod.JobTimes(*t) for t in times]
+    return rows
 
 
 def _slurm_name(events: list[dict[str, Any]], job_id: str) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from pyrecover import status
 from pyrecover.rundir import RunDir
 
@@ -151,3 +153,30 @@ def test_every_start_after_the_first_is_a_restart_with_its_cause_and_its_lost_st
 
 def ph(name: str, at: float) -> dict:
     return {"event": "phase", "phase": name, "time": at}
+
+
+def test_the_ledger_takes_the_queue_times_of_the_jobs_that_ran_the_run_not_the_one_queued(
+        tmp_path):
+    """Job 41 ran the run after 900 s in the queue; then the run was launched again as job
+    57, still pending. The ledger asked sacct about job 57 (no start yet), and the 900 s
+    moved out of the queue wait. An array task is asked about by its own name."""
+    from test_ledger import EVENTS, METRICS
+
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    _write(run, [{**e, "job_id": "41", "array_task": "40_1"} for e in EVENTS], METRICS)
+    asked: list[str] = []
+    times = {"40_1": [(100.0 - 900.0, 99.0, 127.0), (140.0, 148.0, 174.0)],
+             "57": [(180.0, None, None)]}
+
+    def sacct(name: str) -> list:
+        asked.append(name)
+        return [t for t in times.get(name, []) if t[1] is not None]
+
+    s = status.read(run.root, now=200.0, squeue=lambda name: None, sacct=sacct,
+                    queued=lambda script: [("57", "PENDING")])
+    assert s.job_id == "57" and s.slurm_state == "PENDING"  # what is queued now
+    assert asked == ["40_1"]
+    assert s.ledger["causes"]["queue_wait"] == 899.0 + 8.0
+    assert s.ledger["queue_from_slurm"]
+    assert sum(s.ledger["causes"].values()) == pytest.approx(s.ledger["wall_seconds"], abs=1e-3)
