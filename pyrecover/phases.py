@@ -23,6 +23,9 @@ START_PHASES = ("process_start", "imports_done", "data_ready", "group_up", "chec
 STOP_PHASES = ("signal_seen", "stop_agreed", "save_done", "exit")
 # What the job script records after its training step ended: no sign of the trainer's life.
 JOB_SCRIPT_EVENTS = ("requeue", "no_requeue", "restart_in_job", "cancel")
+# Records that say an attempt is over without a stop of its own (a crash, a hang, or the job
+# script's decision after it died): its interruption is the newest, restarted or not.
+ENDED = ("crash", "hang", "requeue", "no_requeue", "restart_in_job")
 PHASES = START_PHASES + STOP_PHASES
 # What `checkpoint_chosen` also records (seconds): the model and optimizer built, the
 # background checksum pass beside them, and rank 0's wait for that pass once they were.
@@ -124,13 +127,15 @@ def last_interruption(events: list[dict[str, Any]],
     """last_interruption lists the phases of the newest interruption in order: how the attempt
     ended (its stop phases, or `last_record` after a crash or kill: its newest event or step
     metric, not what the job script recorded after it) and how the next one started, each
-    with `gap`, the seconds since the row before. An attempt that stopped and has not started
-    again yet shows its stop phases only. Empty when there was none."""
+    with `gap`, the seconds since the row before. An attempt that stopped, crashed or was
+    killed (the job script's decision recorded after it) and has not started again yet shows
+    how it ended only. Empty when there was none."""
     runs = attempts(events)
     if not runs:
         return []
-    if _phase_rows(runs[-1], ("stop_agreed",)):
-        ended, started = runs[-1], []
+    last = runs[-1]
+    if _phase_rows(last, ("stop_agreed",)) or any(e.get("event") in ENDED for e in last):
+        ended, started = last, []
     elif len(runs) > 1:
         ended, started = runs[-2], runs[-1]
     else:

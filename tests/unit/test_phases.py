@@ -72,6 +72,20 @@ def test_a_killed_attempt_ends_at_its_last_step_not_at_what_the_job_script_said_
     assert rows[1]["phase"] == "process_start" and rows[1]["gap"] == 10.0
 
 
+def test_a_crash_not_yet_restarted_is_the_last_interruption_not_the_stop_before_it():
+    crashed = [*RESUMED, {"event": "crash", "time": 50.0, "rank": 0},
+               {"event": "requeue", "time": 51.0, "exit_code": 1}]
+    rows = phases.last_interruption(STOPPED + crashed)
+    assert rows == [{"phase": "last_record", "time": 50.0, "gap": 0.0}]
+    # Killed with no record of its own: the job script's decision says the attempt is over.
+    killed = [*RESUMED, {"event": "requeue", "time": 51.0, "exit_code": 137}]
+    metrics = [{"time": 30.0, "step": 12}]
+    assert phases.last_interruption(STOPPED + killed, metrics) == [
+        {"phase": "last_record", "time": 30.0, "gap": 0.0}]
+    # Still running: the stop before it is the newest interruption.
+    assert phases.last_interruption(STOPPED + RESUMED)[0]["phase"] == "signal_seen"
+
+
 def test_a_run_never_interrupted_has_no_interruption():
     assert phases.last_interruption(STOPPED[:4]) == []
 
