@@ -19,7 +19,6 @@ import json
 import logging
 import netrc
 import os
-import platform
 import secrets
 import socket
 import string
@@ -30,7 +29,6 @@ from urllib.parse import urlparse
 
 from pyrecover import config as config_mod
 from pyrecover.config import Config
-from pyrecover.dist import DistEnv
 from pyrecover.ledger import ledger
 from pyrecover.rundir import RunDir, read_jsonl
 
@@ -116,76 +114,6 @@ def run_id(run: RunDir) -> str:
     return new
 
 
-def diagnostics(env: DistEnv, device: Any, environ: Mapping[str, str] = os.environ
-                ) -> dict[str, Any]:
-    """diagnostics describes where this job runs: versions, devices, layout, SLURM job."""
-    import torch
-
-    cuda = torch.cuda.is_available()
-    nccl = "none"
-    if cuda:
-        try:
-            version = torch.cuda.nccl.version()
-            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-        except (AttributeError, RuntimeError):
-            nccl = "unknown"
-    nodes = max(1, env.world_size // max(1, env.local_world_size))
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__.split("+")[0],
-        "cuda": torch.version.cuda or "none",
-        "nccl": nccl,
-        "device": _device_name(torch, device),
-        "gpus_per_node": torch.cuda.device_count() if cuda else 0,
-        "cpus": len(os.sched_getaffinity(0)),
-        "host": socket.gethostname(),
-        "launcher": env.launcher,
-        "world_size": env.world_size,
-        # The step's nodes: with spare nodes the job holds more than the training runs on.
-        "nodes": int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES")
-                     or environ.get("SLURM_NNODES") or nodes),
-        "ranks_per_node": env.local_world_size,
-    }
-    info.update(slurm_job(environ))
-    return info
-
-
-def slurm_job(environ: Mapping[str, str]) -> dict[str, Any]:
-    """slurm_job reads the job's id, nodes and time limit from SLURM's variables ({} outside)."""
-    job = environ.get("SLURM_JOB_ID")
-    if not job:
-        return {}
-    out: dict[str, Any] = {"slurm_job_id": job,
-                           "slurm_nodelist": environ.get("SLURM_JOB_NODELIST", ""),
-                           "slurm_partition": environ.get("SLURM_JOB_PARTITION", ""),
-                           "slurm_restart_count": int(environ.get("SLURM_RESTART_COUNT") or 0)}
-    start, end = environ.get("SLURM_JOB_START_TIME"), environ.get("SLURM_JOB_END_TIME")
-    if start and end and start.isdigit() and end.isdigit():
-        out["slurm_time_limit"] = _hms(int(end) - int(start))
-    return out
-
-
-def describe(system: Mapping[str, Any], cfg: Config) -> list[str]:
-    """describe renders the startup diagnostics and the resolved config as a few log lines."""
-    s = system
-    lines = [
-        f"versions: python {s['python']}, torch {s['torch']}, CUDA {s['cuda']}, NCCL {s['nccl']}",
-        f"devices: {s['device']}; {s['gpus_per_node']} GPU(s) per node, {s['cpus']} CPUs "
-        f"on {s['host']}",
-        f"layout: world size {s['world_size']} ({s['launcher']}), {s['nodes']} node(s) x "
-        f"{s['ranks_per_node']} rank(s)",
-    ]
-    if "slurm_job_id" in s:
-        lines.append(f"SLURM job {s['slurm_job_id']}: nodes {s['slurm_nodelist'] or '?'}, "
-                     f"partition {s['slurm_partition'] or '?'}, time limit "
-                     f"{s.get('slurm_time_limit', 'unknown')}, restart {s['slurm_restart_count']}")
-    else:
-        lines.append("SLURM job: none")
-    for section, values in config_mod.to_dict(cfg).items():
-        lines.append(f"config {section}: " + " ".join(f"{k}={v}" for k, v in values.items()))
-    return lines
-
-
 def restarts(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """restarts lists each resume with its cause: the first stop-like event before it.
 
@@ -231,6 +159,7 @@ class Tracker:
     def __init__(self, wb_run: Any = None, run: RunDir | None = None, floor: int = 0,
                  pending: Mapping[str, Any] | None = None) -> None:
         self._wb = wb_run
+        self._run = run
         self._events = run.events if run is not None else None
         self._floor = floor  # steps up to here were logged by an earlier start
         self._pending = dict(pending or {})
@@ -295,6 +224,11 @@ class Tracker:
         if self._wb is None:
             return
         wb, self._wb = self._wb, None
+        if self._run is not None:
+            with contextlib.suppress(Exception):  # a summary is a nicety; never a reason to stop
+                # The ledger with this attempt in it (at the start it held the ones before).
+                wb.summary["ledger"] = ledger(self._run.read_events(),
+                                              self._run.read_metrics()).to_dict()
         try:
             if self._pending:
                 wb.summary.update(self._pending)
@@ -386,14 +320,3 @@ def _init_wandb(cfg: Config, run: RunDir, mode: str, system: Mapping[str, Any]) 
             with contextlib.suppress(Exception):
                 wandb.teardown()
     return None
-
-
-def _device_name(torch: Any, device: Any) -> str:
-    if getattr(device, "type", None) == "cuda":
-        return f"CUDA {torch.cuda.get_device_name(device)}"
-    return f"CPU ({torch.get_num_threads()} threads)"
-
-
-def _hms(seconds: int) -> str:
-    h, rest = divmod(max(0, seconds), 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"

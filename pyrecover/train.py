@@ -35,6 +35,7 @@ from pyrecover import (
     watchdog,
 )
 from pyrecover import config as config_mod
+from pyrecover import system as system_info
 from pyrecover.checkpoint import CheckpointManager, rng
 from pyrecover.checkpoint import interval as checkpoint_interval
 from pyrecover.checkpoint.manager import Parts
@@ -277,8 +278,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                  "tokens", run.root, kind_name(device), env.world_size, env.launcher,
                  layout, n_params / 1e6, batches.num_windows,
                  cfg.model.block_size)
-    system = tracking.diagnostics(env, device) if env.rank == 0 else {}
-    for line in tracking.describe(system, cfg) if system else []:
+    system = system_info.diagnostics(env, device) if env.rank == 0 else {}
+    for line in system_info.describe(system, cfg) if system else []:
         log.info("%s", line)  # versions, devices, layout, SLURM job, resolved config
     dog.phase("load")
     restore_started = time.perf_counter()

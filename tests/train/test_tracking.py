@@ -85,14 +85,20 @@ def test_a_killed_and_resumed_run_keeps_one_wandb_run_and_its_steps_never_go_bac
     assert after[0]["loss"] > 0 and after[0]["restart/count"] == 1
     assert after[0]["restart/steps_lost"] == 5 and after[0]["restart/cause_killed"] == 1
     assert any(row.get("checkpoint/step") == 20 for row in after)
-    # The summary holds the goodput ledger of the attempts before this start.
-    summary = {}
+    # The summary holds the goodput ledger: of the attempts before this start, and once the
+    # run closes, of this one too.
+    books = []
     for record in wandb_records(second / f"run-{run_id}.wandb"):
         if record.WhichOneof("record_type") == "summary":
-            summary.update({i.key: json.loads(i.value_json) for i in record.summary.update})
-    book = summary["ledger"]
-    assert book["causes"]["lost_work"] > 0  # the steps after the checkpoint before the kill
-    assert abs(sum(book["causes"].values()) - book["wall_seconds"]) < 0.01
+            books += [json.loads(i.value_json) for i in record.summary.update
+                      if i.key == "ledger"]
+    at_start, at_close = books[0], books[-1]
+    assert at_start["causes"]["lost_work"] > 0  # the steps after the checkpoint before the kill
+    assert at_close["causes"]["lost_work"] == at_start["causes"]["lost_work"]
+    assert at_close["causes"]["productive"] > at_start["causes"]["productive"]  # steps 16-20
+    assert at_close["wall_seconds"] > at_start["wall_seconds"]
+    for book in (at_start, at_close):
+        assert abs(sum(book["causes"].values()) - book["wall_seconds"]) < 0.01
 
 
 def test_other_ranks_get_a_disabled_tracker_and_create_nothing(tmp_path):
