@@ -15,6 +15,7 @@ import math
 import random
 from typing import Any
 
+from pyrecover import batch
 from pyrecover import config as config_mod
 from pyrecover.config import Config, ConfigError
 from pyrecover.sweep import SweepError
@@ -80,8 +81,9 @@ def check_owned(sweep: Sweep) -> None:
 def trial_config(name: str, base: Config, index: int, values: dict[str, Any],
                  world_size: int | None = None, what: str | None = None) -> Config:
     """trial_config is trial `index` of sweep `name`: `base` (run dir: the sweep's folder) in
-    the trial's folder, with `values` set; raises SweepError naming `what` (default: the
-    trial and its values) and the config's complaint."""
+    the trial's folder, with `values` set and, for a `world_size`, its global batch resolved
+    for it; raises SweepError naming `what` (default: the trial and its values) and the
+    config's complaint."""
     raw = config_mod.to_dict(base)
     raw["run"].update(storage=str(base.run_dir().parent / name), exp_name=trial_name(index))
     tracking = raw["tracking"]
@@ -101,6 +103,10 @@ def trial_config(name: str, base: Config, index: int, values: dict[str, Any],
         cfg = config_mod.from_dict(raw, f"sweep {name}")
         if world_size is not None:
             config_mod.check_world_size(cfg, world_size)
+            # An `auto` global batch resolved as `launch` resolves it: run.yaml holds the
+            # number the trainer trains with (kept 'auto:16', the trial's first start saw
+            # its own 16 as another config and refused to train).
+            cfg = batch.resolve(cfg, world_size)[0]
     except ConfigError as exc:
         raise SweepError(f"{what}: {exc}") from None
     return cfg

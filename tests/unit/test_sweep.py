@@ -352,3 +352,29 @@ def test_launch_writes_the_sweep_and_every_trial_then_refuses_a_second_live_arra
     path.write_text(yaml.safe_dump({**GRID, "name": "lr", "run_cap": 2}, sort_keys=False))
     done = pyrecover(*args, env=env, cwd=tmp_path)
     assert done.returncode == 2 and "holds sweep 'lr' with other trials" in done.stderr
+
+
+def test_a_trial_of_a_sweep_with_an_auto_global_batch_trains(tmp_path, corpus):
+    """The default global batch is `auto:N`: every trial's run.yaml used to keep the string,
+    and the trial's first start, resolving it to a number, refused its own run directory as
+    'started with another config' (exit 2, never requeued)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 78\n")
+    (bin_dir / "squeue").write_text("#!/bin/sh\nexit 0\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump({"name": "lr", "method": "grid", "parameters": {
+        "train.lr": {"values": [1e-3, 2e-3]}}}, sort_keys=False))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **default_cluster(tmp_path)}  # 4 ranks
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
+                     "--set", f"run.storage={tmp_path / 'st'}", "--set", f"data.path={corpus}",
+                     "--set", "train.global_batch_size=auto:12", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    trial = tmp_path / "st" / "lr" / "trial-1"
+    assert config_mod.load(trial / "run.yaml").train.global_batch_size == 8  # 4 x 2 splits it
+    trained = pyrecover("train", "--config", str(trial / "run.yaml"), "--set",
+                        "train.max_steps=2")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert [e["event"] for e in RunDir(trial).read_events()].count("finish") == 1
