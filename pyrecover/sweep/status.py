@@ -7,6 +7,7 @@ from its run.yaml; before its first start it has none ("no values yet"). Nothing
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ class Trial:
     restarts: int
     last: float | None
     best: float | None
+    diverged: bool = False
+    """The metric's last logged value was not finite (NaN, inf): `last` is None then."""
 
 
 @dataclass
@@ -63,8 +66,9 @@ def read(sweep_dir: str | Path, squeue: Callable[[str], str | None] | None = Non
                      squeue(f"{array}_{t['index']}") if squeue and array else None)
               for t in rec.trials]
     sign = 1.0 if rec.goal == "minimize" else -1.0
-    trials.sort(key=lambda t: (t.last is None, sign * t.last if t.last is not None else 0.0,
-                               t.index))
+    # Those with a last value first (best first), then the diverged ones, then the rest.
+    trials.sort(key=lambda t: (0 if t.last is not None else 1 if t.diverged else 2,
+                               sign * t.last if t.last is not None else 0.0, t.index))
     best = trials[0].index if trials and trials[0].last is not None else None
     return SweepStatus(sweep_dir=str(root), name=rec.name, method=rec.method,
                        metric=rec.metric, goal=rec.goal, trials=trials, best=best)
@@ -76,15 +80,25 @@ def _trial(path: Path, index: int, params: dict[str, Any] | None, rec: record.Re
     if params is None:  # bayes: wandb hands the values out at the trial's first start
         return Trial(index, str(path), {}, NO_VALUES, slurm_state, 0, None, 0, None, None)
     params = dict(params)
-    values = [float(m[rec.metric]) for m in read_jsonl(run.metrics) if rec.metric in m]
+    values = [v for v in (_number(m.get(rec.metric)) for m in read_jsonl(run.metrics))
+              if v is not None]
+    finite = [v for v in values if math.isfinite(v)]
     if run.problem() is not None:  # written at launch; gone only if someone removed it
         return Trial(index, str(path), params, "missing", slurm_state, 0, None, 0, None, None)
     s = run_status.read(path)
-    best = (min(values) if rec.goal == "minimize" else max(values)) if values else None
+    best = (min(finite) if rec.goal == "minimize" else max(finite)) if finite else None
+    diverged = bool(values) and not math.isfinite(values[-1])
     return Trial(index=index, run_dir=str(path), params=params, state=s.state,
                  slurm_state=slurm_state, step=s.step, max_steps=s.max_steps,
-                 restarts=_restarts(run), last=values[-1] if values else None,
-                 best=best)
+                 restarts=_restarts(run), last=values[-1] if values and not diverged else None,
+                 best=best, diverged=diverged)
+
+
+def _number(value: Any) -> float | None:
+    """_number: a logged metric as a float (None for a missing or hand-edited one)."""
+    if type(value) in (int, float):
+        return float(value)
+    return None
 
 
 def _restarts(run: RunDir) -> int:
@@ -106,7 +120,7 @@ def render(s: SweepStatus) -> str:
     rows = [[str(t.index), *(_fmt(t.params.get(k)) for k in keys),
              t.state + (f" ({t.slurm_state})" if t.slurm_state else ""),
              f"{t.step}/{t.max_steps}" if t.max_steps else str(t.step), str(t.restarts),
-             _fmt(t.last), _fmt(t.best)] for t in s.trials]
+             "diverged" if t.diverged else _fmt(t.last), _fmt(t.best)] for t in s.trials]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = [f"sweep {s.name} ({s.method}, {s.goal} {s.metric}): {s.sweep_dir}",
              *("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()

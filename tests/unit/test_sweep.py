@@ -242,6 +242,27 @@ def test_status_ranks_trials_by_their_last_metric_and_names_the_best(tmp_path):
     assert json.loads(done.stdout)["best"] == 1
 
 
+def test_a_trial_that_diverged_is_ranked_after_the_others_and_never_named_best(tmp_path):
+    """An lr sweep's highest lr logs NaN losses until the guard stops it: NaN in the sort
+    key made it the best trial, and `--json` printed NaN, which strict JSON refuses."""
+    sweep = sweep_of({"method": "grid", "parameters": {"train.lr": {"values": [1, 2, 3]}}})
+    record.write(tmp_path, record.make(sweep, trials.choose(sweep)))
+    fake_trial(tmp_path, 0, [5.0, 3.0, float("nan")], False)
+    fake_trial(tmp_path, 1, [5.0, 4.0], True)
+    fake_trial(tmp_path, 2, [5.0, float("inf"), 3.5], True)  # recovered: its last counts
+    s = sweep_status.read(tmp_path)
+    assert [t.index for t in s.trials] == [2, 1, 0] and s.best == 2
+    assert (s.trials[2].diverged, s.trials[2].last, s.trials[2].best) == (True, None, 3.0)
+    assert "diverged" in sweep_status.render(s).splitlines()[-2]
+    done = pyrecover("sweep", "status", str(tmp_path), "--json")
+    assert done.returncode == 0, done.stderr
+
+    def strict(token: str):
+        raise ValueError(f"not JSON: {token}")
+    report = json.loads(done.stdout, parse_constant=strict)
+    assert report["best"] == 2 and report["trials"][2]["diverged"] is True
+
+
 # ------------------------------------------------------------------------------ the CLI
 
 
