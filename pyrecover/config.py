@@ -77,7 +77,14 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
         source = str(p)
     for item in overrides:
         key, value = parse_override(item)
-        _check_override_key(key)
+        text = item.partition("=")[2].strip()
+        if _check_override_key(key) in (str, str | None) and (
+                type(value) in (int, float)
+                or (type(value) is bool and text.lower() not in ("true", "false"))):
+            # A name or a path that YAML reads as a number or a YAML 1.1 boolean keeps its
+            # text: --exp-name 007, 1.10 or yes named the folder 7, 1.1 or true (and 1.10
+            # resumed the run of --exp-name 1.1). `true` and `false` stay words.
+            value = text
         _set_path(raw, key, value, source)
     return from_dict(raw, source)
 
@@ -258,9 +265,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def _check_override_key(dotted: str) -> None:
+def _check_override_key(dotted: str) -> Any:
     """_check_override_key refuses a `--set` key the schema does not have, naming `--set`
-    (not the config file, which may be fine) and the keys that exist there."""
+    (not the config file, which may be fine) and the keys that exist there; returns the
+    key's type."""
     cls: Any = Config
     prefix = ""
     for part in dotted.split("."):
@@ -276,6 +284,7 @@ def _check_override_key(dotted: str) -> None:
     if dataclasses.is_dataclass(cls):
         raise ConfigError(f"--set {dotted}: {dotted!r} is a section; set one of its keys, e.g. "
                           f"{dotted}.{dataclasses.fields(cls)[0].name}=...")
+    return cls
 
 
 def _set_path(raw: dict[str, Any], dotted: str, value: Any, source: str) -> None:

@@ -194,3 +194,17 @@ def test_the_same_data_file_given_relative_then_absolute_is_no_identity_change(t
     assert config.diff_identity(old, new) == []
     other = config.load(None, [f"data.path={tmp_path / 'other.parquet'}"])
     assert config.diff_identity(old, other)[0].startswith("data.path: ")
+
+
+@pytest.mark.parametrize("text", ["007", "0x1F", "1.10", "1_000", "yes", "off", "12"])
+def test_a_name_given_with_set_keeps_its_text_where_yaml_would_read_a_number_or_a_boolean(text):
+    # --exp-name 1.10 used to name the folder 1.1 and resume the run of --exp-name 1.1.
+    cfg = config.load(None, [f"run.exp_name={text}", f"data.path={text}"])
+    assert (cfg.run.exp_name, cfg.data.path) == (text, text)
+
+
+def test_numbers_and_words_of_other_keys_are_still_read_as_yaml():
+    cfg = config.load(None, ["train.lr=1e-3", "train.max_steps=0x10", "train.compile=true",
+                                 "checkpoint.interval=auto"])
+    assert (cfg.train.lr, cfg.train.max_steps, cfg.train.compile,
+            cfg.checkpoint.interval) == (0.001, 16, "true", "auto")
