@@ -6,6 +6,7 @@ user mistake is one `error:` line and exit code 2. Imports no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import sys
@@ -85,6 +86,10 @@ def launch(
         image=image, launcher=launcher, max_restarts=max_restarts,
         signal_seconds=signal_seconds, qos=qos, constraint=constraint, mem=mem,
         exclusive=exclusive)
+    if prof.spare_nodes:  # a trial requeues as its own array task instead
+        typer.echo(f"note: the profile's spare_nodes={prof.spare_nodes} is not used by a sweep: "
+                   "each trial asks for its own nodes only and requeues itself", err=True)
+        prof = dataclasses.replace(prof, spare_nodes=0)
     if max_parallel is not None and max_parallel < 1:
         raise LaunchError(f"--max-parallel={max_parallel} is not allowed: expected >= 1")
     is_bayes = sweep.method == "bayes"

@@ -279,6 +279,20 @@ def test_dry_run_prints_the_array_script_and_the_trial_table_and_writes_nothing(
     assert not (tmp_path / "st").exists()
 
 
+def test_a_profile_s_spare_nodes_are_not_asked_for_by_every_trial(tmp_path):
+    profile_file = tmp_path / "cluster.yaml"
+    profile_file.write_text("nodes: 1\ngpus_per_node: 2\nspare_nodes: 1\n")
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump(GRID, sort_keys=False))
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--dry-run",
+                     "--cluster", str(profile_file), "--launcher", "none",
+                     "--set", f"run.storage={tmp_path / 'st'}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --nodes=1\n" in done.stdout and "#SBATCH --no-kill" not in done.stdout
+    assert "SPARES=0" in done.stdout
+    assert "spare_nodes=1 is not used by a sweep" in done.stderr
+
+
 def test_the_profile_and_the_image_are_found_as_launch_finds_them(tmp_path):
     """Without --cluster and --image, `sweep launch` reads $PYRECOVER_CLUSTER and
     $PYRECOVER_IMAGE, as `launch` does; with neither a profile nor ~/.config's, one line."""
