@@ -103,7 +103,7 @@ job_record() { scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null; }
 cancelled() { job_record | grep -q ' Requeue=0 '; }
 # after_training ends the job for a resolved exit code: done, or requeued, or given up.
 after_training() {
-    local code=$1 reason failed exclude
+    local code=$1 reason failed exclude excluded
     reason=$(reason_for "$code")
     case $code in
         0) exit 0 ;;
@@ -123,9 +123,10 @@ after_training() {
     fi
     record requeue "$code" "$reason"
     exclude=$(exclusion_for_requeue)  # before the requeue, whose SIGTERM may cut it short
+    excluded=$(job_record | sed -nE 's/.* ExcNodeList=([^ ]*).*/\1/p')
     echo "pyrecover: requeueing job $SLURM_JOB_ID ($reason)" >&2
     scontrol requeue "$SLURM_JOB_ID"
-    exclude_on_requeue "$exclude"
+    exclude_on_requeue "$exclude" "$excluded"
     exit "$code"
 }
 # -------------------------------------------------------------------------------------"""
@@ -223,30 +224,34 @@ usable_nodes() {
 exclusion_for_requeue() {
     local list left
     list=$(bad_nodes | paste -sd, -)
-    [ -n "$list" ] || return 0
-    left=$(usable_nodes | grep -cvxF -f <(bad_nodes; site_excluded))
-    if [ "${left:-0}" -lt $((NODES + SPARES)) ]; then
-        echo "pyrecover: not excluding $list from the requeued job: only ${left:-0} other" \
-            "usable nodes in its partition, it needs $((NODES + SPARES))" >&2
-        list=""
+    if [ -n "$list" ]; then
+        left=$(usable_nodes | grep -cvxF -f <(bad_nodes; site_excluded))
+        if [ "${left:-0}" -lt $((NODES + SPARES)) ]; then
+            echo "pyrecover: not excluding $list from the requeued job: only ${left:-0} other" \
+                "usable nodes in its partition, it needs $((NODES + SPARES))" >&2
+            list=""
+        fi
     fi
-    list="$SITE_EXCLUDE${SITE_EXCLUDE:+${list:+,}}$list"
-    [ -z "$list" ] || echo "$list"
+    echo "$SITE_EXCLUDE${SITE_EXCLUDE:+${list:+,}}$list"
 }
 # site_excluded prints the nodes of SITE_EXCLUDE (a SLURM hostlist), one per line.
 site_excluded() {
     [ -z "$SITE_EXCLUDE" ] || scontrol show hostnames "$SITE_EXCLUDE" 2>/dev/null
 }
-# exclude_on_requeue sets the requeued job's excluded nodes. SLURM refuses that for a
-# running job but takes it once `scontrol requeue` has ended this one (whose SIGTERM the
-# handler above survives), so it runs right after the requeue, a few tries while SLURM
-# updates the job and the SIGTERM may end a try.
+# exclude_on_requeue sets the requeued job's excluded nodes to $1 where they are not that
+# already ($2, as SLURM had them). SLURM keeps a job's ExcNodeList across requeues, so an
+# emptier list is set too (bad nodes cleared, or too little room left to exclude them), or
+# the old exclusion would stay for good. SLURM refuses the update for a running job but
+# takes it once `scontrol requeue` has ended this one (whose SIGTERM the handler above
+# survives), so it runs right after the requeue, a few tries while SLURM updates the job and
+# the SIGTERM may end a try.
 exclude_on_requeue() {
-    local list=$1
-    [ -n "$list" ] || return 0
+    local list=$1 now=${2:-}
+    [ "$now" != "(null)" ] || now=""
+    [ "$list" != "$now" ] || return 0
     for _ in 1 2 3 4 5 6; do
         if scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$list" 2>/dev/null; then
-            echo "pyrecover: the requeued job excludes $list" >&2
+            echo "pyrecover: the requeued job excludes ${list:-no node}" >&2
             return 0
         fi
         sleep 0.5

@@ -202,6 +202,23 @@ def test_the_profiles_own_excluded_nodes_stay_excluded_on_every_requeue(tmp_path
     assert "#SBATCH --exclude='node[7-8]'" in script and "SITE_EXCLUDE='node[7-8]'" in script
 
 
+@pytest.mark.parametrize("bad, partition", [
+    ("", "node1 node2 node3"),  # node2 cleared since (status --clear-bad-nodes)
+    ("node2\t2026-12-01T00:00:00Z\thealth check failed: gpu\n", "node1 node2"),  # no room now
+])
+def test_a_requeue_lifts_an_exclusion_the_run_no_longer_asks_for(tmp_path, bad, partition):
+    """SLURM keeps a job's ExcNodeList across requeues: the script set it only when it had
+    nodes to exclude, so node2, excluded once, stayed excluded for good, and a job left
+    without room could pend forever."""
+    record = {"-o": "'JobId=123 JobState=RUNNING Requeue=1 ExcNodeList=node2 Restarts=1'"}
+    done, run = run_job(tmp_path, ["exit 1\n"], bad_nodes=bad, partition=partition,
+                        hostlists=record)
+    assert done.returncode == 1
+    assert lines(tmp_path / "scontrol.calls") == ["requeue 123",
+                                                  "update JobId=123 ExcNodeList="]
+    assert "the requeued job excludes no node" in (run / "logs" / "123.out").read_text()
+
+
 def test_drained_and_failing_nodes_do_not_count_as_room_for_the_requeued_job(tmp_path):
     # sinfo's `-t idle` also lists idle nodes that are drained or failing (SLURM 22.05):
     # excluding node2 would leave the job one usable node for its two, pending forever.
