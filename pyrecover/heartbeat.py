@@ -30,6 +30,7 @@ log = logging.getLogger("pyrecover")
 BEAT_S = 0.5
 WINDOW_BEATS = 4  # a peer whose counter did not move while ours moved this often is silent
 EXITED = b"exit"
+GIVE_UP_FAILURES = 3  # beats in a row the store did not take (each up to its 5 s timeout)
 
 
 def key(rank: int) -> str:
@@ -103,11 +104,19 @@ class Heartbeat:
         self.store.set(key(self.rank), str(self._count))
 
     def _run(self) -> None:
+        failed = 0
         while not self._stop.wait(self.every_s):
             try:
                 self._beat()
-            except Exception:  # the store's host left: the job is ending anyway
-                return
+                failed = 0
+            except Exception as exc:
+                # One timeout (a blip of the management network) used to end the beats for
+                # good, and a hang hours later named this live rank's node as silent. Only a
+                # store that stopped answering (its host left: the job is ending) ends them.
+                failed += 1
+                log.debug("rank %d: heartbeat not written (%s)", self.rank, exc)
+                if failed >= GIVE_UP_FAILURES:
+                    return
 
     def stop(self) -> None:
         """stop ends the beats and writes `exit`, so peers never take this rank for silent."""

@@ -4,6 +4,7 @@ beats stop is named silent with its node; a rank that exited is not."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 from torch.distributed import TCPStore
@@ -52,3 +53,42 @@ def test_no_store_means_no_heartbeat_and_no_error():
 
     threading.Thread(target=call, daemon=True).start()
     assert done.wait(60) and result == [None]
+
+
+class BlipStore:
+    """Stands in for a moment of the management network's trouble: the real store's client,
+    whose next `set` calls (as many as `blips` holds) time out as TCPStore's do."""
+
+    def __init__(self, store) -> None:
+        self.store, self.blips = store, 0
+
+    def set(self, key, value) -> None:
+        if self.blips:
+            self.blips -= 1
+            raise RuntimeError("Socket Timeout")
+        self.store.set(key, value)
+
+    def get(self, key):
+        return self.store.get(key)
+
+
+def test_a_rank_whose_store_blipped_beats_on_and_is_not_named_silent_later():
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),
+                      wait_for_workers=False)
+    flaky = BlipStore(heartbeat.connect("127.0.0.1", port))
+    beats = [heartbeat.Heartbeat(heartbeat.connect("127.0.0.1", port), 0, 2, "nodeA",
+                                 every_s=0.05).start(),
+             heartbeat.Heartbeat(flaky, 1, 2, "nodeB", every_s=0.05).start()]
+    flaky.blips = heartbeat.GIVE_UP_FAILURES - 1  # fewer than a store that is gone
+    deadline = time.monotonic() + 30
+    while flaky.blips and time.monotonic() < deadline:  # its thread tries a beat after each
+        time.sleep(0.01)
+    assert flaky.blips == 0  # it did not give up at the first
+    assert beats[0].silent() == heartbeat.Silence([], [])  # rank 1 beats on after the blips
+    flaky.blips = heartbeat.GIVE_UP_FAILURES  # its host left: rank 1's beats end
+    beats[1]._thread.join(timeout=30)
+    assert not beats[1]._thread.is_alive()
+    for beat in beats:
+        beat.stop()
+    del server
