@@ -230,8 +230,18 @@ class Loop:
             self._settle(pending)
 
     def _settle(self, outcome: Outcome) -> bool:
-        """_settle takes in a step's numbers; False for a non-finite step (skipped)."""
-        loss, norm = self.last = outcome.read()
+        """_settle takes in a step's numbers; False for a non-finite step (skipped).
+
+        On CUDA the read waits for the device, in phase `device`: a collective is only queued
+        there, so a rank whose peer is stuck waits here, not in `allreduce`, and the job
+        script must not take that wait for this rank's own hang (it blames `optimizer`)."""
+        if outcome.ready is None:
+            loss, norm = self.last = outcome.read()
+        else:
+            was = self.watchdog.current
+            self._phase("device")
+            loss, norm = self.last = outcome.read()
+            self._phase(was)
         self.state.bad_steps = bad_steps_after(self.state.bad_steps, loss, norm)
         if not self.state.bad_steps:
             return True

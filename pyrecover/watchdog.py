@@ -200,6 +200,11 @@ class Watchdog:
     def step(self) -> int:
         return self._current[1]
 
+    @property
+    def current(self) -> str:
+        """The phase that runs now."""
+        return self._current[0]
+
     # --- the thread -----------------------------------------------------------------------
 
     def check(self) -> Hang | None:

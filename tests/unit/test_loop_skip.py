@@ -225,3 +225,28 @@ def test_a_loaded_state_keeps_the_fused_optimizer(tmp_path, corpus):
     optimizer.load_state_dict(saved)
     assert skips_on_device(optimizer)
     assert all(g["foreach"] is None for g in optimizer.param_groups)
+
+
+class DeviceEvent:
+    """Stands in for the CUDA event a step's numbers come back with (tests/gpu has the real
+    one): its wait notes the watchdog's phase then."""
+
+    def __init__(self, watchdog) -> None:
+        self.watchdog, self.phases = watchdog, []
+
+    def synchronize(self) -> None:
+        self.phases.append(self.watchdog.current)
+
+
+def test_the_host_waiting_for_the_device_is_phase_device_and_then_the_phase_before(
+        tmp_path, corpus):
+    """On a GPU a rank whose peer is stuck in a collective waits here, for its device: had it
+    stayed `optimizer`, every such rank's node would be blamed and excluded."""
+    from pyrecover.loop import Outcome
+
+    loop = make_loop(tmp_path, corpus, "device", True)
+    loop.watchdog.phase("optimizer", 3)
+    event = DeviceEvent(loop.watchdog)
+    assert loop._settle(Outcome(3, torch.tensor([2.5, 1.0]), event))
+    assert event.phases == ["device"] and loop.watchdog.current == "optimizer"
+    assert loop.last == (2.5, 1.0)
