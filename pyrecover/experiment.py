@@ -15,6 +15,7 @@ from pyrecover.config import Config, ConfigError
 from pyrecover.dist import DistEnv
 from pyrecover.phases import Phases, process_start_time
 from pyrecover.rundir import (
+    HeldByThisJob,
     RunDir,
     RunLock,
     RunLocked,
@@ -108,7 +109,7 @@ def record_start_error(run: RunDir, phases: Phases, exc: Exception) -> None:
     try:  # not waited for: the other ranks exit 2 at once, and SLURM ends a waiting rank 0
         if lock is not None:  # (srun --kill-on-bad-exit) before it could say why
             lock.acquire(0.0)
-    except (RunLocked, StorageError):
+    except (RunLocked, HeldByThisJob, StorageError):
         return
     try:
         phases.attach(run)

@@ -184,6 +184,13 @@ class RunLocked(RuntimeError):
     """Another live process holds the run directory (exit code 2: a user error, not a fault)."""
 
 
+class HeldByThisJob(RuntimeError):
+    """The run directory's lock is still held by an earlier start of this same SLURM job (a
+    step of it that has not let go: a process stuck on a failed node, unkillable in a GPU
+    driver, or a lock a vanished NFS client left): a fault, exit 1, so the job script
+    requeues the job (counted as a failure) instead of ending the run as a user error."""
+
+
 class RunLock:
     """RunLock is rank 0's exclusive hold on a run directory for the life of the run.
 
@@ -210,8 +217,14 @@ class RunLock:
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    holder = _read_holder(fd)
+                    holder, info = _read_holder(fd), _holder_info(fd) or {}
                     os.close(fd)
+                    job = os.environ.get("SLURM_JOB_ID")
+                    if job and str(info.get("job_id")) == job:
+                        raise HeldByThisJob(
+                            f"{self.run.root} is still held by an earlier start of this job "
+                            f"({holder}) after {wait_s:.0f} s: a process stuck on its node; "
+                            "ending with exit 1 so the job requeues and tries again") from None
                     raise RunLocked(
                         f"{self.run.root} is in use by another run ({holder}); one run "
                         "directory has one live run: wait for it to end, or use another "

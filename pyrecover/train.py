@@ -56,7 +56,7 @@ from pyrecover.model import GPT, GPTConfig, empty_gpt, initialize
 from pyrecover.optim import build_optimizer, build_scheduler
 from pyrecover.phases import Phases, process_start_time
 from pyrecover.preempt import StopRequested
-from pyrecover.rundir import RunDir, RunLock, RunLocked, StorageError, read_jsonl
+from pyrecover.rundir import HeldByThisJob, RunDir, RunLock, RunLocked, StorageError, read_jsonl
 from pyrecover.startup import bytecode_note, end_startup_imports
 
 log = logging.getLogger("pyrecover")
@@ -114,7 +114,7 @@ def main(cfg: Config, run_dir: Path) -> None:
             phases.attach(run)
         else:
             run.create()
-    except (RunLocked, StorageError) as exc:
+    except (RunLocked, HeldByThisJob, StorageError) as exc:
         refused = exc
     # Issue 15: a bad node is found here, in seconds, and excluded by the job script.
     checks = cfg.run.health_check  # a refused rank 0 skips its own: the folder is not its own

@@ -85,7 +85,7 @@ USER_ERRORS = (("pyrecover.config_schema", "ConfigError"), ("pyrecover.datasourc
 # Faults, not bugs: exit 1 with one line, no traceback.
 FAULTS = (("pyrecover.train", "PeerLost"), ("pyrecover.checkpoint.manager", "SaveFailed"),
           ("pyrecover.checkpoint.resume", "ResumeFailed"), ("pyrecover.rundir", "StorageError"),
-          ("pyrecover.sweep.agent", "AgentUnavailable"))
+          ("pyrecover.sweep.agent", "AgentUnavailable"), ("pyrecover.rundir", "HeldByThisJob"))
 
 
 def loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:

@@ -141,3 +141,30 @@ def test_no_lock_file_cannot_tell(tmp_path):
     run = _run_with_no_recorded_end(tmp_path)
     assert live_holder(run) is None
     assert status.read(run.root).state == "running or killed"
+
+
+def test_a_lock_still_held_by_an_earlier_start_of_the_same_job_is_a_fault_not_a_user_error(
+        tmp_path, monkeypatch, corpus):
+    """Rank 0's node lost its GPU and its process hangs unkillable in the driver, its flock
+    held: the job's restart on other nodes was refused as a second run (exit 2, "config or
+    data error", never requeued). The same job's holder is a fault: exit 1, requeued."""
+    from helpers import pyrecover, tiny_args
+
+    from pyrecover.rundir import HeldByThisJob, RunLocked
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    held = RunLock(run).acquire()  # the stuck earlier step (this process holds it)
+    try:
+        with pytest.raises(HeldByThisJob, match="earlier start of this job .*SLURM job 4242"):
+            RunLock(run).acquire(0.0)
+        monkeypatch.setenv("SLURM_JOB_ID", "5151")  # another job's live run: the user's mistake
+        with pytest.raises(RunLocked, match="is in use by another run"):
+            RunLock(run).acquire(0.0)
+        done = pyrecover("train", *tiny_args(tmp_path, corpus, "run", "train.max_steps=2"),
+                         env={"SLURM_JOB_ID": "4242", "PYRECOVER_LOCK_WAIT": "0"})
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.strip().count("\n") == 0 and "earlier start of this job" in done.stderr
+    finally:
+        held.release()
