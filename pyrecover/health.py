@@ -63,11 +63,13 @@ def approx_params(n_layer: int, n_embd: int, vocab_size: int, block_size: int) -
     return 12 * n_layer * n_embd * n_embd + (vocab_size + block_size) * n_embd
 
 
-def state_bytes(params: int, mode: str, replicas: int, local_ranks: int) -> int:
-    """state_bytes is the host memory this node's tasks need for the training state on a CPU,
-    or for memory mode's snapshots (own slice and replicas of the whole state, at worst)."""
+def state_bytes(params: int, mode: str, replicas: int, local_ranks: int,
+                on_cpu: bool = True) -> int:
+    """state_bytes is the host memory this node's tasks need: the training state where it
+    trains on the CPU, and memory mode's snapshots on any device (own slice and replicas of
+    the whole state, at worst; on a GPU they are host memory too)."""
     snapshots = params * CHECKPOINT_BYTES_PER_PARAM * (1 + replicas) if mode == "memory" else 0
-    return local_ranks * params * BYTES_PER_PARAM + snapshots
+    return (local_ranks * params * BYTES_PER_PARAM if on_cpu else 0) + snapshots
 
 
 def too_few_gpus(seen: int, local_ranks: int) -> str | None:
@@ -198,8 +200,8 @@ def checks_for(cfg: Config, env: DistEnv, run: RunDir, device_kind: str
     m = cfg.model
     params = approx_params(m.n_layer, m.n_embd, m.vocab_size, m.block_size)
     on_cpu = device_kind == "cpu"
-    memory = state_bytes(params if on_cpu else 0, cfg.checkpoint.mode, cfg.checkpoint.replicas,
-                         env.local_world_size)
+    memory = state_bytes(params, cfg.checkpoint.mode, cfg.checkpoint.replicas,
+                         env.local_world_size, on_cpu)
     return {
         "gpu": lambda: check_gpu(device_kind, env.local_rank, env.local_world_size),
         "memory": lambda: check_memory(memory),

@@ -69,6 +69,25 @@ def test_memory_mode_needs_room_for_its_snapshots_and_replicas():
     plain = health.state_bytes(1000, "dcp", 2, 4)
     assert plain == 4 * 1000 * health.BYTES_PER_PARAM
     assert health.state_bytes(1000, "memory", 2, 4) == plain + 3 * 1000 * 12
+    # On a GPU the state is in device memory, memory mode's snapshots still in the host's.
+    assert health.state_bytes(1000, "memory", 2, 4, on_cpu=False) == 3 * 1000 * 12
+    assert health.state_bytes(1000, "dcp", 2, 4, on_cpu=False) == 0
+
+
+@pytest.mark.skipif(health.mem_available() is None, reason="no MemAvailable to compare with")
+def test_a_gpu_node_without_host_memory_for_memory_mode_s_snapshots_fails_its_check(tmp_path):
+    """checks_for counted no host memory at all on CUDA, memory mode's snapshots included: a
+    node without room passed, then failed at its first snapshot."""
+    from pyrecover import config
+    from pyrecover.dist import DistEnv
+    from pyrecover.rundir import RunDir
+
+    env = DistEnv("single", 0, 1, 0, 1, 0, "127.0.0.1", 29500)
+    big = ["model.n_layer=48", "model.n_embd=8192", "model.n_head=64"]  # 39B parameters
+    for mode, fails in (("memory", True), ("dcp", False)):
+        cfg = config.load(None, [*big, f"checkpoint.mode={mode}"])
+        said = health.checks_for(cfg, env, RunDir(tmp_path / mode), "cuda")["memory"]()
+        assert (said is not None and "host memory available" in said) == fails, (mode, said)
 
 
 def test_storage_space_is_the_filesystem_s_free_space(tmp_path: Path):
