@@ -126,7 +126,10 @@ def main(cfg: Config, run_dir: Path) -> None:
     # Issue 14: the hang watchdog; torch's own timeout is set above its limits (backstop).
     rule = watchdog.rule_from(cfg.run.hang_timeout, cfg.run.hang_startup_timeout)
     try:  # the lock is released however this start ends (the process may live on: bench)
-        device = dist.setup(env, kind, timeout_s=watchdog.backstop_seconds(rule))
+        m = cfg.model  # the checkpoint's size: a pass over it may outlast the step limits
+        state = health.approx_params(m.n_layer, m.n_embd, m.vocab_size, m.block_size) * \
+            health.CHECKPOINT_BYTES_PER_PARAM
+        device = dist.setup(env, kind, timeout_s=watchdog.backstop_seconds(rule, state))
         phases.mark("group_up")
         hold_run_dir(refused, env)
         if checks:

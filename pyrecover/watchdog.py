@@ -40,6 +40,7 @@ AUTO_FACTOR = 10.0
 AUTO_FLOOR_S = 60.0
 AUTO_CEILING_S = 600.0
 BACKSTOP_MARGIN_S = 60.0  # torch's timeout fires this long after the largest watchdog limit
+SLOW_IO_BYTES_PER_S = 100e6  # a shared file system under load, per client: one pass over it
 # Phases whose clock restarts at each sign of progress and whose limit is the startup one.
 IO_PHASES = ("setup", "load", "checkpoint")
 # Phases that never wait on another rank: their time is this rank's own compute time.
@@ -85,10 +86,12 @@ def limit(rule: Rule, phase: str, steps_done: int, slowest_step: float) -> float
     return min(rule.ceiling, max(rule.floor, rule.factor * slowest_step))
 
 
-def backstop_seconds(rule: Rule) -> float:
-    """backstop_seconds is torch's process group timeout: above every limit the rule can give."""
+def backstop_seconds(rule: Rule, state_bytes: int = 0) -> float:
+    """backstop_seconds is torch's process group timeout: above every limit the rule can give
+    and one pass over a checkpoint of `state_bytes` on slow storage (the ranks waiting for rank
+    0's checksum pass or save wait inside a collective, which torch ends at this timeout)."""
     step = rule.fixed if rule.fixed is not None else rule.ceiling
-    return max(step, rule.startup) + BACKSTOP_MARGIN_S
+    return max(step, rule.startup) + BACKSTOP_MARGIN_S + state_bytes / SLOW_IO_BYTES_PER_S
 
 
 def saving_bytes(root: Path) -> int:
