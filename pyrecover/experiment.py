@@ -56,6 +56,9 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
     restart without one keeps the old).
     """
     old = None
+    if run.is_sweep():  # `pyrecover cancel` of the run would then end the sweep's array
+        raise ConfigError(f"{run.root} holds a sweep ({run.root.name}/sweep.yaml), not a run; "
+                          "use another run.exp_name")
     if run.config.is_file():
         try:
             old = config_mod.load(run.config)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("pyrecover")
+SWEEP_RECORD = "sweep.yaml"  # a sweep's folder holds it (pyrecover/sweep/record.py)
 
 
 class StorageError(RuntimeError):
@@ -93,6 +94,10 @@ class RunDir:
                 path.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise storage_error("create", path, exc) from None
+
+    def is_sweep(self) -> bool:
+        """is_sweep tells whether this folder holds a sweep (its trials are the runs)."""
+        return (self.root / SWEEP_RECORD).is_file()
 
     def is_run(self) -> bool:
         """is_run tells whether this folder looks like a pyrecover run directory."""

@@ -201,17 +201,23 @@ def values(
 
 
 def _refuse_a_second_live_array(sweep_dir: Path) -> None:
-    """Each trial has one live run: a second array would only have its tasks refused."""
-    from pyrecover.slurm import LaunchError
-    from pyrecover.slurm.query import squeue_state
+    """Each trial has one live run: a second array would rewrite the trials' run.yaml under
+    the live one and have its tasks refused. The live array is one of this user's jobs that
+    runs the sweep's job.sbatch (any state that still starts a trainer); a sweep launched
+    before is not launched again while squeue cannot tell."""
+    from pyrecover.slurm import LaunchError, query
     from pyrecover.sweep import record
 
     if not (sweep_dir / record.RECORD).is_file():
         return  # a new sweep; record.write refuses a folder that holds another one
-    job = record.last_job(sweep_dir)
-    states = (squeue_state(job) or "").split() if job else []
-    if any(s in ("PENDING", "RUNNING", "REQUEUED", "SUSPENDED", "CONFIGURING")
-           for s in states):
+    script = sweep_dir / "job.sbatch"
+    jobs = query.queued_jobs(script)
+    if jobs is None and script.exists():
+        raise LaunchError(f"squeue did not answer, so whether sweep {sweep_dir.name}'s job "
+                          "array is still queued is unknown: try again once SLURM answers "
+                          "(`squeue --me`)")
+    if jobs:
+        job = jobs[0][0].split("_")[0]  # ARRAYID_TASKID, or ARRAYID_[1-5] while pending
         raise LaunchError(f"sweep {sweep_dir.name}'s job array {job} is still queued or "
-                          f"running; wait for it (pyrecover sweep status {sweep_dir}) or "
-                          f"scancel {job} first")
+                          f"running ({jobs[0][1]}); wait for it (pyrecover sweep status "
+                          f"{sweep_dir}) or scancel {job} first")

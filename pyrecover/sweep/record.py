@@ -22,11 +22,12 @@ from typing import Any
 
 import yaml
 
+from pyrecover.rundir import SWEEP_RECORD, RunDir
 from pyrecover.sweep import SweepError
 from pyrecover.sweep.spec import Sweep, raw_param
 from pyrecover.sweep.trials import trial_name
 
-RECORD = "sweep.yaml"
+RECORD = SWEEP_RECORD
 JOBS = "jobs"
 
 
@@ -104,6 +105,9 @@ def write(sweep_dir: Path, record: Record) -> None:
             raise SweepError(f"{sweep_dir} holds sweep {old.name!r} with other trials; give "
                              "this sweep another name (name: in the sweep file)")
         return
+    if RunDir(sweep_dir).is_run():  # a run's folder: its job script and lock would be shared
+        raise SweepError(f"{sweep_dir} holds a run (run.yaml, events.jsonl or checkpoints), "
+                         "not a sweep; give this sweep another name (name: in the sweep file)")
     sweep_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{RECORD}.{os.getpid()}")
     tmp.write_text(to_yaml(record))

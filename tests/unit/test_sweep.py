@@ -375,9 +375,18 @@ def test_launch_writes_the_sweep_and_every_trial_then_refuses_a_second_live_arra
     trial = config_mod.load(sweep_dir / "trial-5" / "run.yaml")
     assert (trial.train.lr, trial.train.seed, trial.run.exp_name) == (0.01, 2, "trial-5")
 
-    (tmp_path / "squeue-says").write_text("RUNNING\nPENDING\n")
+    script = sweep_dir / "job.sbatch"  # squeue --me -o %i|%T|%o: the array's tasks
+    for live in ("RUNNING", "REQUEUE_HOLD", "SUSPENDED"):
+        (tmp_path / "squeue-says").write_text(f"5|RUNNING|/elsewhere/job.sbatch\n"
+                                              f"77_0|{live}|{script}\n"
+                                              f"77_[1-5]|PENDING|{script}\n")
+        done = pyrecover(*args, env=env, cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert f"job array 77 is still queued or running ({live})" in done.stderr
+    (bin_dir / "squeue").write_text("#!/bin/sh\nexit 1\n")  # SLURM does not answer
     done = pyrecover(*args, env=env, cwd=tmp_path)
-    assert done.returncode == 2 and "job array 77 is still queued or running" in done.stderr
+    assert done.returncode == 2 and "squeue did not answer" in done.stderr, done.stderr
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\ncat {tmp_path / 'squeue-says'}\n")
 
     (tmp_path / "squeue-says").write_text("")
     done = pyrecover(*args, env=env, cwd=tmp_path)
@@ -387,6 +396,17 @@ def test_launch_writes_the_sweep_and_every_trial_then_refuses_a_second_live_arra
     path.write_text(yaml.safe_dump({**GRID, "name": "lr", "run_cap": 2}, sort_keys=False))
     done = pyrecover(*args, env=env, cwd=tmp_path)
     assert done.returncode == 2 and "holds sweep 'lr' with other trials" in done.stderr
+
+    # A run and a sweep of one name in one storage shared a folder (and `pyrecover cancel`
+    # of the run found the sweep's array by its job script): refused both ways.
+    run = pyrecover("launch", "--config", str(TINY), "--launcher", "none", "--exp-name", "lr",
+                    "--set", f"run.storage={tmp_path / 'st'}", env=env, cwd=tmp_path)
+    assert run.returncode == 2 and "holds a sweep" in run.stderr, run.stderr
+    RunDir(tmp_path / "st" / "solo").create()
+    RunDir(tmp_path / "st" / "solo").event("start", step=0)
+    path.write_text(yaml.safe_dump({**GRID, "name": "solo"}, sort_keys=False))
+    done = pyrecover(*args, env=env, cwd=tmp_path)
+    assert done.returncode == 2 and "holds a run" in done.stderr, done.stderr
 
 
 def test_a_trial_of_a_sweep_with_an_auto_global_batch_trains(tmp_path, corpus):
