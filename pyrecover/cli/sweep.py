@@ -134,6 +134,7 @@ def launch(
     record.write(sweep_dir, rec)
     if is_bayes:  # each trial's run.yaml is written when wandb hands it its values
         bayes.keep_base(sweep_dir, cfgs[0])
+        bayes.refresh(sweep_dir, cfgs[0], world)  # the trials that started: new limits
         for t in rec.trials:
             RunDir(sweep_dir / t["dir"]).create()  # its logs/ holds the task's output
     else:

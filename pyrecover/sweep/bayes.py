@@ -22,6 +22,7 @@ written; the next start asks again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import re
@@ -34,7 +35,7 @@ import yaml
 
 from pyrecover import config as config_mod
 from pyrecover.config import Config, ConfigError
-from pyrecover.experiment import write_config
+from pyrecover.experiment import prepare_run_dir, write_config
 from pyrecover.rundir import RunDir
 from pyrecover.sweep import SweepError, agent, record, spec, trials
 from pyrecover.tracking import RUN_ID_FILE, SWEEP_PARAMS
@@ -123,16 +124,39 @@ def _domain(p: spec.Param) -> str:
 
 def keep_base(sweep_dir: Path, cfg: Config) -> None:
     """keep_base records the experiment every trial starts from; a relaunch whose experiment
-    changes what the trials compute is refused, as a run's restart is."""
+    changes what the trials compute is refused, as a run's restart is, and one that changes
+    only limits (train.max_steps, ...) records them, as a run's restart does."""
     path = sweep_dir / BASE
     if path.is_file():
         changed = config_mod.diff_identity(load_base(sweep_dir), cfg)
         if changed:
             raise SweepError(f"{sweep_dir} was launched with another experiment "
                              f"({'; '.join(changed)}); give this sweep another name")
-        return
     _write(path, config_mod.dump(cfg, "the experiment every trial of this bayes sweep "
                                       "starts from; trial-<i>/run.yaml adds its values"))
+
+
+def refresh(sweep_dir: Path, base: Config, world_size: int | None) -> None:
+    """refresh rewrites the run.yaml of every trial that has its values from `base` (a
+    relaunch with --set train.max_steps=N reaches the trials that started already, as a grid
+    sweep's relaunch does), checked as a run's restart is."""
+    rec = record.read(sweep_dir)
+    keys = list(rec.parameters or {})
+    for t in rec.trials:
+        trial = sweep_dir / t["dir"]
+        values = recorded(trial, keys)
+        if values is not None:
+            cfg = trials.trial_config(rec.name, base, int(t["index"]), values, world_size,
+                                      f"trial {t['index']}")
+            prepare_run_dir(_at(cfg, trial), RunDir(trial))
+
+
+def _at(cfg: Config, trial: Path) -> Config:
+    """_at is `cfg` in the trial's folder where it is now: base.yaml names the folder of the
+    first launch, and a sweep copied or moved elsewhere must not train in the old one."""
+    here = trial.resolve()
+    return dataclasses.replace(cfg, run=dataclasses.replace(
+        cfg.run, storage=str(here.parent), exp_name=here.name))
 
 
 def load_base(sweep_dir: Path) -> Config:
@@ -180,8 +204,8 @@ def take(trial_dir: str | Path, ask: Ask, world_size: int | None = None) -> Take
         raise SweepError(f"wandb handed out run id {got.run_id[:80]!r}, which is no run id")
     values = check_values(sweep, got.args)
     index = int(entry["index"])
-    cfg = trials.trial_config(rec.name, base, index, values, world_size,
-                              f"the values wandb handed to trial {index}")
+    cfg = _at(trials.trial_config(rec.name, base, index, values, world_size,
+                                  f"the values wandb handed to trial {index}"), trial)
     run.create()
     run.wandb.mkdir(parents=True, exist_ok=True)
     _write(run.wandb / RUN_ID_FILE, got.run_id + "\n")

@@ -6,7 +6,9 @@ sweep, requeue included, is tests/slurm/test_sweep_bayes_e2e.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +171,32 @@ def test_a_trials_first_start_records_what_wandb_handed_out_and_later_starts_reu
 
     again = bayes.take(trial, Wandb(), world_size=1)  # asking would pop from an empty list
     assert (again.values, again.run_id, again.asked) == (got.values, "run1abc", False)
+
+
+def test_a_relaunch_s_new_limits_reach_the_base_and_every_trial_that_started(tmp_path):
+    """A relaunch with --set train.max_steps=N exited 0 and changed nothing: base.yaml was
+    kept as it was and a started trial's run.yaml never rewritten."""
+    _, sweep_dir = launched(tmp_path)
+    bayes.take(sweep_dir / "trial-1", Wandb(agent.Run("run1abc", GOOD)), world_size=1)
+    base = bayes.load_base(sweep_dir)
+    longer = dataclasses.replace(base, train=dataclasses.replace(
+        base.train, max_steps=base.train.max_steps + 500))
+    bayes.keep_base(sweep_dir, longer)
+    bayes.refresh(sweep_dir, longer, world_size=1)
+    assert bayes.load_base(sweep_dir).train.max_steps == longer.train.max_steps
+    trial = config_mod.load(sweep_dir / "trial-1" / "run.yaml")
+    assert (trial.train.max_steps, trial.train.lr) == (longer.train.max_steps, 0.002)
+    assert not (sweep_dir / "trial-0" / "run.yaml").exists()  # no values yet: nothing to write
+
+
+def test_a_copied_bayes_sweep_s_trial_trains_in_the_copy_not_in_the_original(tmp_path):
+    _, sweep_dir = launched(tmp_path / "a")
+    copy = tmp_path / "b" / "bo"
+    shutil.copytree(sweep_dir, copy)
+    bayes.take(copy / "trial-0", Wandb(agent.Run("run0abc", GOOD)), world_size=1)
+    cfg = config_mod.load(copy / "trial-0" / "run.yaml")
+    assert cfg.run_dir() == (copy / "trial-0").resolve()
+    assert not (sweep_dir / "trial-0" / "run.yaml").exists()
 
 
 @pytest.mark.parametrize("handed, message", [
