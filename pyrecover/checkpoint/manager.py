@@ -38,7 +38,7 @@ from pyrecover.checkpoint.mode import (
     train_now,
 )
 from pyrecover.checkpoint.modes import make_mode
-from pyrecover.checkpoint.resume import NotReadableHere, choose, resume_newest
+from pyrecover.checkpoint.resume import NotReadableHere, ResumeFailed, choose, resume_newest
 from pyrecover.checkpoint.stall import StallClock
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
 from pyrecover.rundir import RunDir
@@ -337,10 +337,8 @@ class CheckpointManager:
         """find_resume picks the newest checkpoint that verifies (rank 0) and agrees on it;
         with `below`, the newest older than that step.
 
-        Uncommitted temporary folders are removed; corrupt checkpoints are reported and kept
-        for inspection, never loaded. Rank 0's first pick is `self.chosen` where the start
-        began it in the background (resume.choose_in_background).
-        """
+        Uncommitted temporary folders are removed; corrupt checkpoints are reported and kept,
+        never loaded. Rank 0's first pick is `self.chosen` (resume.choose_in_background)."""
         choice: list[Any] = [None]
         found: Checkpoint | None = None
         if self.rank == 0:
@@ -354,10 +352,13 @@ class CheckpointManager:
                 self.choice_times["verify_s"] = round(picked.seconds, 3)
             for step, folder, problem in picked.invalid:
                 self._report_invalid(step, folder, problem)
-            if picked.found is not None:
-                choice, found = [str(picked.found.path)], picked.found
+            refused = picked.refusal()  # none could be read: every rank ends, none starts over
+            found, choice = picked.found, [str(picked.found.path) if picked.found else
+                                           {"refused": refused} if refused else None]
         if tdist.is_initialized() and self.world_size > 1:
             tdist.broadcast_object_list(choice, src=0)
+        if isinstance(choice[0], dict):
+            raise ResumeFailed(choice[0]["refused"])
         if choice[0] is None or found is not None:
             return found
         # Other ranks trust rank 0's checksum pass; the sizes are cheap to check again. One

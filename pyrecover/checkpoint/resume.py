@@ -63,6 +63,16 @@ class Choice:
     found: Checkpoint | None
     invalid: list[tuple[int, Path, str]] = field(default_factory=list)
     seconds: float | None = None  # how long the pick took, where it ran in the background
+    unreadable: str = ""  # the newest that could not be read (store.Unreadable), if any
+
+    def refusal(self) -> str | None:
+        """refusal is why a start must not begin from step 0 with this choice: no checkpoint
+        verified and one could not even be read (storage trouble, not proof it is bad)."""
+        if self.found is not None or not self.unreadable:
+            return None
+        return (f"no checkpoint could be read; the newest, {self.unreadable}. Every "
+                "checkpoint is left in place and the run does not start over: run the same "
+                "command again (a requeued job does) once the storage answers")
 
 
 def tidy(root: Path, on_event: Callable[..., Any]) -> None:
@@ -122,13 +132,17 @@ def pick(root: Path, below: int | None, environ: Mapping[str, str]) -> Choice:
     older than that step). Checksums are read in full except where `environ`'s job wrote the
     files itself (trust.py). It only reads."""
     choice = Choice(None)
-    for step, folder, ckpt, problem in store.scan(root, environ=environ):
+    for step, folder in store.committed_steps(root):
         if below is not None and step >= below:
             continue
-        if ckpt is not None:
-            choice.found = ckpt
+        try:
+            choice.found = store.verify(folder, environ=environ)
             break
-        choice.invalid.append((step, folder, problem))
+        except store.Unreadable as exc:
+            choice.invalid.append((step, folder, str(exc)))
+            choice.unreadable = choice.unreadable or f"step {step}: {exc}"
+        except CheckpointError as exc:
+            choice.invalid.append((step, folder, str(exc)))
     return choice
 
 

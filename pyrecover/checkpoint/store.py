@@ -44,6 +44,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message names the folder and the file."""
 
 
+class Unreadable(CheckpointError):
+    """A checkpoint's files could not be read (EIO, ESTALE, EACCES): skipped like a corrupt
+    one, but no proof that it is bad, so a start that finds no other does not start over."""
+
+
 class HashingWriter:
     """A write-only file object that hashes and counts what passes through it."""
 
@@ -315,6 +320,15 @@ def verify(folder: Path, checksums: bool = True,
     `environ` (a resume's), files the same job recorded and nobody touched since keep their
     checksum from the commit (trust.py).
     """
+    try:
+        return _verify(folder, checksums, environ)
+    except OSError as exc:  # the storage's fault, not the checkpoint's (or not known to be)
+        where = exc.filename or folder
+        raise Unreadable(f"{where}: could not be read ({type(exc).__name__}: "
+                         f"{exc.strerror or exc})") from None
+
+
+def _verify(folder: Path, checksums: bool, environ: Mapping[str, str] | None) -> Checkpoint:
     manifest = read_manifest(folder)
     same_job = trust.trusted(folder, manifest, environ) if checksums else set()
     for name, meta in sorted(manifest["files"].items()):

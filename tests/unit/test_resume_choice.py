@@ -199,3 +199,40 @@ def wait_for(condition, seconds: float = 60.0) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+class BadSector:
+    """Stands in for a disk that fails to read some files (EIO; a bad sector, or NFS's
+    ESTALE), which this machine's storage cannot be made to do: store.checksum_ok raises for
+    the files under `broken`, and reads the others as usual."""
+
+    def __init__(self, monkeypatch, *broken: Path) -> None:
+        real = store.checksum_ok
+
+        def read(path: Path, meta: dict) -> bool:
+            if any(b in path.parents for b in broken):
+                raise OSError(5, "Input/output error", str(path))
+            return real(path, meta)
+        monkeypatch.setattr(store, "checksum_ok", read)
+
+
+def test_a_checkpoint_that_cannot_be_read_is_skipped_and_none_readable_never_starts_over(
+        tmp_path, monkeypatch):
+    """An OSError while rank 0 checksummed the newest checkpoint went out of the pick as a
+    traceback, at every start: the older checkpoint that verifies was never used."""
+    run = saved_run(tmp_path, flip=False)
+    BadSector(monkeypatch, run.checkpoints / "step-4")
+    dst = build_state(400_000, seed=1)
+    loader = CheckpointManager(run, "vanilla", 2, 3, 0, 1, dst.parts, CPU, False)
+    loader.chosen = resume.choose_in_background(run.checkpoints, run.event)
+    assert loader.find_resume().step == 2
+    [invalid] = [e for e in read_jsonl(run.events) if e["event"] == "checkpoint_invalid"]
+    assert invalid["step"] == 4 and "could not be read (OSError: Input/output error)" in \
+        invalid["reason"]
+    # Nothing readable at all: a storage fault, no proof the checkpoints are bad; the start
+    # ends (exit 1, requeued) instead of training from step 0 beside them.
+    BadSector(monkeypatch, run.checkpoints / "step-4", run.checkpoints / "step-2")
+    with pytest.raises(resume.ResumeFailed, match="no checkpoint could be read; the newest, "
+                                                  "step 4: .* does not start over"):
+        loader.find_resume()
+    assert {p.name for p in run.checkpoints.glob("step-*")} == {"step-2", "step-4"}
