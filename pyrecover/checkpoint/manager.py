@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import shutil
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -79,7 +77,7 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self.last_error = ""  # why the newest save failed, if it did
         self.failed_step: int | None = None
-        self._retiring: threading.Thread | None = None  # deleting checkpoints beyond `keep`
+        self.retention = retention.Retention(self.root, keep)  # checkpoints beyond `keep`
         self.stall_seconds = 0.0  # time the loop was blocked by saves, summed
         self._clock = StallClock()  # the host's blocked spans, so a device wait counts once
         self.last_save_seconds = 0.0  # start to commit of the newest checkpoint (rank 0)
@@ -166,7 +164,7 @@ class CheckpointManager:
                 self._commit_now()
         self._count_device_wait(drain=True)
         self.mode.close()
-        self._wait_retired()
+        self.retention.wait()
         if self.last_saved_step != step and step > 0:
             newest = store.committed_steps(self.root)
             raise SaveFailed(
@@ -310,26 +308,7 @@ class CheckpointManager:
                        bytes=size, seconds=round(seconds, 4), blocked=round(flight.blocked, 4))
         log.info("checkpoint step %d committed: %s (%.1f MB, loop blocked %.3fs, %.2fs in all)",
                  pending.step, folder, size / 1e6, flight.blocked, seconds)
-        self._retain(pending.step)
-
-    def _retain(self, committed: int) -> None:
-        """_retain retires checkpoints beyond the newest `keep` at or below the step just
-        `committed` (retention.py: never that one, nor a newer one the resume skipped). Each
-        is renamed aside first, then deleted by a background thread: deleting a large
-        checkpoint took 0.14 s per GB here, which the loop would otherwise wait for at the step
-        boundary of every commit."""
-        doomed = retention.retire(self.root, self.keep, committed)
-        if doomed:
-            self._wait_retired()
-            self._retiring = threading.Thread(
-                target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed],
-                name="pyrecover-retain", daemon=True)
-            self._retiring.start()
-
-    def _wait_retired(self) -> None:
-        if self._retiring is not None:
-            self._retiring.join()
-            self._retiring = None
+        self.retention.after_commit(pending.step)  # the newest `keep` at or below it stay
 
     # --- resuming ------------------------------------------------------------------------
 
@@ -370,6 +349,7 @@ class CheckpointManager:
             raise NotReadableHere(f"{type(exc).__name__}: {exc}") from exc
 
     def _report_invalid(self, step: int, folder: Path, problem: str) -> None:
+        self.retention.skipped.add(step)  # never counted by retention (retention.py)
         log.warning("skipping checkpoint step %d: invalid: %s", step, problem)
         self.run.event("checkpoint_invalid", step=step, path=str(folder), reason=problem)
 

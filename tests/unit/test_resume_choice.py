@@ -236,3 +236,26 @@ def test_a_checkpoint_that_cannot_be_read_is_skipped_and_none_readable_never_sta
                                                   "step 4: .* does not start over"):
         loader.find_resume()
     assert {p.name for p in run.checkpoints.glob("step-*")} == {"step-2", "step-4"}
+
+
+def test_a_skipped_checkpoint_below_the_next_commit_does_not_cost_the_one_resumed_from(
+        tmp_path):
+    """keep=2: commits at 400 and a stop save at 437; 437 is found corrupt, the run resumes
+    from 400 and commits 500. Counted, 437 retired 400: one loadable checkpoint was left."""
+    src = build_state(400_000, seed=0)
+    run = RunDir(tmp_path / "run")
+    run.create()
+    saver = CheckpointManager(run, "vanilla", 100, 2, 0, 1, src.parts, CPU, False)
+    saver.at_step(400)
+    saver.finish(437)  # the stop's save
+    state = run.checkpoints / "step-437" / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    resumed = CheckpointManager(run, "vanilla", 100, 2, 0, 1, src.parts, CPU, False)
+    assert resumed.find_resume().step == 400
+    resumed.at_step(500)
+    resumed.finish(500)
+    assert {p.name for p in run.checkpoints.glob("step-*")} == {"step-400", "step-437",
+                                                                "step-500"}
+    assert store.verify(run.checkpoints / "step-400").step == 400
