@@ -255,8 +255,14 @@ class CheckpointManager:
         self.last_error = "; ".join(errors)
         if errors:
             self.failed_step = flight.pending.step
-        if self.rank == 0:
-            self._commit_or_abort(flight, results, self.last_error)
+        refused = self._commit_or_abort(flight, results, self.last_error) if self.rank == 0 \
+            else ""
+        if not errors and self.world_size > 1 and tdist.is_initialized():
+            said = [refused]  # rank 0's commit itself may fail: every rank learns of it
+            tdist.broadcast_object_list(said, src=0)
+            refused = said[0]
+        if refused and not errors:
+            self.last_error, self.failed_step, errors = refused, flight.pending.step, [refused]
         if not errors:
             self.last_saved_step = flight.pending.step
             if self.auto is not None:
@@ -291,16 +297,22 @@ class CheckpointManager:
                            mtbf_hours=round(self.auto.mtbf_s / 3600, 3))
         self.interval = steps
 
-    def _commit_or_abort(self, flight: _InFlight, results: list[Any], error: str) -> None:
+    def _commit_or_abort(self, flight: _InFlight, results: list[Any], error: str) -> str:
+        """_commit_or_abort commits rank 0's pending save or discards it; returns why a commit
+        that every rank's files allowed failed itself ("" where it did not)."""
         pending = flight.pending
-        if error:
-            pending.abort()
-            log.warning("checkpoint of step %d failed and was discarded: %s", pending.step, error)
-            self.run.event("checkpoint_failed", step=pending.step, reason=error)
-            return
-        for res in results:
-            pending.files.update(res.files)
-        folder = pending.commit(self.mode_name, self.world_size, train_now(flight.train))
+        if not error:
+            for res in results:
+                pending.files.update(res.files)
+            try:  # a quota hit by manifest.json, the last write; EIO at an fsync
+                folder = pending.commit(self.mode_name, self.world_size, train_now(flight.train))
+            except OSError as exc:
+                error = f"rank 0's commit: {type(exc).__name__}: {exc}"
+                self._discard(pending, error)
+                return error
+        else:
+            self._discard(pending, error)
+            return ""
         seconds = time.perf_counter() - flight.started
         self.last_save_seconds = seconds
         size = sum(f["size"] for f in pending.files.values())
@@ -309,6 +321,12 @@ class CheckpointManager:
         log.info("checkpoint step %d committed: %s (%.1f MB, loop blocked %.3fs, %.2fs in all)",
                  pending.step, folder, size / 1e6, flight.blocked, seconds)
         self.retention.after_commit(pending.step)  # the newest `keep` at or below it stay
+        return ""
+
+    def _discard(self, pending: Pending, error: str) -> None:
+        pending.abort()
+        log.warning("checkpoint of step %d failed and was discarded: %s", pending.step, error)
+        self.run.event("checkpoint_failed", step=pending.step, reason=error)
 
     # --- resuming ------------------------------------------------------------------------
 

@@ -108,3 +108,37 @@ def test_retentions_leftovers_and_uncommitted_saves_are_removed_not_put_back(run
     (run.checkpoints / ".tmp-step-30-bbbbbbbb" / "state.pt").write_bytes(b"half")
     resume.tidy(run.checkpoints, run.event)
     assert names(run) == ["step-20"]
+
+
+def test_a_commit_that_fails_on_rank_0_is_a_failed_save_and_the_final_one_is_tried_again(
+        tmp_path, monkeypatch):
+    """ENOSPC or EDQUOT on manifest.json (the commit's last write), EIO at its fsync: the
+    OSError went out of the loop as a traceback, while the other ranks took the step as
+    saved. It is now that save's failure, discarded as any other, and `finish` writes the
+    final checkpoint once more. The full quota is a stand-in (it raises once)."""
+    import errno
+
+    from pyrecover.bench.state import build_state
+    from pyrecover.checkpoint import CheckpointManager, store
+
+    parts = build_state(200_000).parts
+    run = RunDir(tmp_path / "run")
+    run.create()
+    manager = CheckpointManager(run, "vanilla", 2, 2, 0, 1, parts, torch.device("cpu"), False)
+    real, calls = store.Pending.commit, []
+
+    def quota(self, *args, **kwargs):
+        calls.append(self.step)
+        if len(calls) == 1:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded", str(self.tmp / "manifest.json"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(store.Pending, "commit", quota)
+    manager.at_step(2)  # no exception: the save failed
+    assert manager.last_saved_step is None and manager.failed_step == 2
+    failed = [e for e in run.read_events() if e["event"] == "checkpoint_failed"]
+    assert len(failed) == 1 and "rank 0's commit: OSError: [Errno 122] Disk quota" in \
+        failed[0]["reason"]
+    assert not list(run.checkpoints.glob(".tmp-step-*"))  # discarded, nothing left behind
+    manager.finish(2)  # the final save: tried again, and this time it commits
+    assert calls == [2, 2] and store.verify(run.checkpoints / "step-2").step == 2
