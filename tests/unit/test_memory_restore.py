@@ -62,3 +62,33 @@ def test_a_truncated_part_file_is_named_in_one_error(tmp_path):
     names = list(store.read_manifest(folder)["files"])
     with pytest.raises(store.CheckpointError, match="part-s0-r0.bin: .* bytes, the slice has"):
         memory.assemble(folder, names)
+
+
+def test_the_survivors_snapshot_is_kept_below_a_newer_checkpoint_that_does_not_verify(tmp_path):
+    """step-20 is corrupt, so the run resumed from an older one; then a rank died at step 14
+    and the survivors persisted their snapshot. It was dropped for being below step-20, and
+    the resume went back past it to the disk checkpoint before: a whole interval redone."""
+    from pyrecover.checkpoint import resume
+
+    state = build_state(1_000_000)
+    run = RunDir(tmp_path / "run")
+    run.create()
+    first = CheckpointManager(run, "memory", 10, 3, 0, 1, state.parts, torch.device("cpu"),
+                              False, snapshot_interval=2)
+    for step in (10, 20):
+        first.at_step(step)
+    first.finish(20)
+    part = next((run.checkpoints / "step-20").glob("part-s0-r0.bin"))
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    second = CheckpointManager(run, "memory", 10, 3, 0, 1, state.parts, torch.device("cpu"),
+                               False, snapshot_interval=2)
+    for step in (12, 14):  # resumed from 10; snapshots at 12 and 14, then a peer died
+        second.at_step(step)
+    second.persist_after_failure()
+    assert (run.checkpoints / ".snap-step-14").is_dir()
+    events = []
+    resume.tidy(run.checkpoints, lambda kind, **fields: events.append((kind, fields["step"])))
+    assert ("snapshot_recovered", 14) in events
+    assert resume.pick(run.checkpoints, None, {}).found.step == 14  # step 20 does not verify

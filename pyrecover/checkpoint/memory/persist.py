@@ -152,11 +152,14 @@ def finalize_snapshots(root: Path, on_event) -> None:
     """
     snaps = sorted((p for p in root.glob(f"{SNAP_PREFIX}*") if p.is_dir()),
                    key=lambda p: int(p.name.removeprefix(SNAP_PREFIX)), reverse=True)
-    newest_committed = max((s for s, _ in store.committed_steps(root)), default=-1)
+    # Not only those above the newest step folder: that one may be the corrupt checkpoint the
+    # run resumed past, and then this snapshot is newer than anything loadable (dropping it
+    # sent the resume back a whole disk interval). The pick takes the newest that verifies.
+    committed = {s for s, _ in store.committed_steps(root)}
     done = False
     for folder in snaps:
         step, files, missing, meta = coverage(folder)
-        if not done and step > newest_committed and not missing:
+        if not done and step not in committed and not missing:
             pending = Pending(root=root, step=step, tmp=folder, files=files)
             final = pending.commit(NAME, int(meta["world_size"]), dict(meta["train"]),
                                    {"recovered_from": "survivors"})
@@ -165,7 +168,7 @@ def finalize_snapshots(root: Path, on_event) -> None:
             on_event("snapshot_recovered", step=step, path=str(final))
             done = True
             continue
-        if missing and step > newest_committed and not done:
+        if missing and step not in committed and not done:
             reason = (f"the surviving ranks' snapshot of step {step} is incomplete: slices "
                       f"{missing} were held only by ranks that died")
             log.warning("%s; falling back to the newest disk checkpoint", reason)
