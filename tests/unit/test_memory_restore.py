@@ -92,3 +92,51 @@ def test_the_survivors_snapshot_is_kept_below_a_newer_checkpoint_that_does_not_v
     resume.tidy(run.checkpoints, lambda kind, **fields: events.append((kind, fields["step"])))
     assert ("snapshot_recovered", 14) in events
     assert resume.pick(run.checkpoints, None, {}).found.step == 14  # step 20 does not verify
+
+
+def test_a_hang_s_persist_is_not_overwritten_by_a_snapshot_of_a_main_thread_that_went_on(
+        tmp_path):
+    """The hang handler persists in the watchdog's thread; where the stalled collective then
+    finished, the main thread's next snapshot recycled the very buffers being written, and
+    the part file mixed two steps under a checksum that still passed. The disk is a
+    stand-in that holds the persist's writes until the test lets them through."""
+    import threading
+
+    state = build_state(1_000_000)
+    run = RunDir(tmp_path / "run")
+    run.create()
+    manager = CheckpointManager(run, "memory", 100, 2, 0, 1, state.parts, torch.device("cpu"),
+                                False, snapshot_interval=2)
+    for step in (2, 4):
+        manager.at_step(step)
+        with torch.no_grad():
+            for p in state.parts.model.parameters():
+                p.add_(1.0)  # each step's weights differ
+    snaps = manager.mode
+    expected = {s.step: s.slices[0].clone() for s in (snaps.current, snaps.previous)}
+    assert set(expected) == {2, 4}
+    writing, go, real_write = threading.Event(), threading.Event(), snaps.write
+
+    def slow_disk(folder, snap, slice_ids):
+        writing.set()
+        assert go.wait(60), "the test never let the write through"
+        return real_write(folder, snap, slice_ids)
+
+    snaps.write = slow_disk
+    persist = threading.Thread(target=snaps.persist_survivor, args=(run.checkpoints,))
+    persist.start()
+    assert writing.wait(60)
+    def go_on() -> None:  # the main thread goes on: steps 8 and 10 recycle 2's and 4's sets
+        for step in (6, 8, 10):
+            manager.at_step(step)
+
+    later = threading.Thread(target=go_on)
+    later.start()
+    later.join(timeout=0.5)  # (it may not even have started: that proves nothing either way)
+    go.set()
+    persist.join(60)
+    later.join(60)
+    for step, want in expected.items():
+        part = run.checkpoints / f".snap-step-{step}" / "part-s0-r0.bin"
+        got = torch.frombuffer(bytearray(part.read_bytes()), dtype=torch.uint8)
+        assert torch.equal(got[:want.numel()], want), step

@@ -5,6 +5,7 @@ replicas with its peers over a dedicated gloo group, next to training.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +80,10 @@ class Snapshots:
         # before it, and the one being filled (or free). A kill during an exchange leaves every
         # survivor holding a step that every slice reached.
         self.current, self.previous, self.spare = Snapshot(), Snapshot(), Snapshot()
+        # Held by a snapshot while it recycles a buffer set, and by a survivor's persist while
+        # it writes `current` and `previous` (mode.py): a hang's persist runs in the watchdog's
+        # thread, and a main thread going on past a stall must not copy into what it writes.
+        self.persisting = threading.Lock()
         self._inflight: _Exchange | None = None
         self._live: tuple[tuple[int, ...], list[tuple[str, torch.Tensor]], list[Any]] | None = None
         self._copies: list[tuple[int, int, torch.Tensor]] = []  # (lo, hi) in own slice <- bytes
@@ -113,6 +118,11 @@ class Snapshots:
         first waits for the previous one; a snapshot counts (becomes `current`) once its
         exchange finished, and an exchange that failed (a peer died) raises here.
         """
+        with self.persisting:
+            self._snapshot(step, parts, train)
+
+    def _snapshot(self, step: int, parts,
+                  train: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
         self.copier.allocated()  # prepare's buffers are there before they are looked at
         self.wait()
         faults.maybe_kill(step, self.rank, point="snapshot")  # the previous one counted here
@@ -255,6 +265,10 @@ class Snapshots:
             self.layout, self._own = layout, layout
             self.bounds = slice_bounds(offset, self.world_size)
         self.current, self.previous, self.spare = Snapshot(), Snapshot(), Snapshot()
+        # Held by a snapshot while it recycles a buffer set, and by a survivor's persist while
+        # it writes `current` and `previous` (mode.py): a hang's persist runs in the watchdog's
+        # thread, and a main thread going on past a stall must not copy into what it writes.
+        self.persisting = threading.Lock()
 
     def _plan_copies(self, tensors: list[tuple[str, torch.Tensor]]
                      ) -> list[tuple[int, int, torch.Tensor]]:

@@ -99,6 +99,16 @@ class MemoryMode(Snapshots):
         except Exception as exc:  # the peer it exchanged with is gone: expected here
             log.warning("rank %d: the snapshot in flight did not finish (%s: %s); persisting "
                         "the complete ones", self.rank, type(exc).__name__, exc)
+        # A snapshot takes a moment to recycle its buffers; one that holds the lock longer is
+        # stuck itself (in the wait for a dead peer's exchange, before it copies anything).
+        held = self.persisting.acquire(timeout=SURVIVOR_WAIT_S)
+        try:
+            return self._persist(root)
+        finally:
+            if held:
+                self.persisting.release()
+
+    def _persist(self, root: Path) -> list[int]:
         written = []
         for snap in (self.current, self.previous):
             if snap.step < 0:
