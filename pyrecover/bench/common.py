@@ -31,6 +31,20 @@ class BenchError(ValueError):
     """The benchmark cannot run as asked (bad directory, size, mode); one line says why."""
 
 
+def make_dir(path: Path, option: str = "--dir") -> Path:
+    """make_dir creates the benchmark's folder; a path that is a file, under /proc or not
+    writable is one BenchError line, not a traceback."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".pyrecover-bench-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise BenchError(f"{option} {path}: cannot be used ({exc.strerror or exc}); give a "
+                         "writable folder") from None
+    return path
+
+
 Note = Callable[[str], None]
 
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pyrecover.bench.common import BenchError, Note, machine, num, quiet, trainer_env
+from pyrecover.bench.common import BenchError, Note, machine, make_dir, num, quiet, trainer_env
 from pyrecover.bench.memory_ranks import FIGURES, SEQUENCE, WORLD_SIZE, run_ranks
 
 # The targets (README "Benchmarks"): the figure and the bound it must stay within.
@@ -67,7 +67,7 @@ def _check(directory: Path, target: int, repeat: int, steps: int, warmup: int) -
                          "srun and torchrun (unset RANK/WORLD_SIZE or SLURM_PROCID/SLURM_STEP_ID)")
     if directory.exists() and not directory.is_dir():
         raise BenchError(f"--dir {directory} is not a directory")
-    directory.mkdir(parents=True, exist_ok=True)
+    make_dir(directory)
     free = shutil.disk_usage(directory).free
     if free < 2 * target:
         raise BenchError(f"{directory}: {free / 1e9:.1f} GB free; the benchmark needs about "
@@ -88,9 +88,9 @@ def _check(directory: Path, target: int, repeat: int, steps: int, warmup: int) -
 TRAIN_MODES = ("none", "memory")
 
 
-def _mode_overrides(name: str, interval: int) -> list[str]:
-    if name == "none":
-        return []
+def mode_overrides(name: str, interval: int, total: int) -> list[str]:
+    if name == "none":  # whatever the config's mode: a memory config's would snapshot
+        return [f"checkpoint.snapshot_interval={total + 1}"]
     return ["checkpoint.mode=memory", f"checkpoint.snapshot_interval={interval}",
             "checkpoint.replicas=2"]
 
@@ -126,9 +126,10 @@ def _train_runs(config: Path | None, overrides: Sequence[str], steps: int, warmu
         modes = list(TRAIN_MODES)
         turn = r % len(modes)  # rotate, so no mode always runs first
         for name in (*modes[turn:], *modes[:turn]):
-            extra = _mode_overrides(name, interval)
+            extra = mode_overrides(name, interval, total)
             note(f"repeat {r + 1}/{repeat}: pyrecover train --nproc 2, {total} steps, "
-                 + (f"a snapshot every {interval} step(s)" if extra else "no checkpoint"))
+                 + (f"a snapshot every {interval} step(s)" if name != "none"
+                    else "no checkpoint"))
             run_dir = work / f"train-{name}-{r}"
             argv = spawn.python_argv() + ["train", "--nproc", str(WORLD_SIZE),
                                          "--run-dir", str(run_dir)]
@@ -141,7 +142,7 @@ def _train_runs(config: Path | None, overrides: Sequence[str], steps: int, warmu
                 tail = "\n".join(done.stderr.strip().splitlines()[-10:])
                 raise BenchError(f"the training run in {run_dir} failed (exit "
                                  f"{done.returncode}):\n{tail}")
-            results[name].append(_throughput(run_dir, warmup, interval if extra else 0))
+            results[name].append(_throughput(run_dir, warmup, interval if name != "none" else 0))
             shutil.rmtree(run_dir, ignore_errors=True)
     baseline = statistics.median(x["tokens_per_s"] for x in results["none"])
     rows = []

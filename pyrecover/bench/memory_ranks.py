@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from pyrecover.bench.common import Note
+from pyrecover.bench.common import BenchError, Note
 from pyrecover.bench.state import build_state
 from pyrecover.bench.storage import remove
 
@@ -200,7 +200,8 @@ def run_ranks(target: int, repeat: int, work: Path, note: Note) -> dict[str, Any
             if p.is_alive():
                 p.terminate()
                 p.join()
-    if error is not None:
-        raise RuntimeError(f"a benchmark rank failed: {error}")
+    if error is not None:  # one line: the last of the rank's own error (its exception)
+        last = next((line for line in reversed(str(error).splitlines()) if line.strip()), "")
+        raise BenchError(f"a benchmark rank failed: {last.strip()}")
     assert samples is not None
     return samples

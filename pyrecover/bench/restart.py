@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pyrecover.bench.common import BenchError, Note, machine, num, quiet
+from pyrecover.bench.common import BenchError, Note, machine, make_dir, num, quiet
 from pyrecover.phases import CHOICE_TIMES, attempts, last_interruption
 from pyrecover.rundir import RunDir
 from pyrecover.slurm import query
@@ -76,7 +76,7 @@ def bench_restart(storage: Path, cluster: Path | None, config: Path | None,
     """bench_restart runs the benchmark (see the module) and returns its report."""
     check_args(kinds, repeat, state_gb, timeout)
     storage = storage.resolve()
-    storage.mkdir(parents=True, exist_ok=True)
+    make_dir(storage)
     name = f"bench-restart-{uuid.uuid4().hex[:8]}"
     run = RunDir(storage / name)
     sets = [*(model_for_state(state_gb) if state_gb else []), *sets]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pyrecover.bench import restart
-from pyrecover.bench.common import BenchError, Note, machine, num, quiet, trainer_env
+from pyrecover.bench.common import BenchError, Note, machine, make_dir, num, quiet, trainer_env
 from pyrecover.phases import attempts
 from pyrecover.rundir import RunDir
 from pyrecover.spawn import exit_status
@@ -130,7 +130,7 @@ def bench_restart_local(storage: Path, config: Path | None, sets: Sequence[str],
     except (config_mod.ConfigError, datasource.DataError) as exc:
         raise BenchError(str(exc)) from None
     storage = storage.resolve()
-    storage.mkdir(parents=True, exist_ok=True)
+    make_dir(storage)
     name = f"bench-restart-{uuid.uuid4().hex[:8]}"
     run = RunDir(storage / name)
     run.logs.mkdir(parents=True, exist_ok=True)

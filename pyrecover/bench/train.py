@@ -92,9 +92,7 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
                 if name in errors:
                     continue
                 spec = TRAIN_MODES[name]
-                extra = [f"checkpoint.interval={total + 1}"] if spec is None else [
-                    f"checkpoint.mode={spec[0]}", f"checkpoint.async_save={spec[1]}",
-                    f"checkpoint.interval={interval}"]
+                extra = mode_sets(name, interval, total)
                 note(f"repeat {r + 1}/{repeat}: training {total} steps with checkpoints "
                      f"{'never' if spec is None else f'every {interval} steps ({name})'}")
                 run_dir = work / f"{name}-{r}"
@@ -203,6 +201,17 @@ def _keep_profile(run_dir: Path, into: Path | None, name: str) -> dict[str, Any]
     shutil.copytree(run.profile, target)
     keep["trace"] = str(target / Path(keep["trace"]).name)
     return keep
+
+
+def mode_sets(name: str, interval: int, total: int) -> list[str]:
+    """mode_sets is the --set list of one mode's run of `total` steps. `none` saves nothing
+    and snapshots nothing, whatever the config's mode: a memory-mode config's baseline took
+    a snapshot every snapshot_interval, and every `x none` was against a slowed run."""
+    spec = TRAIN_MODES[name]
+    if spec is None:
+        return [f"checkpoint.interval={total + 1}", f"checkpoint.snapshot_interval={total + 1}"]
+    return [f"checkpoint.mode={spec[0]}", f"checkpoint.async_save={spec[1]}",
+            f"checkpoint.interval={interval}"]
 
 
 def _throughput(run_dir: Path, warmup: int, end: int) -> dict[str, float]:

@@ -187,3 +187,56 @@ def test_a_sigterm_during_a_later_mode_stops_the_whole_bench_train(tmp_path, cor
     assert err.strip().splitlines()[-1] == (
         "bench train: stopped by a signal (SIGTERM); nothing measured"), err
     assert out == "" and not list(tmp_path.glob("pyrecover-bench-train-*"))
+
+
+def test_bench_ckpt_counts_an_async_save_s_commit_in_the_loop_s_blocked_time(tmp_path,
+                                                                             monkeypatch):
+    """The commit of a dcp-async save runs in the step boundary that finds its write done, and
+    blocks the loop there as in training; bench ckpt dropped those calls' seconds, so a slow
+    commit (fsyncs on a shared file system) never reached its `blocked` figure. The commit is
+    a stand-in that takes 0.2 s more."""
+    import time
+
+    from pyrecover.bench.state import build_state
+    from pyrecover.checkpoint import store
+
+    real = store.Pending.commit
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.2)  # the time a slow file system takes; nothing is waited for
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(store.Pending, "commit", slow)
+    saver = bench._ModeBench("dcp-async", tmp_path, build_state(200_000, seed=0),
+                             build_state(200_000, seed=1))
+    _, blocked, folder = saver.save()
+    assert blocked >= 0.2 and store.verify(folder).step == 2
+
+
+@pytest.mark.parametrize("which", ["train", "memory"])
+def test_the_none_baseline_snapshots_nothing_with_a_memory_mode_config(which):
+    """Only checkpoint.interval was pushed past the end for `none`: with checkpoint.mode
+    memory the baseline itself snapshotted every snapshot_interval (default 5)."""
+    from pyrecover import config as config_mod
+    from pyrecover.bench import memory as bench_memory
+    from pyrecover.bench import train as bench_train
+
+    total = 30
+    sets = (bench_train.mode_sets("none", 2, total) if which == "train"
+            else bench_memory.mode_overrides("none", 2, total))
+    cfg = config_mod.load(TINY, ["checkpoint.mode=memory", *sets])
+    assert cfg.checkpoint.snapshot_interval > total  # no snapshot in the run
+
+
+@pytest.mark.parametrize("command", [["ckpt", "--size-gb", "0.001"], ["memory"],
+                                     ["restart", "--local"]])
+def test_a_bench_folder_that_cannot_be_made_is_one_line_not_a_traceback(tmp_path, command,
+                                                                         corpus):
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    extra = ["--config", str(TINY), "--set", f"data.path={corpus}"] if command[0] != "ckpt" \
+        else []
+    done = pyrecover("bench", *command, "--dir", str(taken / "sub"), *extra)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "cannot be used" in done.stderr, \
+        done.stderr
