@@ -64,17 +64,23 @@ def test_a_truncated_part_file_is_named_in_one_error(tmp_path):
         memory.assemble(folder, names)
 
 
+def memory_run(tmp_path, interval: int, keep: int, state=None):
+    """(state, run, manager): memory mode at world size 1, a snapshot every 2 steps, in the
+    run directory `tmp_path/run` (a second call with the same `state` is its restart)."""
+    state = state or build_state(1_000_000)
+    run = RunDir(tmp_path / "run")
+    run.create()
+    return state, run, CheckpointManager(run, "memory", interval, keep, 0, 1, state.parts,
+                                         torch.device("cpu"), False, snapshot_interval=2)
+
+
 def test_the_survivors_snapshot_is_kept_below_a_newer_checkpoint_that_does_not_verify(tmp_path):
     """step-20 is corrupt, so the run resumed from an older one; then a rank died at step 14
     and the survivors persisted their snapshot. It was dropped for being below step-20, and
     the resume went back past it to the disk checkpoint before: a whole interval redone."""
     from pyrecover.checkpoint import resume
 
-    state = build_state(1_000_000)
-    run = RunDir(tmp_path / "run")
-    run.create()
-    first = CheckpointManager(run, "memory", 10, 3, 0, 1, state.parts, torch.device("cpu"),
-                              False, snapshot_interval=2)
+    state, run, first = memory_run(tmp_path, interval=10, keep=3)
     for step in (10, 20):
         first.at_step(step)
     first.finish(20)
@@ -82,8 +88,7 @@ def test_the_survivors_snapshot_is_kept_below_a_newer_checkpoint_that_does_not_v
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0xFF
     part.write_bytes(bytes(data))
-    second = CheckpointManager(run, "memory", 10, 3, 0, 1, state.parts, torch.device("cpu"),
-                               False, snapshot_interval=2)
+    second = memory_run(tmp_path, interval=10, keep=3, state=state)[2]
     for step in (12, 14):  # resumed from 10; snapshots at 12 and 14, then a peer died
         second.at_step(step)
     second.persist_after_failure()
@@ -102,11 +107,7 @@ def test_a_hang_s_persist_is_not_overwritten_by_a_snapshot_of_a_main_thread_that
     stand-in that holds the persist's writes until the test lets them through."""
     import threading
 
-    state = build_state(1_000_000)
-    run = RunDir(tmp_path / "run")
-    run.create()
-    manager = CheckpointManager(run, "memory", 100, 2, 0, 1, state.parts, torch.device("cpu"),
-                                False, snapshot_interval=2)
+    state, run, manager = memory_run(tmp_path, interval=100, keep=2)
     for step in (2, 4):
         manager.at_step(step)
         with torch.no_grad():
