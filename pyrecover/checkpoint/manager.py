@@ -271,7 +271,7 @@ class CheckpointManager:
 
     def _due(self, step: int) -> bool:
         """_due: a fixed interval saves at its multiples (aligned across restarts); `auto` saves
-        `interval` steps after the previous save or the attempt's first step."""
+        `interval` steps after the previous save began, or the attempt's first step."""
         if self.auto is None:
             return step % self.interval == 0
         return self.auto.due(step, self.interval)
