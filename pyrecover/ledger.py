@@ -20,13 +20,13 @@ The causes add up to `wall_seconds`, the first record (or submit) to the last.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pyrecover.phases import attempts
+from pyrecover.records import well_formed
 
 CAUSES = ("queue_wait", "start_up", "restore", "checkpoint_stall", "lost_work", "productive",
           "remainder")
@@ -223,22 +223,12 @@ def steps_lost(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any
                                                      strict=True))
 
 
-def _readable(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """_readable: the records whose `time` is a number and `step`, if any, a count (a
-    hand-edited line must not stop a resume)."""
-    def ok(r: dict[str, Any]) -> bool:
-        at, step = r.get("time"), r.get("step", 0)
-        return (type(at) in (int, float) and math.isfinite(at)
-                and type(step) is int and step >= 0)
-    return [r for r in records if ok(r)]
-
-
 def steps_redone(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
                  step: int) -> int:
     """steps_redone: what a resume at `step` computes again: the steps past it that the newest
     attempt which trained had reached (what older attempts reached past it was counted at
     the resume that followed them). Reads the records as they are in the run directory."""
-    events, metrics = _readable(events), _readable(metrics)
+    events, metrics = well_formed(events, True)[0], well_formed(metrics, False)[0]
     runs = attempts(list(events))
     if not runs:
         return 0

@@ -7,10 +7,8 @@ Nothing here writes.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from typing import Any
 from pyrecover import ledger as ledger_mod
 from pyrecover import phases
 from pyrecover.profiling import describe
+from pyrecover.records import is_number, well_formed
 from pyrecover.rundir import RunDir, live_holder, read_bad_nodes, read_jsonl
 from pyrecover.slurm.query import LIVE_STATES
 
@@ -78,8 +77,8 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
         raise StatusError(problem)
     now = time.time() if now is None else now
     garbled = [0]  # lines that are no JSON object at all
-    events, skipped_events = _well_formed(read_jsonl(run.events, garbled), needs_time=True)
-    metrics, skipped_metrics = _well_formed(read_jsonl(run.metrics, garbled), needs_time=False)
+    events, skipped_events = well_formed(read_jsonl(run.events, garbled), needs_time=True)
+    metrics, skipped_metrics = well_formed(read_jsonl(run.metrics, garbled), needs_time=False)
     runs = [a for a in phases.attempts(events)  # one per process start, a failed one too,
             if any(e.get("event") not in phases.JOB_SCRIPT_EVENTS for e in a)]  # not a cancel
     step = max([int(m.get("step", 0)) for m in metrics] +
@@ -134,38 +133,6 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
     )
 
 
-# The fields read as numbers anywhere in status, the ledger or the phases.
-NUMERIC_FIELDS = ("time", "step", "rank", "blocked", "seconds", "restore_seconds",
-                  "steps_lost", "step_time", "checkpoint_stall_total")
-TEXT_FIELDS = ("event", "phase", "reason", "error", "job_id", "node")
-
-
-def _well_formed(records: Iterable[dict[str, Any]], needs_time: bool
-                 ) -> tuple[list[dict[str, Any]], int]:
-    """_well_formed keeps the records whose fields have the types pyrecover writes (a number
-    a float can hold, text), so a hand-edited or foreign line never stops `status`; it
-    returns them and how many it left out."""
-    kept, skipped = [], 0
-    for record in records:
-        numbers_ok = all(_is_number(record[k]) for k in NUMERIC_FIELDS if k in record)
-        texts_ok = all(isinstance(record[k], str) for k in TEXT_FIELDS if k in record
-                       and not (k == "job_id" and _is_number(record[k])))
-        if numbers_ok and texts_ok and (not needs_time or "time" in record):
-            kept.append(record)
-        else:
-            skipped += 1
-    return kept, skipped
-
-
-def _is_number(value: Any) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    try:
-        return math.isfinite(float(value)) and abs(value) < 1e15
-    except OverflowError:
-        return False
-
-
 def slurm_job(path: str | Path) -> str | None:
     """slurm_job is how to name the run's newest SLURM job to SLURM (ARRAYID_TASKID for a
     sweep's trial), or None when the run was never started by a job."""
@@ -173,7 +140,7 @@ def slurm_job(path: str | Path) -> str | None:
     problem = run.problem()
     if problem:
         raise StatusError(problem)
-    events, _ = _well_formed(read_jsonl(run.events), needs_time=True)
+    events, _ = well_formed(read_jsonl(run.events), needs_time=True)
     job_id = next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
     return _slurm_name(events, job_id) if job_id else None
 
@@ -329,7 +296,7 @@ def render(s: Status) -> str:
         lines.append(f"excluded    {n['node']} since {n['time']}: {n['reason']}")
     if s.profile:
         p = s.profile
-        figures = describe({k: v for k, v in p.items() if _is_number(v)}) or "no figures"
+        figures = describe({k: v for k, v in p.items() if is_number(v)}) or "no figures"
         lines.append(f"profile     steps {p.get('first')}-{p.get('last')}, per step: {figures}; "
                      f"trace {p.get('trace')}")
     if s.last_error:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyrecover import phases
+from pyrecover.records import well_formed
 
 MIN_SECONDS = 10.0  # never save more often: each save also costs storage bandwidth and churn
 MAX_SECONDS = 6 * 3600.0  # never risk more than this much recomputation
@@ -47,11 +48,6 @@ def mtbf(prior_s: float, observed_s: float, failures: int) -> float:
     return (prior_s + max(observed_s, 0.0)) / (1 + max(failures, 0))
 
 
-def _time(record: dict[str, Any]) -> float | None:
-    at = record.get("time")
-    return float(at) if type(at) in (int, float) and math.isfinite(at) else None
-
-
 def failures_seen(events: Iterable[dict[str, Any]],
                   metrics: Iterable[dict[str, Any]] = ()) -> tuple[float, int]:
     """failures_seen: (seconds of training observed, failures) over a run's past attempts.
@@ -71,10 +67,10 @@ def failures_seen(events: Iterable[dict[str, Any]],
     never began training (killed or refused during start-up) lost no training and counts
     neither way. Records without a numeric time are left out.
     """
-    runs = phases.attempts([e for e in events if _time(e) is not None])
-    begins = [next((_time(e) for e in a if e.get("event") in ("start", "resume")), None)
-              for a in runs]
-    rows = sorted(t for t in map(_time, metrics) if t is not None)
+    runs = phases.attempts(well_formed(events, needs_time=True)[0])
+    begins = [next((float(e["time"]) for e in a if e.get("event") in ("start", "resume")),
+                   None) for a in runs]
+    rows = sorted(float(m["time"]) for m in well_formed(metrics, needs_time=True)[0])
     observed, failures = 0.0, 0
     for i, attempt in enumerate(runs):
         began = begins[i]
@@ -83,8 +79,8 @@ def failures_seen(events: Iterable[dict[str, Any]],
         following = min([b for b in begins[i + 1:] if b is not None], default=math.inf)
         last, ended_well = began, False
         for e in attempt:
-            kind, at = e.get("event"), _time(e)
-            if at is None or at < began or kind in BETWEEN_ATTEMPTS:
+            kind, at = e.get("event"), float(e["time"])
+            if at < began or kind in BETWEEN_ATTEMPTS:
                 continue
             if kind in ("stop", "finish", "error"):  # an error: the input's, no retry helps
                 ended_well = True
