@@ -47,11 +47,19 @@ log = logging.getLogger("pyrecover")
 
 
 def host_buffer(like: torch.Tensor | torch.Size | tuple, dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:
+                device: torch.device, ahead: bool = False) -> torch.Tensor:
     """host_buffer is an empty CPU tensor to copy device state into: pinned when the state
-    lives on CUDA, so the device-to-host copy is asynchronous and at full bandwidth."""
+    lives on CUDA, so the device-to-host copy is asynchronous and at full bandwidth.
+
+    `ahead`: the buffer is allocated before its first copy (`Copier.allocate`), so its pages
+    are made resident now. Pinned memory is resident once allocated; a plain CPU tensor's pages
+    are only mapped at the first write, and that first copy ran 7x slower than the next ones
+    (a 1 GB state on the 2-core VM: 0.83 s against 0.11 s), in the first save's blocked time."""
     shape = like.shape if isinstance(like, torch.Tensor) else like
-    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+    pinned = device.type == "cuda"
+    if ahead and not pinned:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
 
 class Copier:
@@ -214,7 +222,7 @@ class StateStager:
             for key, (shape, dtype) in wanted.items():
                 buf = self._buffers.get(key)
                 if buf is None or buf.shape != shape or buf.dtype != dtype:
-                    self._buffers[key] = host_buffer(shape, dtype, self.device)
+                    self._buffers[key] = host_buffer(shape, dtype, self.device, ahead=True)
         self.copier.allocate(allocate)
 
     def stage(self, state_dict: dict[str, Any], **_: Any) -> Future:

@@ -29,7 +29,7 @@ from pyrecover.checkpoint.memory.layout import (
     sharded_layout,
     slice_bounds,
 )
-from pyrecover.checkpoint.staging import Copier
+from pyrecover.checkpoint.staging import Copier, host_buffer
 
 log = logging.getLogger("pyrecover")
 # On CPU, an own slice at least this big is copied by a background thread while the loop runs
@@ -100,7 +100,7 @@ class Snapshots:
         self.copier.allocated()
         self._state_tensors(parts)
         sets = (self.current, self.previous, self.spare)
-        self.copier.allocate(lambda: [self._buffer(s, self.rank) for s in sets])
+        self.copier.allocate(lambda: [self._buffer(s, self.rank, ahead=True) for s in sets])
 
     def snapshot(self, step: int, parts,
                  train: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
@@ -284,13 +284,14 @@ class Snapshots:
             out.append((x - a, y - a, as_bytes(t)[x - lo:y - lo]))
         return out
 
-    def _buffer(self, snap: Snapshot, slice_id: int) -> torch.Tensor:
+    def _buffer(self, snap: Snapshot, slice_id: int, ahead: bool = False) -> torch.Tensor:
         a, b = self.bounds[slice_id]
         buf = snap.buffers.get(slice_id)
         if buf is None or buf.numel() != b - a + rng.RNG_BYTES:
-            # Only the own slice is a device copy's target: the replicas stay unpinned.
-            buf = torch.empty(b - a + rng.RNG_BYTES, dtype=torch.uint8,
-                              pin_memory=self.pin and slice_id == self.rank)
+            # Only the own slice is a device copy's target: the replicas stay unpinned, and
+            # are written by gloo's threads, off the loop. `ahead`: staging.host_buffer.
+            device = self.copier.device if slice_id == self.rank else torch.device("cpu")
+            buf = host_buffer((b - a + rng.RNG_BYTES,), torch.uint8, device, ahead)
             snap.buffers[slice_id] = buf
             snap.slices[slice_id], snap.rngs[slice_id] = buf[:b - a], buf[b - a:]
             if slice_id == self.rank:
