@@ -64,12 +64,24 @@ def approx_params(n_layer: int, n_embd: int, vocab_size: int, block_size: int) -
 
 
 def state_bytes(params: int, mode: str, replicas: int, local_ranks: int,
-                on_cpu: bool = True) -> int:
+                on_cpu: bool = True, world_size: int | None = None) -> int:
     """state_bytes is the host memory this node's tasks need: the training state where it
-    trains on the CPU, and memory mode's snapshots on any device (own slice and replicas of
-    the whole state, at worst; on a GPU they are host memory too)."""
-    snapshots = params * CHECKPOINT_BYTES_PER_PARAM * (1 + replicas) if mode == "memory" else 0
+    trains on the CPU, and memory mode's snapshots on any device (on a GPU they are host
+    memory too). `world_size` defaults to one node's tasks."""
+    world_size = world_size or local_ranks
+    snapshots = (snapshot_bytes(params, replicas, world_size, local_ranks)
+                 if mode == "memory" else 0)
     return (local_ranks * params * BYTES_PER_PARAM if on_cpu else 0) + snapshots
+
+
+def snapshot_bytes(params: int, replicas: int, world_size: int, local_ranks: int) -> int:
+    """snapshot_bytes is memory mode's host buffers on a node of `local_ranks` tasks: each rank
+    keeps three snapshot sets (the newest, the one before it and the one being filled:
+    exchange.Snapshots), each set the slices the rank holds, which are min(replicas,
+    world_size) (layout.holders), of 1/world_size of the state each."""
+    held = min(max(1, replicas), world_size)
+    state = params * CHECKPOINT_BYTES_PER_PARAM
+    return 3 * held * local_ranks * -(-state // world_size)
 
 
 def too_few_gpus(seen: int, local_ranks: int) -> str | None:
@@ -201,7 +213,7 @@ def checks_for(cfg: Config, env: DistEnv, run: RunDir, device_kind: str
     params = approx_params(m.n_layer, m.n_embd, m.vocab_size, m.block_size)
     on_cpu = device_kind == "cpu"
     memory = state_bytes(params, cfg.checkpoint.mode, cfg.checkpoint.replicas,
-                         env.local_world_size, on_cpu)
+                         env.local_world_size, on_cpu, env.world_size)
     return {
         "gpu": lambda: check_gpu(device_kind, env.local_rank, env.local_world_size),
         "memory": lambda: check_memory(memory),

@@ -132,3 +132,38 @@ def test_a_survivor_whose_snapshot_copy_never_lands_still_persists_the_complete_
     run_ranks(_stuck_copy, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"{memory.SNAP_PREFIX}1", f"{memory.SNAP_PREFIX}2"]
+
+
+def _spent_budget(rank: int) -> None:
+    parts = bench.build_state(2_000_000, seed=0).parts
+    mode = memory.MemoryMode(rank, 2, torch.device("cpu"), replicas=2)
+    mode.snapshot(1, parts, {"step": 1})
+    mode.wait()
+    tdist.barrier()
+    if rank == 1:  # alive, its connections open, but frozen: it never exchanges step 2
+        tdist.barrier()  # until rank 0 is through
+        mode.close()
+        return
+    mode.snapshot(2, parts, {"step": 2})
+    mode.wait_staged()  # the copy landed; only the exchange is left, and it never completes
+    failed: list[BaseException] = []
+    returned = threading.Event()
+
+    def spent() -> None:
+        try:
+            mode.wait(timeout=0.0)  # what a survivor's wait has left once its budget is spent
+        except Exception as exc:  # noqa: BLE001 - the test looks at what it was
+            failed.append(exc)
+        returned.set()
+    threading.Thread(target=spent, daemon=True).start()
+    assert returned.wait(60), "a wait whose time was spent waited for the frozen peer"
+    assert failed and mode.current.step == 1  # timed out; step 2 never counts
+    tdist.barrier()
+    mode.close()
+
+
+def test_a_wait_whose_time_is_spent_never_waits_for_a_frozen_peer():
+    """c10d reads a zero timeout as none: a survivor whose copy landed as its 2 s were up gave
+    the exchange 0 s, and waited for a frozen (not dead) peer for good, so its snapshots were
+    never persisted."""
+    run_ranks(_spent_budget)

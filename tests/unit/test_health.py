@@ -68,10 +68,32 @@ def test_memory_is_compared_with_what_the_state_needs():
 def test_memory_mode_needs_room_for_its_snapshots_and_replicas():
     plain = health.state_bytes(1000, "dcp", 2, 4)
     assert plain == 4 * 1000 * health.BYTES_PER_PARAM
-    assert health.state_bytes(1000, "memory", 2, 4) == plain + 3 * 1000 * 12
+    snapshots = health.snapshot_bytes(1000, 2, 4, 4)
+    assert health.state_bytes(1000, "memory", 2, 4) == plain + snapshots
     # On a GPU the state is in device memory, memory mode's snapshots still in the host's.
-    assert health.state_bytes(1000, "memory", 2, 4, on_cpu=False) == 3 * 1000 * 12
+    assert health.state_bytes(1000, "memory", 2, 4, on_cpu=False) == snapshots
     assert health.state_bytes(1000, "dcp", 2, 4, on_cpu=False) == 0
+
+
+@pytest.mark.parametrize("world_size,per_node,replicas", [
+    (1, 1, 2), (2, 2, 2), (8, 8, 2), (8, 8, 3), (16, 8, 2), (128, 8, 2), (6, 3, 1), (4, 2, 5)])
+def test_the_snapshots_counted_are_the_slices_each_rank_of_a_node_holds(world_size, per_node,
+                                                                       replicas):
+    """The check sized memory mode's snapshots as 1 + replicas whole states per node: on one
+    node of 8 GPUs half of what the three snapshot sets hold (so the first snapshots could run
+    out of memory), on 16 nodes 8 times it (so every healthy node failed the check)."""
+    from pyrecover.checkpoint.memory import layout
+
+    params = 1_000_003
+    state = params * health.CHECKPOINT_BYTES_PER_PARAM
+    bounds = layout.slice_bounds(state, world_size)
+    held = [0] * world_size  # bytes of the slices each rank holds in one snapshot set
+    for s, (a, b) in enumerate(bounds):
+        for rank in layout.holders(s, world_size, replicas, per_node):
+            held[rank] += b - a
+    node = max(3 * sum(held[n:n + per_node]) for n in range(0, world_size, per_node))
+    counted = health.state_bytes(params, "memory", replicas, per_node, False, world_size)
+    assert node <= counted <= node + 3 * per_node * min(replicas, world_size)  # (rounding)
 
 
 @pytest.mark.skipif(health.mem_available() is None, reason="no MemAvailable to compare with")

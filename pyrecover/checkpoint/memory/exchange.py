@@ -35,6 +35,7 @@ log = logging.getLogger("pyrecover")
 # On CPU, an own slice at least this big is copied by a background thread while the loop runs
 # the next forward and backward; a smaller one is copied at once (a thread costs more).
 BACKGROUND_COPY_BYTES = 64 << 20
+MIN_WAIT_S = 0.002  # the shortest timeout given to a gloo work's wait (c10d: 0 is none)
 
 
 @dataclass
@@ -206,7 +207,10 @@ class Snapshots:
             if deadline is None:
                 work.wait()
             else:
-                work.wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
+                # c10d reads a zero timeout, and anything under its 1 ms resolution, as none
+                # at all: past the deadline a work would wait for a frozen peer for good.
+                left = max(MIN_WAIT_S, deadline - time.monotonic())
+                work.wait(timedelta(seconds=left))
         self._count(flight.target, flight.step, flight.meta)
 
     def _count(self, target: Snapshot, step: int, meta: dict[str, Any]) -> None:
