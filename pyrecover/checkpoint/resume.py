@@ -258,6 +258,13 @@ def resume_newest(manager: Any, accept: Callable[[Restored], Any],
     initial = None
     below: int | None = None  # rank 0's: the others only restore what it chose
     newest_failure = ""
+    def every_rank(error: str) -> list[str]:
+        errors = [error]
+        if tdist.is_initialized() and manager.world_size > 1:
+            errors = [""] * manager.world_size
+            tdist.all_gather_object(errors, error)
+        return errors
+
     while True:
         error, restored = "", None
         try:
@@ -267,17 +274,18 @@ def resume_newest(manager: Any, accept: Callable[[Restored], Any],
         else:
             if ckpt is None:
                 break
-            initial = initial or _copy_state(manager.parts, keep_weights)
             on_chosen(ckpt)
+        # Every rank can read it before any restores it: DCP's load is collective, and its
+        # ranks would wait there for one that went on to count the failures.
+        errors = every_rank(error)
+        if ckpt is not None and not any(errors):
+            initial = initial or _copy_state(manager.parts, keep_weights)
             try:
                 restored = manager.restore(ckpt)
                 accept(restored)
             except (Exception, _dcp_exception()) as exc:  # DCP's is a BaseException
                 error = f"{type(exc).__name__}: {_first_line(exc)}"
-        errors = [error]
-        if tdist.is_initialized() and manager.world_size > 1:
-            errors = [None] * manager.world_size
-            tdist.all_gather_object(errors, error)
+            errors = every_rank(error)
         failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
         if not failed:
             assert ckpt is not None and restored is not None
