@@ -258,6 +258,7 @@ def resume_newest(manager: Any, accept: Callable[[Restored], Any],
     initial = None
     below: int | None = None  # rank 0's: the others only restore what it chose
     newest_failure = ""
+
     def every_rank(error: str) -> list[str]:
         errors = [error]
         if tdist.is_initialized() and manager.world_size > 1:
