@@ -48,12 +48,13 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
     A restart whose config changes what the run computes (model, data, seed, global batch) is
     refused; limits such as train.max_steps may change, and run.yaml then records the new
     ones (what `status` and a requeued job read). Where the run lives (run.storage,
-    run.exp_name, data.path as written) stays as first recorded: the job script restarts
-    with `--config run.yaml` alone, so a restart with `--run-dir` must not point it
-    elsewhere. With `lock`, the lock is taken (waiting up to `wait_s`; RunLocked when a live
-    run holds it) before anything is written, so a refused start changes nothing. `note`
-    says how an `auto` global batch was resolved; it goes into run.yaml as a comment (a
-    restart without one keeps the old).
+    run.exp_name, data.path as written) stays as first recorded, made absolute where this
+    start gives it so: the job script restarts with `--config run.yaml` alone, from the run
+    directory, so a restart with `--run-dir` must not point it elsewhere. With `lock`, the
+    lock is taken (waiting up to `wait_s`; RunLocked when a live run holds it) before
+    anything is written, so a refused start changes nothing. `note` says how an `auto`
+    global batch was resolved; it goes into run.yaml as a comment (a restart without one
+    keeps the old).
     """
     old = None
     if run.is_sweep():  # `pyrecover cancel` of the run would then end the sweep's array
@@ -78,11 +79,16 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
     # The data file is the same (an identity key); given relative here, absolute there.
     # run.storage and run.exp_name name where run.yaml lives, whatever this start was given
     # (--run-dir): the job's next requeue (`--config run.yaml` alone) comes back here, also
-    # after the run was moved or copied to another folder.
+    # after the run was moved or copied to another folder. A path this start gives absolute
+    # (launch does) replaces a relative one: the job starts in another folder.
     here = os.path.abspath(run.root.parent)
-    storage = old.run.storage if os.path.abspath(old.run.storage) == here else here
+    keep = os.path.abspath(old.run.storage) == here and (
+        os.path.isabs(old.run.storage) or not os.path.isabs(cfg.run.storage))
+    storage = old.run.storage if keep else here
+    data_path = cfg.data.path if os.path.isabs(cfg.data.path) and not os.path.isabs(
+        old.data.path) else old.data.path
     cfg = dataclasses.replace(
-        cfg, data=dataclasses.replace(cfg.data, path=old.data.path),
+        cfg, data=dataclasses.replace(cfg.data, path=data_path),
         run=dataclasses.replace(cfg.run, storage=storage, exp_name=run.root.name))
     if config_mod.to_dict(old) != config_mod.to_dict(cfg):
         head = run.config.read_text().split("\n", 1)[0]

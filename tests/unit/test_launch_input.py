@@ -246,6 +246,26 @@ def test_relative_paths_become_absolute_for_the_job(tmp_path):
     assert absolute.run_dir() == Path("/home/u/proj/runs/tiny")
 
 
+def test_a_launch_over_a_run_a_local_train_made_records_absolute_paths(tmp_path, monkeypatch):
+    """A local `train` records run.storage and data.path as typed (relative); the job a later
+    `launch` submits starts in the run directory, where those would point nowhere."""
+    from pyrecover.experiment import prepare_run_dir
+    from pyrecover.rundir import RunDir
+
+    monkeypatch.chdir(tmp_path)
+    local = config_mod.load(TINY, ["run.storage=runs", "data.path=data/c.parquet"])
+    run = RunDir(local.run_dir())
+    prepare_run_dir(local, run)
+    assert config_mod.load(run.config).data.path == "data/c.parquet"
+    prepare_run_dir(config_mod.from_dict(config_mod.to_dict(
+        render.absolute_paths(local, tmp_path))), run)
+    recorded = config_mod.load(run.config)
+    assert recorded.data.path == str(tmp_path / "data" / "c.parquet")
+    assert recorded.run.storage == str(tmp_path / "runs")
+    prepare_run_dir(local, run)  # a later local start keeps the absolute form
+    assert config_mod.load(run.config).data.path == str(tmp_path / "data" / "c.parquet")
+
+
 def test_launch_never_imports_torch(tmp_path):
     env = dict(os.environ)
     done = subprocess.run(
