@@ -8,8 +8,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 
-from pyrecover import batch, dist
+from pyrecover import batch, dist, rundir
 from pyrecover import config as config_mod
 from pyrecover.config import Config, ConfigError
 from pyrecover.dist import DistEnv
@@ -143,8 +144,33 @@ def check_data_early(data_path: str, column: str, run: RunDir, env: DistEnv) -> 
             phases.mark("process_start", process_start_time())
             record_start_error(run, phases, exc)
         elif env.node_rank == 0:
+            wait_for_start_error(run)
             raise SystemExit(2) from None
         raise
+
+
+ERROR_WAIT_S = 10.0  # how long node 0's other ranks give rank 0 to record a start error
+
+
+def wait_for_start_error(run: RunDir, timeout_s: float = ERROR_WAIT_S) -> bool:
+    """wait_for_start_error returns once this SLURM attempt's `error` record is in the run's
+    events (True), or after `timeout_s` (False); at once outside SLURM or where there is no
+    run to record it. A rank that exits 2 first gets rank 0 ended by SLURM (srun
+    --kill-on-bad-exit) before it could record why, and the job script, finding no record,
+    would take a config error for a crash and requeue it."""
+    mine = rundir.attempt_fields(os.environ)
+    if not mine or not run.is_run():  # no job script reads it; record_start_error writes none
+        return False
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for record in rundir.read_jsonl(run.events):
+            if (record.get("event") == "error"
+                    and all(record.get(k) == v for k, v in mine.items())
+                    and ("in_job_restart" in mine or "in_job_restart" not in record)):
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def hold_run_dir(refused: Exception | None, env: DistEnv) -> None:

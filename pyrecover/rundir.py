@@ -117,17 +117,8 @@ class RunDir:
     def event(self, event: str, **fields: Any) -> dict[str, Any]:
         """event appends one record to events.jsonl with the time, host and SLURM job id."""
         record = {"event": event, "time": round(time.time(), 3), **fields}
-        job = os.environ.get("SLURM_JOB_ID")
-        if job:
-            record.setdefault("job_id", job)
-            record.setdefault("restart_count", int(os.environ.get("SLURM_RESTART_COUNT", "0")))
-            in_job = os.environ.get("PYRECOVER_IN_JOB_RESTART")
-            if in_job:  # the job script's step inside the allocation (restarts without requeue)
-                record.setdefault("in_job_restart", int(in_job))
-            array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get(
-                "SLURM_ARRAY_TASK_ID")
-            if array and task:  # a sweep's trial: SLURM names the task ARRAYID_TASKID
-                record.setdefault("array_task", f"{array}_{task}")
+        for key, value in attempt_fields(os.environ).items():
+            record.setdefault(key, value)
         record.setdefault("host", socket.gethostname())
         self._append(self.events, record)
         return record
@@ -160,6 +151,24 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.write(fd, line)
     finally:
         os.close(fd)
+
+
+def attempt_fields(environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
+    """attempt_fields names the SLURM attempt a record belongs to (none outside SLURM): the
+    job, its requeue, the job script's step inside the allocation (restarts without requeue)
+    and a sweep trial's array task. The job script reads them back (slurm/blocks.py)."""
+    job = environ.get("SLURM_JOB_ID")
+    if not job:
+        return {}
+    fields: dict[str, Any] = {"job_id": job,
+                              "restart_count": int(environ.get("SLURM_RESTART_COUNT", "0"))}
+    in_job = environ.get("PYRECOVER_IN_JOB_RESTART")
+    if in_job:
+        fields["in_job_restart"] = int(in_job)
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:  # a sweep's trial: SLURM names the task ARRAYID_TASKID
+        fields["array_task"] = f"{array}_{task}"
+    return fields
 
 
 def read_jsonl(path: Path, bad: list[int] | None = None) -> Iterator[dict[str, Any]]:

@@ -50,6 +50,7 @@ from pyrecover.experiment import (
     prepare_run_dir,
     record_start_error,
     recorded_global_batch,
+    wait_for_start_error,
 )
 from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig, empty_gpt, initialize
@@ -101,8 +102,9 @@ def main(cfg: Config, run_dir: Path) -> None:
     except (ConfigError, DataError) as exc:
         if env.rank == 0:
             record_start_error(run, phases, exc)
-        if env.rank != 0 and env.node_rank == 0:
-            raise SystemExit(2) from None  # rank 0 read the same files here and says it once
+        if env.rank != 0 and env.node_rank == 0:  # rank 0 read the same files and says it
+            wait_for_start_error(run)  # once; exiting first would get it ended unrecorded
+            raise SystemExit(2) from None
         raise
     lock = RunLock(run)
     refused: Exception | None = None  # another live run holds the run directory (rank 0's

@@ -4,6 +4,7 @@ and of a run without checkpoints, which read manifests only."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -93,6 +94,58 @@ def test_a_data_mistake_on_an_existing_run_is_recorded_as_its_error_before_torch
     assert outcome == "exit=2 torch=False", stderr
     errors = [e for e in read_jsonl(run.events) if e["event"] == "error"]
     assert len(errors) == 1 and "no.parquet" in errors[0]["error"], errors
+
+
+ATTEMPT = {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "2"}
+
+
+@pytest.mark.parametrize("in_job", [None, "1"])
+def test_node_0s_other_ranks_exit_only_once_rank_0_recorded_this_attempts_error(
+        tmp_path, monkeypatch, in_job):
+    """Exiting 2 first would get rank 0 ended by srun before it records why, and the job
+    script would requeue a config error as a crash. Records of other attempts do not count."""
+    import threading
+
+    from pyrecover.experiment import wait_for_start_error
+    from pyrecover.rundir import RunDir, append_jsonl, attempt_fields
+
+    for key, value in {**ATTEMPT, "PYRECOVER_IN_JOB_RESTART": in_job}.items():
+        monkeypatch.setenv(key, value) if value else monkeypatch.delenv(key, raising=False)
+    run = RunDir(committed_run(tmp_path / "run"))
+    mine = attempt_fields(os.environ)
+    others = [{**mine, "restart_count": 1}, {**mine, "job_id": "40"},
+              {**mine, "in_job_restart": 2}]
+    if in_job:
+        others.append({k: v for k, v in mine.items() if k != "in_job_restart"})
+    for fields in others:  # as written, without this attempt's fields filled in
+        append_jsonl(run.events, {"event": "error", "time": 1.0, **fields, "error": "earlier"})
+    run.event("start", step=0)  # this attempt's, not an error
+    assert not wait_for_start_error(run, timeout_s=0.2)
+
+    written = threading.Event()
+
+    def rank_0():
+        run.event("error", rank=0, error="DataError: data file 'x' does not exist")
+        written.set()
+
+    writer = threading.Timer(0.3, rank_0)
+    writer.start()
+    try:
+        assert wait_for_start_error(run, timeout_s=120)
+        assert written.is_set()
+    finally:
+        writer.join()
+
+
+def test_outside_slurm_and_outside_a_run_other_ranks_do_not_wait(tmp_path, monkeypatch):
+    from pyrecover.experiment import wait_for_start_error
+    from pyrecover.rundir import RunDir
+
+    for key in ("SLURM_JOB_ID", "PYRECOVER_IN_JOB_RESTART"):
+        monkeypatch.delenv(key, raising=False)
+    assert not wait_for_start_error(RunDir(committed_run(tmp_path / "run")), timeout_s=120)
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    assert not wait_for_start_error(RunDir(tmp_path / "new"), timeout_s=120)
 
 
 def test_ckpt_ls_fast_reads_manifests_only_and_the_full_listing_opens_the_checkpoint(tmp_path):
