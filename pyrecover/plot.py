@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pyrecover.records import well_formed
 from pyrecover.rundir import RunDir, read_jsonl
 
 Color = tuple[int, int, int]
@@ -146,11 +147,11 @@ def write(run_dir: str | Path, out: str | Path, width: int = 960, height: int = 
     if out.suffix.lower() not in FORMATS:
         raise PlotError(f"{out}: unknown format {out.suffix or '(no suffix)'!r}; "
                         f"use {', '.join(FORMATS)}")
-    metrics = list(read_jsonl(run.metrics))
+    metrics = well_formed(read_jsonl(run.metrics), needs_time=False)[0]  # foreign lines out
     series = segments(metrics)
     if not series:
         raise PlotError(f"{run.metrics}: no logged losses to plot yet")
-    found = marks(read_jsonl(run.events), metrics)
+    found = marks(well_formed(read_jsonl(run.events), needs_time=True)[0], metrics)
     fig, layout = _draw(run.root.name, series, segments(metrics, "tokens_per_s"), found,
                         width, height)
     try:

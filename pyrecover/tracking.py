@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 from pyrecover import config as config_mod
 from pyrecover.config import Config
 from pyrecover.ledger import ledger
+from pyrecover.records import well_formed
 from pyrecover.rundir import RunDir, read_jsonl
 
 log = logging.getLogger("pyrecover")
@@ -256,9 +257,10 @@ def start(cfg: Config, run: RunDir, rank: int, system: Mapping[str, Any] | None 
     mode = resolve_mode(cfg.tracking.wandb, environ)
     if rank != 0 or mode == "disabled":
         return Tracker()
-    events = list(read_jsonl(run.events))
+    events = well_formed(read_jsonl(run.events), needs_time=True)[0]  # a foreign line is
+    metrics = well_formed(read_jsonl(run.metrics), needs_time=False)[0]  # left out (records)
     history = restarts(events)
-    floor = max((int(m.get("step", 0)) for m in read_jsonl(run.metrics)), default=0)
+    floor = max((int(m.get("step", 0)) for m in metrics), default=0)
     if history:
         floor = max(floor, history[-1]["step"])
     pending: dict[str, Any] = {}
@@ -275,7 +277,7 @@ def start(cfg: Config, run: RunDir, rank: int, system: Mapping[str, Any] | None 
     with contextlib.suppress(Exception):  # a summary is a nicety; never a reason to stop
         wb.summary["restarts"] = len(history)
         wb.summary["interruptions"] = history
-        wb.summary["ledger"] = ledger(events, list(read_jsonl(run.metrics))).to_dict()
+        wb.summary["ledger"] = ledger(events, metrics).to_dict()
     where = f"{run.wandb} (offline; upload with: wandb sync {run.wandb})" if mode == "offline" \
         else wb.url or "wandb"
     log.info("wandb run %s %s: %s", wb.id, "resumed" if history else "started", where)

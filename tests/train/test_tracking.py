@@ -122,6 +122,29 @@ def test_a_disabled_tracker_creates_nothing_even_with_wandb_mode_set(tmp_path, m
     assert not tracker.enabled and not run.wandb.exists()
 
 
+FOREIGN = ['{"event": "resume", "step": "ten", "time": 5.0}', '{"step": "12", "loss": 1}',
+           '{"event": "checkpoint", "step": 1e400, "time": "later"}', '[1, 2]', 'not json']
+
+
+def test_foreign_lines_in_the_run_records_never_stop_a_tracked_start(tmp_path):
+    """A hand-edited or foreign line in events.jsonl or metrics.jsonl is left out, as status
+    leaves it out: a tracked start that failed on it would fail on every requeue."""
+    cfg = config_mod.load(None, [f"run.storage={tmp_path}", "tracking.wandb=offline"])
+    run = RunDir(cfg.run_dir())
+    run.create()
+    run.metric(step=7, loss=2.0)
+    run.event("resume", step=5, steps_lost=2, restore_seconds=0.5)
+    for path in (run.events, run.metrics):
+        with path.open("a") as f:
+            f.write("\n".join(FOREIGN) + "\n")
+    with tracking.start(cfg, run, rank=0) as tracker:
+        assert tracker.enabled
+        tracker.log(8, {"loss": 1.5})
+    rows = history(next(offline_runs(run.root)[0].glob("run-*.wandb")))
+    assert [row["_step"] for row in rows] == [8]  # after the floor of the well-formed step 7
+    assert rows[0]["restart/count"] == 1 and rows[0]["restart/steps_lost"] == 2
+
+
 KEY = {"WANDB_API_KEY": "x" * 40}
 
 

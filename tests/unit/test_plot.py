@@ -81,6 +81,17 @@ def test_marks_sit_at_the_steps_of_their_events_and_nowhere_else(interrupted_run
     assert plot.LOSS in near
 
 
+def test_foreign_lines_in_the_run_records_are_left_out_of_the_plot(interrupted_run, tmp_path):
+    clean = plot.write(interrupted_run.root, tmp_path / "clean.png", width=800, height=400)
+    for path in (interrupted_run.events, interrupted_run.metrics):
+        with path.open("a") as f:
+            f.write('{"event": "crash", "time": "soon"}\n{"step": 70, "time": "x", "loss": 1}\n'
+                    '{"event": "resume", "step": 3, "steps_lost": 1e999, "time": 1}\n')
+    mixed = plot.write(interrupted_run.root, tmp_path / "mixed.png", width=800, height=400)
+    assert mixed == clean
+    assert read_png(tmp_path / "mixed.png").tobytes() == read_png(tmp_path / "clean.png").tobytes()
+
+
 def test_the_svg_names_the_resume_and_the_second_panel(interrupted_run, tmp_path):
     out = tmp_path / "run.svg"
     plot.write(interrupted_run.root, out)
