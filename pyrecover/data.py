@@ -115,7 +115,9 @@ class Batches:
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            # Reduced to what a generator takes (2**64): the same order below that, and a
+            # large train.seed no longer overflows.
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**64)
             self._perm = torch.randperm(self.num_windows, generator=g)
             self._epoch = epoch
         return self._perm

@@ -40,6 +40,19 @@ def test_the_same_seed_gives_the_same_order_and_another_seed_another():
     assert a.window_ids(0, 37) != c.window_ids(0, 37)
 
 
+@pytest.mark.parametrize("seed", [0, 1337, 2**44, 2**63 - 1])
+def test_every_seed_the_config_accepts_orders_the_windows(seed):
+    """Up to 2**64 the generator gets seed * 1_000_003 + epoch, as before (a resumed run keeps
+    its order); a seed above ~1.8e13 used to overflow it (a traceback at every start)."""
+    b, again = batches(n_windows=37, seed=seed), batches(n_windows=37, seed=seed)
+    order = b.window_ids(0, 74)
+    assert sorted(order[:37]) == sorted(order[37:]) == list(range(37))
+    assert order == again.window_ids(0, 74)
+    if seed * 1_000_003 + 1 < 2**63:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + 1)
+        assert order[37:] == torch.randperm(37, generator=g).tolist()
+
+
 def test_each_epoch_is_a_new_permutation_of_all_windows():
     b = batches(n_windows=37)
     first, second = b.window_ids(0, 37), b.window_ids(37, 37)
