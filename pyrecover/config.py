@@ -237,6 +237,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ConfigError(f"{key}={value!r} is not allowed: expected a whole number or a "
                               "word such as auto")
+        if isinstance(value, int) and not -2**63 <= value < 2**63:
+            raise ConfigError(f"{key}={short(value)} is not allowed: expected a 64-bit integer")
         return value
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))

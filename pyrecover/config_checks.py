@@ -55,6 +55,9 @@ def validate(cfg: Config) -> None:
     for key in ("max_steps", "micro_batch_size", "max_bad_steps"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.log_interval", t.log_interval)
+    if t.micro_batch_size > MAX_GLOBAL_BATCH:
+        _bad("train.micro_batch_size", t.micro_batch_size,
+             f"a number of sequences from 1 to {MAX_GLOBAL_BATCH:,}")
     target = parse_global_batch(t.global_batch_size)
     if isinstance(t.global_batch_size, int) and target % t.micro_batch_size:
         _bad("train.global_batch_size", t.global_batch_size,
@@ -129,6 +132,12 @@ def check_world_size(cfg: Config, world_size: int) -> None:
 _AUTO = re.compile(r"auto(?::(\d+))?")
 
 
+# Every step lists its sequences' window ids: a global batch past this (over a billion tokens
+# a step at 1024 tokens each, far more than any run uses) would build that list until memory
+# ran out rather than train.
+MAX_GLOBAL_BATCH = 2**20
+
+
 def parse_global_batch(value: int | str) -> int | None:
     """parse_global_batch reads `N`, `auto:N` (the target N) or `auto` (None: no target)."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -138,8 +147,9 @@ def parse_global_batch(value: int | str) -> int | None:
         if not m:
             _bad("train.global_batch_size", value, "a number of sequences N, auto:N or auto")
         target = int(m.group(1)) if m.group(1) else None
-    if target is not None and target < 1:
-        _bad("train.global_batch_size", value, "a number of sequences >= 1")
+    if target is not None and not 1 <= target <= MAX_GLOBAL_BATCH:
+        _bad("train.global_batch_size", value,
+             f"a number of sequences from 1 to {MAX_GLOBAL_BATCH:,}")
     return target
 
 

@@ -71,6 +71,14 @@ def test_a_dumped_config_loads_back_equal(tmp_path):
     (["train.global_batch_size=10", "train.micro_batch_size=4"], "train.global_batch_size=10"),
     (["train.max_steps"], "expected section.key=value"),
     (["train.lr=true"], "train.lr=True is not allowed: expected a value of type float"),
+    # Sizes past any run's: a step that would list its ids until memory ran out.
+    (["train.global_batch_size=auto:99999999999999999999"],
+     "train.global_batch_size='auto:99999999999999999999' is not allowed: expected a number "
+     "of sequences from 1 to 1,048,576"),
+    (["train.global_batch_size=2097152"], "train.global_batch_size=2097152 is not allowed"),
+    (["train.micro_batch_size=99999999999999", "train.global_batch_size=auto"],
+     "train.micro_batch_size=99999999999999 is not allowed"),
+    (["checkpoint.interval=99999999999999999999"], "expected a 64-bit integer"),
 ])
 def test_each_mistake_is_one_line_naming_the_key_and_what_is_allowed(overrides, message):
     with pytest.raises(ConfigError) as err:
