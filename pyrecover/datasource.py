@@ -54,6 +54,7 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         what = "is not a folder" if src.exists() else "does not exist"
         raise DataError(f"source folder {str(src)!r} {what}")
     paths, texts, total = [], [], 0
+    too_big: tuple[Path, int] | None = None  # the file the limit stopped at
     for path in sorted(src.rglob("*")):
         if not path.is_file() or (suffixes and path.suffix not in suffixes):
             continue
@@ -64,10 +65,14 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         if not text:
             continue
         if max_bytes is not None and total + len(text) > max_bytes:
+            too_big = (path, len(text))
             break
         paths.append(str(path.relative_to(src)))
         texts.append(text)
         total += len(text)
+    if not texts and too_big is not None:
+        raise DataError(f"the first file, {too_big[0]} ({too_big[1] / 1e6:.3f} MB of text), is "
+                        f"larger than the limit of {max_bytes / 1e6:g} MB; raise the limit")
     if not texts:
         kinds = "/".join(s or "suffix-less" for s in suffixes)
         raise DataError(f"no readable {kinds} files under {src}")

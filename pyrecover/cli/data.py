@@ -18,6 +18,9 @@ def prepare(
         help="File endings to take (.txt or txt); repeatable. Default: .py")] = None,
     max_mb: Annotated[float | None, typer.Option(
         min=0.001, help="Stop after this many megabytes of text.")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace OUT where it exists (a run trained on it would then resume "
+        "on other data).")] = False,
 ) -> None:
     """Build a parquet corpus, one row per file, in sorted path order (reproducible).
 
@@ -28,6 +31,9 @@ def prepare(
     """
     from pyrecover import datasource
 
+    if out.is_file() and not force:
+        raise datasource.DataError(f"{out} already exists; pass --force to replace it (a run "
+                                   "trained on it would then resume on other data)")
     # `--suffix txt` means `.txt`: Path.suffix, which it is matched against, has the dot
     suffixes = tuple(s if s.startswith(".") or not s else f".{s}" for s in suffix or [".py"])
     max_bytes = int(max_mb * 1e6) if max_mb is not None else None

@@ -122,3 +122,28 @@ def test_data_prepare_takes_a_suffix_with_or_without_its_dot(tmp_path):
                      "--suffix", "txt", "--suffix", ".md")
     assert done.returncode == 0, done.stderr
     assert pq.read_table(tmp_path / "c.parquet")["path"].to_pylist() == ["a.txt", "b.md"]
+
+
+def test_data_prepare_replaces_an_existing_corpus_only_with_force(tmp_path):
+    """A run trained on the old file would resume on the new one without a word."""
+    src, out = tmp_path / "texts", tmp_path / "c.parquet"
+    src.mkdir()
+    (src / "a.py").write_text("print('new')\n")
+    out.write_bytes(b"the old corpus")
+    done = pyrecover("data", "prepare", str(src), str(out))
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "already exists; pass --force" in done.stderr
+    assert out.read_bytes() == b"the old corpus"
+    done = pyrecover("data", "prepare", str(src), str(out), "--force")
+    assert done.returncode == 0, done.stderr
+    assert pq.read_table(out)["text"].to_pylist() == ["print('new')\n"]
+
+
+def test_a_limit_smaller_than_the_first_file_says_so(tmp_path):
+    src = tmp_path / "texts"
+    src.mkdir()
+    (src / "a.py").write_text("x = 1\n" * 400)
+    done = pyrecover("data", "prepare", str(src), str(tmp_path / "c.parquet"), "--max-mb",
+                     "0.001")
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "a.py (0.002 MB of text), is larger than the limit of 0.001 MB" in done.stderr
