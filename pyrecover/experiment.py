@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import time
 
@@ -43,7 +44,8 @@ def recorded_global_batch(run: RunDir) -> int | None:
 
 
 def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
-                    lock: RunLock | None = None, wait_s: float = 0.0) -> None:
+                    lock: RunLock | None = None, wait_s: float = 0.0,
+                    corpus: dict | None = None) -> None:
     """prepare_run_dir creates the run directory and records or checks `run.yaml`.
 
     A restart whose config changes what the run computes (model, data, seed, global batch) is
@@ -55,7 +57,8 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
     lock is taken (waiting up to `wait_s`; RunLocked when a live run holds it) before
     anything is written, so a refused start changes nothing. `note` says how an `auto`
     global batch was resolved; it goes into run.yaml as a comment (a restart without one
-    keeps the old).
+    keeps the old). `corpus` (data.fingerprint of what this start trains on) is recorded
+    beside it, for check_corpus.
     """
     old = None
     if run.is_sweep():  # `pyrecover cancel` of the run would then end the sweep's array
@@ -74,6 +77,8 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
     run.create()
     if lock is not None:
         lock.acquire(wait_s)
+    if corpus is not None:
+        record_corpus(run, corpus)
     if old is None:
         write_config(cfg, run, note)
         return
@@ -94,6 +99,47 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
     if config_mod.to_dict(old) != config_mod.to_dict(cfg):
         head = run.config.read_text().split("\n", 1)[0]
         write_config(cfg, run, note or (head[2:] if head.startswith("# ") else None))
+
+
+def check_corpus(run: RunDir, corpus: dict, data_path: str) -> dict:
+    """check_corpus returns `corpus`, or refuses (DataError) a start whose data is not what
+    the run's checkpoints were trained on: another corpus written to the same data.path
+    would resume its data position into other text without a word. A run without
+    checkpoints, or without a readable record of its corpus (an older run), starts on any
+    data."""
+    from pyrecover.datasource import DataError  # pyarrow: the trainer has it loaded
+
+    recorded = _read_corpus(run)
+    if recorded is None or recorded == corpus or not any(run.checkpoints.glob("step-*")):
+        return corpus
+    raise DataError(
+        f"{data_path} holds other data than this run's checkpoints were trained on "
+        f"({recorded.get('tokens')} tokens then, {corpus['tokens']} now, or other text); "
+        f"restore that file, or start a new run (run.exp_name), or delete {run.corpus} to go "
+        "on with this data")
+
+
+def record_corpus(run: RunDir, corpus: dict) -> None:
+    """record_corpus writes the fingerprint of the data this start trains on (rank 0, the run's
+    lock held) where it is not already recorded."""
+    if _read_corpus(run) == corpus:
+        return
+    tmp = run.corpus.with_name(f".corpus.json.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(corpus) + "\n")
+        os.replace(tmp, run.corpus)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise storage_error("write", run.corpus, exc) from None
+
+
+def _read_corpus(run: RunDir) -> dict | None:
+    try:
+        recorded = json.loads(run.corpus.read_text())
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
 
 
 def write_config(cfg: Config, run: RunDir, note: str | None = None) -> None:

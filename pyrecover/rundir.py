@@ -84,6 +84,11 @@ class RunDir:
         return self.root / "profile"
 
     @property
+    def corpus(self) -> Path:
+        """The fingerprint of the data the run trained on (data.fingerprint, experiment.py)."""
+        return self.root / "corpus.json"
+
+    @property
     def lock_file(self) -> Path:
         return self.root / "run.lock"
 

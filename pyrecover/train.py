@@ -44,8 +44,9 @@ from pyrecover.checkpoint.resume import choose_in_background
 from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
 from pyrecover.config_checks import parse_profile_window
-from pyrecover.data import Batches, DataError, check_tokens, load_tokens
+from pyrecover.data import Batches, DataError, check_tokens, fingerprint, load_tokens
 from pyrecover.experiment import (
+    check_corpus,
     hold_run_dir,
     prepare_run_dir,
     record_start_error,
@@ -98,6 +99,7 @@ def main(cfg: Config, run_dir: Path) -> None:
                                         per_task=True)
         tokens = load_tokens(cfg.data.path, cfg.data.column)
         check_tokens(tokens, cfg.model.vocab_size, cfg.model.block_size, cfg.data.path)
+        corpus = check_corpus(run, fingerprint(tokens), cfg.data.path)
         phases.mark("data_ready")
     except (ConfigError, DataError) as exc:
         if env.rank == 0:
@@ -112,7 +114,7 @@ def main(cfg: Config, run_dir: Path) -> None:
         if env.rank == 0:  # the lock first: a refused start writes nothing into the folder
             if batch_note:
                 log.info("%s", batch_note)
-            prepare_run_dir(cfg, run, batch_note, lock, rundir.lock_wait_seconds())
+            prepare_run_dir(cfg, run, batch_note, lock, rundir.lock_wait_seconds(), corpus)
             phases.attach(run)
         else:
             run.create()

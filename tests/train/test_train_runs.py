@@ -88,3 +88,32 @@ def test_only_the_newest_keep_checkpoints_stay_on_disk(tmp_path, corpus, keep):
     assert done.returncode == 0, done.stderr
     kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert kept == sorted(f"step-{s}" for s in (25, 20, 15)[:keep])
+
+
+def test_other_data_at_the_same_path_is_refused_until_the_user_says_to_go_on(tmp_path, corpus):
+    """A rebuilt corpus at data.path would take the run's saved data position into other
+    text: the resume is refused in one line, recorded as the start's error (the job script
+    does not requeue it), and goes on once the user deletes the record it names."""
+    import shutil
+
+    from helpers import build_corpus
+
+    data = tmp_path / "corpus.parquet"
+    shutil.copy(corpus, data)
+    first = train(tmp_path, data, "train.max_steps=4", "checkpoint.interval=2")
+    assert first.returncode == 0, first.stderr
+    again = train(tmp_path, data, "train.max_steps=6", "checkpoint.interval=2")
+    assert again.returncode == 0, again.stderr  # the same file: resumed
+    build_corpus(data, max_bytes=300_000)  # the start of the same sources, but shorter
+    done = train(tmp_path, data, "train.max_steps=8", "checkpoint.interval=2")
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {data} holds other data than this run's checkpoints")
+    assert str(tmp_path / "run" / "corpus.json") in line
+    events = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] != "phase"]
+    assert events[-1]["event"] == "error" and "other data" in events[-1]["error"]
+    (tmp_path / "run" / "corpus.json").unlink()
+    resumed = train(tmp_path, data, "train.max_steps=8", "checkpoint.interval=2")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "checkpoints/step-6 (step 6, 0 steps redone" in resumed.stderr, resumed.stderr
+    assert (tmp_path / "run" / "corpus.json").is_file()

@@ -135,3 +135,21 @@ def test_prepare_is_reproducible_and_keeps_sorted_file_order(tmp_path):
     one, two = pq.read_table(tmp_path / "one.parquet"), pq.read_table(tmp_path / "two.parquet")
     assert one.equals(two)
     assert one.column("path").to_pylist() == ["b.py", "pkg/a.py"]
+
+
+def test_a_fingerprint_tells_another_corpus_and_only_another():
+    from pyrecover.data import FINGERPRINT_SPAN, fingerprint
+
+    tokens = torch.arange(1_000_003) % 257
+    assert fingerprint(tokens) == fingerprint(tokens.clone())
+    assert fingerprint(tokens)["tokens"] == 1_000_003
+    for changed in (tokens[:-1], torch.cat([tokens, tokens[:1]]), tokens.roll(1)):
+        assert fingerprint(changed) != fingerprint(tokens)
+    edited = tokens.clone()
+    edited[0] += 1  # the first span is always read, and so is the last
+    assert fingerprint(edited) != fingerprint(tokens)
+    edited = tokens.clone()
+    edited[-1] += 1
+    assert fingerprint(edited) != fingerprint(tokens)
+    short = torch.arange(FINGERPRINT_SPAN // 2)  # shorter than one span: all of it
+    assert fingerprint(short) != fingerprint(short.flip(0))
