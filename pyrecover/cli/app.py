@@ -113,8 +113,19 @@ def main() -> None:
 
 def _main() -> None:
     try:
-        app()
+        code = app(standalone_mode=False)  # the parser's mistakes come here: one line each
+    except typer.Abort:
+        typer.echo("Aborted!", err=True)
+        sys.exit(1)
     except Exception as exc:
+        if _parser_error(exc):  # `--nproc 0`, `--bogus`, a missing argument
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `pyrecover data`: its help
+                exc.show()
+            else:
+                ctx = getattr(exc, "ctx", None)
+                hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+                typer.echo(f"error: {exc.format_message().rstrip('.')}{hint}", err=True)
+            sys.exit(exc.exit_code)
         if isinstance(exc, loaded(USER_ERRORS)):
             typer.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_USER_ERROR)
@@ -126,3 +137,12 @@ def _main() -> None:
             typer.echo(f"error: {exc}", err=True)
             sys.exit(1)
         raise
+    if isinstance(code, int) and code:  # typer.Exit(code) comes back as its code
+        sys.exit(code)
+
+
+def _parser_error(exc: Exception) -> bool:
+    """_parser_error tells click's ClickException (typer's own copy of click from 0.22 on, a
+    TyperException) from everything else a command raises."""
+    return type(exc).__module__.split(".")[0] in ("click", "typer") and all(
+        hasattr(exc, name) for name in ("format_message", "exit_code", "show"))

@@ -41,6 +41,32 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message
         assert str(TINY) not in lines[0]
 
 
+@pytest.mark.parametrize("args, said, help_of", [
+    (["train", "--nproc", "0"],
+     "Invalid value for '--nproc': Input should be greater than or equal to 1", "train"),
+    (["train", "--bogus"], "No such option: --bogus", "train"),
+    (["ckpt", "ls"], "Missing argument 'run_dir'", "ckpt ls"),
+    (["nosuchcommand"], "No such command 'nosuchcommand'", ""),
+])
+def test_a_command_line_mistake_is_one_line_naming_the_help_to_read(tmp_path, args, said,
+                                                                    help_of):
+    done = pyrecover(*args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    command = f"{help_of} --help" if help_of else "--help"
+    assert lines in ([f"error: {said} (see `{prog} {command}`)"]
+                     for prog in ("pyrecover", "python -m pyrecover")), done.stderr
+    assert files_under(tmp_path) == []
+
+
+def test_a_group_without_its_command_shows_its_help_and_help_exits_0(tmp_path):
+    done = pyrecover("data", cwd=tmp_path)
+    assert done.returncode == 2 and "pyrecover data [OPTIONS] COMMAND" in done.stderr
+    assert "prepare  Build a parquet corpus" in done.stderr
+    done = pyrecover("train", "--help", cwd=tmp_path)
+    assert done.returncode == 0 and "pyrecover train [OPTIONS]" in done.stdout.splitlines()[0]
+
+
 def test_a_file_given_as_the_run_directory_is_called_a_file(tmp_path):
     (tmp_path / "afile").write_text("mine")
     for args in (["status"], ["ckpt", "ls"], ["plot"]):
