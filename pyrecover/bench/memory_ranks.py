@@ -103,7 +103,8 @@ def _measure(rank: int, target: int, repeat: int, work: Path, note: Note) -> dic
         if rank == 0:
             seconds["torch_save"].append(_torch_save(parts, work / "torch.pt"))
         tdist.barrier()
-    note(f"{repeat} training steps without, then {repeat + 1} with a snapshot each")
+    note(f"{repeat} training step{'s' * (repeat != 1)} without, then {repeat + 1} with a "
+         "snapshot each")
     mode.wait_staged()
     mode.wait()
     for _ in range(repeat):

@@ -34,6 +34,7 @@ def ls(
         for r in rows:
             typer.echo(json.dumps({"step": r.step, "mode": r.mode, "world_size": r.world_size,
                                    "bytes": r.size, "age_s": r.age_s, "valid": r.valid,
+                                   "checked": "sizes" if fast else "checksums",
                                    "problem": r.problem}))
         return
     if not rows:
@@ -41,7 +42,7 @@ def ls(
         return
     typer.echo(f"{'step':>8}  {'mode':<8} {'world':>5} {'size':>10} {'age':>7}  status")
     for r in rows:
-        status = "ok" if r.valid else f"INVALID: {r.problem}"
+        status = ("sizes ok" if fast else "ok") if r.valid else f"INVALID: {r.problem}"
         size, age = listing.human_bytes(r.size), listing.human_age(r.age_s)
         typer.echo(f"{r.step:>8}  {r.mode:<8} {r.world_size!s:>5} {size:>10} {age:>7}  {status}")
 

@@ -150,8 +150,9 @@ def test_outside_slurm_and_outside_a_run_other_ranks_do_not_wait(tmp_path, monke
 
 def test_ckpt_ls_fast_reads_manifests_only_and_the_full_listing_opens_the_checkpoint(tmp_path):
     run = committed_run(tmp_path / "run")
-    outcome, stderr, _ = run_cli("ckpt", "ls", str(run), "--fast")
+    outcome, stderr, lines = run_cli("ckpt", "ls", str(run), "--fast")
     assert outcome == "exit=0 torch=False", stderr
+    assert lines[-1].endswith("  sizes ok"), lines  # not "ok": no checksum was read
     empty = tmp_path / "empty"
     (empty / "checkpoints").mkdir(parents=True)
     assert run_cli("ckpt", "ls", str(empty))[0] == "exit=0 torch=False"
