@@ -36,7 +36,11 @@ def load_tokens(path: str | Path, column: str) -> torch.Tensor:
         tokens = _bytes_tokens(col)
     elif (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(
             kind.value_type):
-        ids = col.flatten().to_numpy(zero_copy_only=False)
+        flat = col.flatten()
+        if flat.null_count:  # to_numpy would make it a NaN, then int64's minimum
+            raise DataError(f"{p}: column {column!r} holds {flat.null_count} missing (null) "
+                            "token ids; fix the tokenization")
+        ids = flat.to_numpy(zero_copy_only=False)
         if ids.dtype.kind == "u" and ids.size and int(ids.max()) > 2**63 - 1:  # int64 wraps it
             raise DataError(f"{p}: token id {int(ids.max())} is outside [0, model.vocab_size); "
                             "fix the tokenization")

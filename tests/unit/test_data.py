@@ -109,6 +109,8 @@ def test_an_already_tokenized_list_column_is_used_as_is(tmp_path):
                                                     "body"),
     (lambda p: write(p, pa.table({"text": pa.array([], pa.string())})), "holds no tokens"),
     (lambda p: write(p, pa.table({"text": [1.5]})), "expected a string or a list of integers"),
+    (lambda p: write(p, pa.table({"text": [[1, None, 3], None, [4]]})),
+     "holds 1 missing (null) token ids"),
 ])
 def test_unusable_corpora_get_one_clear_error(tmp_path, make, message):
     path = tmp_path / "c.parquet"
