@@ -157,9 +157,16 @@ def _refuse_live(run: RunDir) -> None:
 
 def _notes(cfg: Config, spec: JobSpec) -> list[str]:
     """Things that may well be right but are worth a look: said, not refused."""
+    from pyrecover.checkpoint.store import MANIFEST, committed_steps
     from pyrecover.slurm import render
 
     notes = []
+    reached = next((step for step, folder in committed_steps(spec.run.checkpoints)
+                    if (folder / MANIFEST).is_file()), None)
+    if reached is not None and reached >= cfg.train.max_steps:
+        notes.append(f"the run's newest checkpoint is at step {reached}, at or past "
+                     f"train.max_steps={cfg.train.max_steps}: the job will end at once "
+                     "(--set train.max_steps=N to train on)")
     if not Path(cfg.data.path).is_file():
         notes.append(f"data.path {cfg.data.path} does not exist here; the job will need it "
                      "on the compute nodes")

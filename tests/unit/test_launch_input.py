@@ -266,6 +266,26 @@ def test_a_launch_over_a_run_a_local_train_made_records_absolute_paths(tmp_path,
     assert config_mod.load(run.config).data.path == str(tmp_path / "data" / "c.parquet")
 
 
+def test_launching_a_run_already_past_max_steps_says_the_job_would_end_at_once(tmp_path):
+    from pyrecover.checkpoint import store
+
+    run = tmp_path / "store" / "dry"
+    pending = store.begin(run / "checkpoints", 100)
+    with pending.open("state.pt") as f:
+        f.write(b"weights")
+    pending.commit("vanilla", 1, {"step": 100})
+    (run / "checkpoints" / "step-200").mkdir()  # no manifest: no checkpoint
+    said = [line for line in launch(tmp_path, "--cluster", str(LOCAL), "--dry-run",
+                                    "--exp-name", "dry").stderr.splitlines()
+            if "newest checkpoint" in line]
+    assert said == ["note: the run's newest checkpoint is at step 100, at or past "
+                    "train.max_steps=30: the job will end at once (--set train.max_steps=N "
+                    "to train on)"]
+    done = launch(tmp_path, "--cluster", str(LOCAL), "--dry-run", "--exp-name", "dry",
+                  "--set", "train.max_steps=101")
+    assert done.returncode == 0 and "newest checkpoint" not in done.stderr, done.stderr
+
+
 def test_launch_never_imports_torch(tmp_path):
     env = dict(os.environ)
     done = subprocess.run(
