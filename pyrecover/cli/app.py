@@ -137,8 +137,9 @@ def _main() -> None:
             typer.echo(f"error: {exc}", err=True)
             sys.exit(1)
         raise
-    if isinstance(code, int) and code:  # typer.Exit(code) comes back as its code
-        sys.exit(code)
+    # typer.Exit(code) comes back as its code. Every end is a SystemExit, as in click's own
+    # standalone mode: main() ends a trainer's process through dist.exit_now on it.
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def _parser_error(exc: Exception) -> bool:
