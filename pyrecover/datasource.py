@@ -43,16 +43,20 @@ def first_line(exc: BaseException) -> str:
 
 
 def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = (".py",),
-            max_bytes: int | None = None) -> tuple[int, int]:
+            max_bytes: int | None = None, replace: bool = True) -> tuple[int, int]:
     """prepare writes one row per text file under src_dir into a parquet `text` column.
 
     Files are taken in sorted path order, so the corpus is the same on every machine with the
-    same sources; undecodable files are skipped. Returns (files, bytes) written.
+    same sources; undecodable files are skipped. An existing `out` is replaced only with
+    `replace` (`data prepare --force`). Returns (files, bytes) written.
     """
     src = Path(src_dir)
     if not src.is_dir():
         what = "is not a folder" if src.exists() else "does not exist"
         raise DataError(f"source folder {str(src)!r} {what}")
+    if not replace and Path(out).is_file():
+        raise DataError(f"{out} already exists; pass --force to replace it (a run trained on "
+                        "it would then resume on other data)")
     paths, texts, total = [], [], 0
     too_big: tuple[Path, int] | None = None  # the file the limit stopped at
     for path in sorted(src.rglob("*")):

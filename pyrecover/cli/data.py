@@ -31,11 +31,8 @@ def prepare(
     """
     from pyrecover import datasource
 
-    if out.is_file() and not force:
-        raise datasource.DataError(f"{out} already exists; pass --force to replace it (a run "
-                                   "trained on it would then resume on other data)")
     # `--suffix txt` means `.txt`: Path.suffix, which it is matched against, has the dot
     suffixes = tuple(s if s.startswith(".") or not s else f".{s}" for s in suffix or [".py"])
     max_bytes = int(max_mb * 1e6) if max_mb is not None else None
-    files, size = datasource.prepare(src_dir, out, suffixes, max_bytes)
+    files, size = datasource.prepare(src_dir, out, suffixes, max_bytes, replace=force)
     typer.echo(f"wrote {out}: {files} files, {size / 1e6:.1f} MB of text")
