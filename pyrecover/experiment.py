@@ -11,7 +11,7 @@ import json
 import os
 import time
 
-from pyrecover import batch, dist, rundir
+from pyrecover import batch, dist, preempt, rundir
 from pyrecover import config as config_mod
 from pyrecover.config import Config, ConfigError
 from pyrecover.dist import DistEnv
@@ -110,19 +110,32 @@ def check_corpus(run: RunDir, corpus: dict, data_path: str) -> dict:
     from pyrecover.datasource import DataError  # pyarrow: the trainer has it loaded
 
     recorded = _read_corpus(run)
-    if recorded is None or recorded == corpus or not any(run.checkpoints.glob("step-*")):
+    if recorded is None or recorded == corpus or not _holds_checkpoints(run):
         return corpus
+    then = recorded.get("tokens")
+    what = (f"the same {then} tokens, other text" if then == corpus["tokens"]
+            else f"{then} tokens then, {corpus['tokens']} now")
     raise DataError(
-        f"{data_path} holds other data than this run's checkpoints were trained on "
-        f"({recorded.get('tokens')} tokens then, {corpus['tokens']} now, or other text); "
+        f"{data_path} holds other data than this run's checkpoints were trained on ({what}); "
         f"restore that file, or start a new run (run.exp_name), or delete {run.corpus} to go "
         "on with this data")
 
 
+def _holds_checkpoints(run: RunDir) -> bool:
+    """Anything under checkpoints/ may be resumed: a committed step, a memory-mode snapshot or
+    a save whose manifest landed (both made into steps once the run's lock is held)."""
+    try:
+        return any(run.checkpoints.iterdir())
+    except OSError:
+        return False
+
+
 def record_corpus(run: RunDir, corpus: dict) -> None:
     """record_corpus writes the fingerprint of the data this start trains on (rank 0, the run's
-    lock held) where it is not already recorded."""
-    if _read_corpus(run) == corpus:
+    lock held) where none is recorded, or where no checkpoint was trained on the old one yet
+    (a checkpoint committed while this start waited for the lock keeps its record)."""
+    recorded = _read_corpus(run)
+    if recorded == corpus or (recorded is not None and _holds_checkpoints(run)):
         return
     tmp = run.corpus.with_name(f".corpus.json.{os.getpid()}")
     try:
@@ -162,8 +175,8 @@ def record_start_error(run: RunDir, phases: Phases, exc: Exception) -> None:
     if not run.is_run():
         return
     lock = RunLock(run) if run.lock_file.exists() else None  # a live run has made one
-    try:  # not waited for: the other ranks exit 2 at once, and SLURM ends a waiting rank 0
-        if lock is not None:  # (srun --kill-on-bad-exit) before it could say why
+    try:  # not waited for: the other ranks wait for this record (wait_for_start_error), but
+        if lock is not None:  # not for ever, and SLURM would end a waiting rank 0 unheard
             lock.acquire(0.0)
     except (RunLocked, HeldByThisJob, StorageError):
         return
@@ -189,26 +202,28 @@ def check_data_early(data_path: str, column: str, run: RunDir, env: DistEnv) -> 
             phases = Phases(0)
             phases.mark("process_start", process_start_time())
             record_start_error(run, phases, exc)
-        elif env.node_rank == 0:
+        else:
             wait_for_start_error(run)
-            raise SystemExit(2) from None
+            if env.node_rank == 0:
+                raise SystemExit(2) from None
         raise
 
 
-ERROR_WAIT_S = 10.0  # how long node 0's other ranks give rank 0 to record a start error
+ERROR_WAIT_S = 60.0  # how long the other ranks give rank 0 to record a start error
 
 
 def wait_for_start_error(run: RunDir, timeout_s: float = ERROR_WAIT_S) -> bool:
     """wait_for_start_error returns once this SLURM attempt's `error` record is in the run's
-    events (True), or after `timeout_s` (False); at once outside SLURM or where there is no
-    run to record it. A rank that exits 2 first gets rank 0 ended by SLURM (srun
-    --kill-on-bad-exit) before it could record why, and the job script, finding no record,
-    would take a config error for a crash and requeue it."""
+    events (True), or once a stop signal came (SLURM ends the others when rank 0 exits), or
+    after `timeout_s` (False); at once outside SLURM or where there is no run to record it.
+    A rank that exits 2 first gets rank 0 ended by SLURM (srun --kill-on-bad-exit) before it
+    could record why, and the job script, finding no record, would take a config error for
+    a crash and requeue it. The bound covers ranks that read the corpus at other speeds."""
     mine = rundir.attempt_fields(os.environ)
     if not mine or not run.is_run():  # no job script reads it; record_start_error writes none
         return False
     deadline = time.monotonic() + timeout_s
-    while True:
+    while preempt.caught_early() is None:  # caught from the process's start (catch_early)
         for record in rundir.read_jsonl(run.events):
             if (record.get("event") == "error"
                     and all(record.get(k) == v for k, v in mine.items())
@@ -217,6 +232,7 @@ def wait_for_start_error(run: RunDir, timeout_s: float = ERROR_WAIT_S) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
+    return False
 
 
 def hold_run_dir(refused: Exception | None, env: DistEnv) -> None:

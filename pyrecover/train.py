@@ -104,9 +104,10 @@ def main(cfg: Config, run_dir: Path) -> None:
     except (ConfigError, DataError) as exc:
         if env.rank == 0:
             record_start_error(run, phases, exc)
-        if env.rank != 0 and env.node_rank == 0:  # rank 0 read the same files and says it
-            wait_for_start_error(run)  # once; exiting first would get it ended unrecorded
-            raise SystemExit(2) from None
+        if env.rank != 0:  # exiting before rank 0 recorded it would get rank 0 ended unheard
+            wait_for_start_error(run)
+            if env.node_rank == 0:
+                raise SystemExit(2) from None  # rank 0 read the same files and says it once
         raise
     lock = RunLock(run)
     refused: Exception | None = None  # another live run holds the run directory (rank 0's

@@ -155,3 +155,24 @@ def test_a_fingerprint_tells_another_corpus_and_only_another():
     assert fingerprint(edited) != fingerprint(tokens)
     short = torch.arange(FINGERPRINT_SPAN // 2)  # shorter than one span: all of it
     assert fingerprint(short) != fingerprint(short.flip(0))
+
+
+def test_a_corpus_record_binds_the_run_once_anything_under_checkpoints_may_be_resumed(
+        tmp_path):
+    from pyrecover.experiment import check_corpus, record_corpus
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    old, new = {"tokens": 10, "digest": "a"}, {"tokens": 10, "digest": "b"}
+    record_corpus(run, old)
+    assert check_corpus(run, new, "c.parquet") == new  # nothing trained on the old one yet
+    record_corpus(run, new)
+    assert check_corpus(run, new, "c.parquet") == new
+    (run.checkpoints / ".snap-step-5").mkdir()  # memory mode's snapshot, made a step later
+    with pytest.raises(DataError, match=r"c.parquet holds other data .*\(the same 10 tokens, "
+                                        r"other text\)"):
+        check_corpus(run, old, "c.parquet")
+    record_corpus(run, old)  # a start that raced past the check does not rebind the run
+    with pytest.raises(DataError, match="10 tokens then, 11 now"):
+        check_corpus(run, {"tokens": 11, "digest": "b"}, "c.parquet")

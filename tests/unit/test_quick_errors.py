@@ -125,8 +125,8 @@ def test_node_0s_other_ranks_exit_only_once_rank_0_recorded_this_attempts_error(
     written = threading.Event()
 
     def rank_0():
+        written.set()  # before: the waiter may see the record before this thread goes on
         run.event("error", rank=0, error="DataError: data file 'x' does not exist")
-        written.set()
 
     writer = threading.Timer(0.3, rank_0)
     writer.start()
@@ -135,6 +135,27 @@ def test_node_0s_other_ranks_exit_only_once_rank_0_recorded_this_attempts_error(
         assert written.is_set()
     finally:
         writer.join()
+
+
+WAIT_THEN_STOP = """
+import os, signal, sys, threading
+from pathlib import Path
+from pyrecover import experiment, preempt
+from pyrecover.rundir import RunDir
+preempt.catch_early()
+run = RunDir(Path(sys.argv[1]))
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+print("recorded" if experiment.wait_for_start_error(run, timeout_s=3600) else "stopped")
+"""
+
+
+def test_a_waiting_rank_stops_waiting_when_slurm_ends_the_step(tmp_path):
+    """Rank 0 exits 2 whether or not it could record (a live run holds the lock): SLURM then
+    SIGTERMs the others, which must go at once, not after the wait's bound."""
+    run = committed_run(tmp_path / "run")
+    done = subprocess.run([sys.executable, "-c", WAIT_THEN_STOP, str(run)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **ATTEMPT})
+    assert done.stdout.strip() == "stopped", done.stderr
 
 
 def test_outside_slurm_and_outside_a_run_other_ranks_do_not_wait(tmp_path, monkeypatch):
