@@ -77,11 +77,16 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
     run.create()
     if lock is not None:
         lock.acquire(wait_s)
-    if corpus is not None:
-        record_corpus(run, corpus)
     if old is None:
         write_config(cfg, run, note)
-        return
+    else:
+        _update_config(cfg, old, run, note)
+    if corpus is not None:  # after run.yaml, the run's first record
+        record_corpus(run, corpus)
+
+
+def _update_config(cfg: Config, old: Config, run: RunDir, note: str | None) -> None:
+    """_update_config records a restart's limits in run.yaml, keeping where the run lives."""
     # The data file is the same (an identity key); given relative here, absolute there.
     # run.storage and run.exp_name name where run.yaml lives, whatever this start was given
     # (--run-dir): the job's next requeue (`--config run.yaml` alone) comes back here, also
