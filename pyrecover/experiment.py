@@ -22,7 +22,7 @@ from pyrecover.rundir import (
     RunLock,
     RunLocked,
     StorageError,
-    storage_error,
+    replace_text,
 )
 
 
@@ -142,14 +142,7 @@ def record_corpus(run: RunDir, corpus: dict) -> None:
     recorded = _read_corpus(run)
     if recorded == corpus or (recorded is not None and _holds_checkpoints(run)):
         return
-    tmp = run.corpus.with_name(f".corpus.json.{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(corpus) + "\n")
-        os.replace(tmp, run.corpus)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise storage_error("write", run.corpus, exc) from None
+    replace_text(run.corpus, json.dumps(corpus) + "\n")
 
 
 def _read_corpus(run: RunDir) -> dict | None:
@@ -162,14 +155,7 @@ def _read_corpus(run: RunDir) -> dict | None:
 
 def write_config(cfg: Config, run: RunDir, note: str | None = None) -> None:
     """write_config replaces `run.yaml` atomically with the resolved config."""
-    tmp = run.config.with_name(f".run.yaml.{os.getpid()}")
-    try:
-        tmp.write_text(config_mod.dump(cfg, note))
-        os.replace(tmp, run.config)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise storage_error("write", run.config, exc) from None
+    replace_text(run.config, config_mod.dump(cfg, note))
 
 
 def record_start_error(run: RunDir, phases: Phases, exc: Exception) -> None:

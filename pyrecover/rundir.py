@@ -11,6 +11,7 @@ which `read_jsonl` skips. This module imports nothing else from the project.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -34,6 +35,20 @@ class StorageError(RuntimeError):
 
 def storage_error(what: str, path: Path, exc: OSError) -> StorageError:
     return StorageError(f"storage: cannot {what} {path}: {exc.strerror or exc}")
+
+
+def replace_text(path: Path, text: str) -> None:
+    """replace_text replaces `path` with `text` atomically (a temporary file beside it, then
+    os.replace): a reader sees the old file or the new, never a torn one. StorageError names
+    the path where the storage refuses it; the temporary file is removed."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise storage_error("write", path, exc) from None
 
 
 @dataclass(frozen=True)
