@@ -15,9 +15,10 @@ from typing import Any
 
 from pyrecover import ledger as ledger_mod
 from pyrecover import phases
+from pyrecover.badnodes import read_bad_nodes
 from pyrecover.profiling import describe
 from pyrecover.records import is_number, well_formed
-from pyrecover.rundir import RunDir, live_holder, read_bad_nodes, read_jsonl
+from pyrecover.rundir import RunDir, live_holder, read_jsonl
 from pyrecover.slurm.query import LIVE_STATES
 
 

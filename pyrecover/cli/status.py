@@ -41,8 +41,8 @@ def status(
     import json
 
     from pyrecover import status as status_mod
+    from pyrecover.badnodes import clear_bad_nodes as clear
     from pyrecover.rundir import RunDir
-    from pyrecover.rundir import clear_bad_nodes as clear
     from pyrecover.slurm.query import job_times, queued_jobs, squeue_state
 
     if clear_bad_nodes:
