@@ -79,8 +79,8 @@ def ask(sweep_id: str, project: str, entity: str | None, host: str, wait_s: floa
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise AgentUnavailable(f"wandb did not hand out a run of sweep {sweep_id} "
                                f"({type(exc).__name__}: {first})") from None
-    finally:
-        with contextlib.suppress(Exception):
+    finally:  # quiet too: wandb's finalizer thread may fail on a refused server as it stops
+        with contextlib.suppress(Exception), contextlib.redirect_stderr(io.StringIO()):
             wandb.teardown()
         os.environ.clear()
         os.environ.update(environ)

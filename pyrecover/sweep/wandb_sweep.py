@@ -97,8 +97,8 @@ def register(config: dict[str, Any], project: str, entity: str | None) -> Regist
         raise SweepError(f"wandb did not register the sweep ({type(exc).__name__}: {first}); "
                          "fix the key or server, or set tracking.wandb=offline to launch "
                          "without it") from None
-    finally:
-        with contextlib.suppress(Exception):
+    finally:  # quiet too: wandb's finalizer thread may fail on a refused server as it stops
+        with contextlib.suppress(Exception), contextlib.redirect_stderr(io.StringIO()):
             wandb.teardown()
         os.environ.clear()
         os.environ.update(environ)
