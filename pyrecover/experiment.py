@@ -228,9 +228,11 @@ def wait_for_start_error(run: RunDir, timeout_s: float = ERROR_WAIT_S) -> bool:
 
 def hold_run_dir(refused: Exception | None, env: DistEnv) -> None:
     """hold_run_dir tells every rank whether any rank cannot start here (`refused`: this
-    rank's reason): a second start on a live run directory (rank 0 did not get its lock) or
-    storage a rank cannot create the run in is refused on every rank, before it cleans up
-    anything (the other run's in-flight save) or writes a line; rank 0 says why."""
+    rank's reason): a second start on a live run directory (rank 0 did not get its lock), a
+    config its run.yaml refuses, or storage a rank cannot create the run in is refused on
+    every rank (rank 0 exiting alone would leave the others waiting on its store for
+    minutes), before it cleans up anything (the other run's in-flight save) or writes a
+    line; rank 0 says why."""
     reasons = dist.gather_objects(refused, env.world_size)
     reason = reasons[0] or next((r for r in reasons if r is not None), None)
     if reason is not None:
@@ -238,4 +240,4 @@ def hold_run_dir(refused: Exception | None, env: DistEnv) -> None:
             dist.teardown()
         if env.rank == 0:
             raise reason
-        raise SystemExit(2 if isinstance(reason, RunLocked) else 1)
+        raise SystemExit(2 if isinstance(reason, (RunLocked, ConfigError)) else 1)

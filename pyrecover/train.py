@@ -111,7 +111,7 @@ def main(cfg: Config, run_dir: Path) -> None:
         raise
     lock = RunLock(run)
     refused: Exception | None = None  # another live run holds the run directory (rank 0's
-    try:  # lock), or the storage cannot hold it: said after the group is up, on every rank
+    try:  # lock), run.yaml refuses the config, or storage fails: said once the group is up
         if env.rank == 0:  # the lock first: a refused start writes nothing into the folder
             if batch_note:
                 log.info("%s", batch_note)
@@ -119,7 +119,7 @@ def main(cfg: Config, run_dir: Path) -> None:
             phases.attach(run)
         else:
             run.create()
-    except (RunLocked, HeldByThisJob, StorageError) as exc:
+    except (RunLocked, HeldByThisJob, StorageError, ConfigError) as exc:
         refused = exc
     # Issue 15: a bad node is found here, in seconds, and excluded by the job script.
     checks = cfg.run.health_check  # a refused rank 0 skips its own: the folder is not its own

@@ -51,6 +51,26 @@ def test_restarting_with_a_different_model_is_refused_and_changes_nothing(tmp_pa
     assert (tmp_path / "run" / "run.yaml").read_text() == recorded
 
 
+def test_a_refused_restart_of_local_workers_is_one_line_from_rank_0_and_every_rank_ends(
+        tmp_path, corpus):
+    """Rank 0 refused alone, before the group was up, and the others then sat retrying its
+    store for over a minute and ended in C++ stack frames."""
+    first = pyrecover("train", *tiny_args(tmp_path, corpus, "run", "train.max_steps=4"),
+                      "--nproc", "2")
+    assert first.returncode == 0, first.stderr
+    recorded = (tmp_path / "run" / "run.yaml").read_text()
+    done = pyrecover("train", *tiny_args(tmp_path, corpus, "run", "train.seed=7"), "--nproc",
+                     "2")
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: {tmp_path / 'run'} was started with another config "
+                      "(train.seed: 1337 -> 7); use a new run.exp_name or --run-dir, or "
+                      "restore the old values"], done.stderr
+    assert "TCPStore" not in done.stderr and "frame #" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert (tmp_path / "run" / "run.yaml").read_text() == recorded
+
+
 def test_raising_max_steps_continues_the_finished_run(tmp_path, corpus):
     assert train(tmp_path, corpus, "train.max_steps=10").returncode == 0
     done = train(tmp_path, corpus, "train.max_steps=20")
