@@ -167,10 +167,11 @@ def check_local_gpus(cfg: Config, local_processes: int, visible_gpus: int,
         return  # auto trains on the CPU where there is no GPU
     if per_task and visible_gpus == 1:
         return
+    fewer = f"start at most {visible_gpus} (--nproc {visible_gpus}) or " if visible_gpus else ""
     raise ConfigError(
         f"{local_processes} processes on this machine need {local_processes} GPUs, but "
-        f"{visible_gpus} {'is' if visible_gpus == 1 else 'are'} visible; start at most "
-        f"{visible_gpus} (--nproc {visible_gpus}) or train on the CPU (--set train.device=cpu)")
+        f"{visible_gpus} {'is' if visible_gpus == 1 else 'are'} visible; {fewer}train on the "
+        "CPU (--set train.device=cpu)")
 
 
 # Sizes past these are typos, and would only fail later inside torch (or fill the memory).

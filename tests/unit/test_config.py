@@ -151,6 +151,7 @@ def test_non_finite_numbers_are_refused(value):
     ("auto", 2, 2, True),
     ("auto", 2, 1, False),   # NCCL would refuse two ranks on one GPU
     ("cuda", 8, 4, False),
+    ("cuda", 2, 0, False),   # said without `--nproc 0`, which the CLI refuses
     ("cuda", 1, 1, True),
 ])
 def test_local_processes_need_a_gpu_each_when_training_on_cuda(device, processes, gpus, ok):
@@ -162,6 +163,7 @@ def test_local_processes_need_a_gpu_each_when_training_on_cuda(device, processes
         config.check_local_gpus(cfg, processes, gpus)
     line = str(err.value)
     assert f"{processes} processes" in line and f"{gpus} " in line and "train.device=cpu" in line
+    assert ("--nproc 0" not in line) and (gpus == 0 or f"--nproc {gpus}" in line)
     assert "\n" not in line
 
 
