@@ -207,6 +207,8 @@ def _state(events: list[dict[str, Any]]) -> str:
             return "error"
         if kind == "crash":
             return "crashed"
+        if kind == "hang":  # the watchdog ended it (exit 76); `hang` lines say where
+            return "hung"
         if kind == "no_requeue":
             return "ended: " + str(e.get("reason", ""))
         if kind == "cancel":
@@ -274,7 +276,8 @@ def render(s: Status) -> str:
             f"{n} x {cause}" for cause, n in sorted(s.restarts_by_cause.items()))
             if s.restarts_by_cause else ""),
         "checkpoint  " + (f"step {ck['step']} ({ck['mode']}, {ck['bytes'] / 1e6:.1f} MB, "
-                          f"{ck['age_s']:.0f}s old)" if ck else "none"),
+                          f"{ck['age_s']:.0f}s old; sizes checked, `ckpt verify` reads "
+                          "checksums)" if ck else "none"),
         f"lost        {s.steps_lost} steps redone after interruptions",
         f"overhead    {s.checkpoint_seconds:.1f}s checkpointing (loop blocked), "
         f"{s.restore_seconds:.1f}s restoring",

@@ -25,3 +25,18 @@ def test_status_names_the_hung_rank_the_straggler_and_the_restart_cause(tmp_path
     assert "restarts 1 x hang" in text
     assert "hang        rank 1 on n1: phase allreduce of step 64 ran 61.0s (limit 60.0s)" in text
     assert "straggler   rank 2 on n2: 0.5s own compute per step, median 0.1s (step 60" in text
+
+
+def test_a_run_the_watchdog_ended_is_shown_hung_not_killed(tmp_path):
+    """A hang that ended the attempt (exit 76) with nothing after it; a later start is the
+    run's state again."""
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    run.event("start", step=0)
+    run.event("checkpoint", step=10)
+    run.event("hang", rank=0, node="n0", phase="forward", step=12, seconds=31.0, limit=30.0)
+    s = status.read(run.root)
+    assert s.state == "hung"
+    assert "state       hung" in status.render(s)
+    run.event("resume", step=10)
+    assert status.read(run.root).state != "hung"
