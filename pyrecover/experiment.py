@@ -60,20 +60,7 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
     keeps the old). `corpus` (data.fingerprint of what this start trains on) is recorded
     beside it, for check_corpus.
     """
-    old = None
-    if run.is_sweep():  # `pyrecover cancel` of the run would then end the sweep's array
-        raise ConfigError(f"{run.root} holds a sweep ({run.root.name}/sweep.yaml), not a run; "
-                          "use another run.exp_name")
-    if run.config.is_file():
-        try:
-            old = config_mod.load(run.config)
-        except ConfigError as exc:
-            raise ConfigError(f"{run.config} (the run's recorded config): {exc}") from None
-        changed = config_mod.diff_identity(old, cfg)
-        if changed:
-            raise ConfigError(
-                f"{run.root} was started with another config ({'; '.join(changed)}); "
-                "use a new run.exp_name or --run-dir, or restore the old values")
+    old = check_run_dir(cfg, run)
     run.create()
     if lock is not None:
         lock.acquire(wait_s)
@@ -83,6 +70,27 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
         _update_config(cfg, old, run, note)
     if corpus is not None:  # after run.yaml, the run's first record
         record_corpus(run, corpus)
+
+
+def check_run_dir(cfg: Config, run: RunDir) -> Config | None:
+    """check_run_dir refuses (ConfigError) what prepare_run_dir would refuse, writing nothing
+    (`launch --dry-run` asks it too): a sweep's folder, or a recorded config whose identity
+    keys this one changes. Returns the recorded config (None for a new run)."""
+    if run.is_sweep():  # `pyrecover cancel` of the run would then end the sweep's array
+        raise ConfigError(f"{run.root} holds a sweep ({run.root.name}/sweep.yaml), not a run; "
+                          "use another run.exp_name")
+    if not run.config.is_file():
+        return None
+    try:
+        old = config_mod.load(run.config)
+    except ConfigError as exc:
+        raise ConfigError(f"{run.config} (the run's recorded config): {exc}") from None
+    changed = config_mod.diff_identity(old, cfg)
+    if changed:
+        raise ConfigError(
+            f"{run.root} was started with another config ({'; '.join(changed)}); "
+            "use a new run.exp_name or --run-dir, or restore the old values")
+    return old
 
 
 def _update_config(cfg: Config, old: Config, run: RunDir, note: str | None) -> None:

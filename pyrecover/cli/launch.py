@@ -84,7 +84,7 @@ def launch(
       pyrecover launch --config my.yaml --cluster launch/clusters/local.yaml --time 1:00:00
     """
     from pyrecover import config as config_mod
-    from pyrecover.experiment import prepare_run_dir, resolve_for_run
+    from pyrecover.experiment import check_run_dir, prepare_run_dir, resolve_for_run
     from pyrecover.slurm import LaunchError, query, render, sinfo, submit
 
     if init_cluster is not None:
@@ -111,6 +111,7 @@ def launch(
         typer.echo(f"note: {note}", err=True)
 
     if dry_run:
+        check_run_dir(cfg, spec.run)  # what the launch itself would refuse
         typer.echo(script, nl=False)
         typer.echo("# --dry-run: nothing written or submitted. pyrecover would write this "
                    "script (and run.yaml) to")

@@ -69,7 +69,7 @@ def launch(
           --cluster launch/clusters/local.yaml --dry-run
     """
     from pyrecover import config as config_mod
-    from pyrecover.experiment import prepare_run_dir
+    from pyrecover.experiment import check_run_dir, prepare_run_dir
     from pyrecover.rundir import RunDir
     from pyrecover.slurm import LaunchError, submit
     from pyrecover.slurm.render import absolute_paths
@@ -112,7 +112,10 @@ def launch(
     script = render.script(job)
     argv = submit.sbatch_argv(job.run.job_script)
 
-    if dry_run:
+    if dry_run:  # what the launch itself would refuse
+        record.check(Path(job.run_dir), rec)
+        for trial_cfg in cfgs:
+            check_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()))
         typer.echo(script, nl=False)
         how = {"grid": "grid", "bayes": "bayes, through wandb"}.get(sweep.method,
                                                                       f"random, seed {sweep.seed}")

@@ -95,19 +95,28 @@ def _parameters(raw: Any) -> dict[str, Any] | None:
     return raw
 
 
-def write(sweep_dir: Path, record: Record) -> None:
-    """write records the sweep, or checks that a relaunch has the same trials."""
-    path = sweep_dir / RECORD
-    if path.is_file():
+def check(sweep_dir: Path, record: Record) -> bool:
+    """check refuses (SweepError) what `write` would refuse, writing nothing (`sweep launch
+    --dry-run` asks it too): a run's folder, or a sweep of the same name with other trials.
+    True where the same sweep is recorded already."""
+    if (sweep_dir / RECORD).is_file():
         old = read(sweep_dir)
         if (old.trials, old.method, old.parameters) != (record.trials, record.method,
                                                         record.parameters):
             raise SweepError(f"{sweep_dir} holds sweep {old.name!r} with other trials; give "
                              "this sweep another name (name: in the sweep file)")
-        return
+        return True
     if RunDir(sweep_dir).is_run():  # a run's folder: its job script and lock would be shared
         raise SweepError(f"{sweep_dir} holds a run (run.yaml, events.jsonl or checkpoints), "
                          "not a sweep; give this sweep another name (name: in the sweep file)")
+    return False
+
+
+def write(sweep_dir: Path, record: Record) -> None:
+    """write records the sweep, or checks that a relaunch has the same trials."""
+    path = sweep_dir / RECORD
+    if check(sweep_dir, record):
+        return
     sweep_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{RECORD}.{os.getpid()}")
     tmp.write_text(to_yaml(record))

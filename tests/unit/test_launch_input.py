@@ -286,6 +286,33 @@ def test_launching_a_run_already_past_max_steps_says_the_job_would_end_at_once(t
     assert done.returncode == 0 and "newest checkpoint" not in done.stderr, done.stderr
 
 
+def test_dry_run_refuses_what_the_launch_would_refuse_and_writes_nothing(tmp_path):
+    """A dry run over a run its config changes (or over a sweep's folder) printed a script the
+    real launch then refused."""
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(tmp_path / "store" / "dry")
+    run.create()
+    run.config.write_text(config_mod.dump(config_mod.load(TINY, [
+        f"run.storage={tmp_path / 'store'}", f"data.path={tmp_path / 'data.parquet'}",
+        "run.exp_name=dry"])))
+    before = files_under(tmp_path)
+    ok = launch(tmp_path, "--cluster", str(LOCAL), "--dry-run", "--exp-name", "dry")
+    assert ok.returncode == 0, ok.stderr
+    done = launch(tmp_path, "--cluster", str(LOCAL), "--dry-run", "--exp-name", "dry",
+                  "--set", "model.n_layer=3")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and not done.stdout, done.stderr
+    assert lines[-1].startswith(f"error: {run.root} was started with another config "
+                                "(model.n_layer: 2 -> 3)"), done.stderr
+    (tmp_path / "store" / "sw").mkdir()
+    (tmp_path / "store" / "sw" / "sweep.yaml").write_text("name: sw\n")
+    done = launch(tmp_path, "--cluster", str(LOCAL), "--dry-run", "--exp-name", "sw")
+    assert done.returncode == 2 and "holds a sweep" in done.stderr, done.stderr
+    assert [p for p in files_under(tmp_path) if p not in before] == [
+        Path("store/sw"), Path("store/sw/sweep.yaml")]
+
+
 def test_launch_never_imports_torch(tmp_path):
     env = dict(os.environ)
     done = subprocess.run(

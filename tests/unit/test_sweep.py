@@ -407,6 +407,12 @@ def test_launch_writes_the_sweep_and_every_trial_then_refuses_a_second_live_arra
     path.write_text(yaml.safe_dump({**GRID, "name": "solo"}, sort_keys=False))
     done = pyrecover(*args, env=env, cwd=tmp_path)
     assert done.returncode == 2 and "holds a run" in done.stderr, done.stderr
+    # --dry-run shows what the launch would do: it refuses the same, in the same line.
+    dry = pyrecover(*args, "--dry-run", env=env, cwd=tmp_path)
+    assert dry.returncode == 2 and dry.stderr == done.stderr and not dry.stdout, dry.stderr
+    path.write_text(yaml.safe_dump({**GRID, "name": "lr", "run_cap": 2}, sort_keys=False))
+    dry = pyrecover(*args, "--dry-run", env=env, cwd=tmp_path)
+    assert dry.returncode == 2 and "holds sweep 'lr' with other trials" in dry.stderr
 
 
 def test_a_trial_of_a_sweep_with_an_auto_global_batch_trains(tmp_path, corpus):
