@@ -70,7 +70,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "data/stdlib.parquet"
+    path: str = "runs/stdlib.parquet"  # what `make demo` builds
     """Parquet corpus; `pyrecover data prepare SRC_DIR OUT.parquet` builds one."""
     column: str = "text"
     """A string column (byte-level tokens) or a list-of-integers column (already tokenized)."""

@@ -27,7 +27,7 @@ def prepare(
     \b
     Examples:
       pyrecover data prepare ~/my-texts corpus.parquet --suffix .txt --suffix .md
-      pyrecover data prepare /usr/lib/python3.11 data/stdlib.parquet --max-mb 2
+      pyrecover data prepare /usr/lib/python3.11 runs/stdlib.parquet --max-mb 2
     """
     from pyrecover import datasource
 

@@ -22,6 +22,7 @@ from pyrecover import datasource
 from pyrecover.rundir import RunDir, read_jsonl
 
 KILL_AFTER_STEPS = 30  # steps past the first checkpoint: work the kill throws away
+DEMO_RUN = "local-demo"  # <workdir>/local-demo, replaced at every demo
 
 
 def say(text: str) -> None:
@@ -30,8 +31,11 @@ def say(text: str) -> None:
 
 def run(workdir: Path, nproc: int) -> int:
     corpus = workdir / "stdlib.parquet"
-    # Offline wandb: the demo never touches the network, even where an API key is set.
-    overrides = [f"run.storage={workdir}", f"data.path={corpus}", "tracking.wandb=offline"]
+    # Offline wandb: the demo never touches the network, even where an API key is set. Its
+    # run has a name of its own: it removes the previous one, and `train`/`launch` on the
+    # defaults (run `demo`) must find neither it gone nor its world size's batch recorded.
+    overrides = [f"run.storage={workdir}", f"data.path={corpus}", "tracking.wandb=offline",
+                 f"run.exp_name={DEMO_RUN}"]
     cfg = config_mod.load(None, overrides)
     run_dir = RunDir(cfg.run_dir())
     if not corpus.is_file():

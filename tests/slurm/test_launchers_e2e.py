@@ -52,11 +52,11 @@ def reference(corpus: Path, tmp_path_factory: pytest.TempPathFactory):
 def test_the_headline_command_runs_the_demo_with_a_profile_from_init_cluster(
         local_slurm, jobs, corpus, tmp_path):
     # A new user's machine: a home without a profile, the demo's corpus where the demo
-    # experiment looks for it (data/stdlib.parquet), no experiment file.
+    # experiment looks for it (runs/stdlib.parquet), no experiment file.
     home = tmp_path / "home"
     home.mkdir()
-    (tmp_path / "data").mkdir()
-    shutil.copy(corpus, tmp_path / "data" / "stdlib.parquet")
+    (tmp_path / "runs").mkdir()
+    shutil.copy(corpus, tmp_path / "runs" / "stdlib.parquet")
     env = launch_env(local_slurm, {"HOME": str(home)})
 
     def pyrecover(*args: str) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ def test_the_demo_kills_its_run_resumes_it_and_the_loss_keeps_falling(tmp_path):
     killed_at, last_ckpt = int(killed[1]), int(killed[2])
     assert 0 < last_ckpt <= killed_at
 
-    events = list(read_jsonl(tmp_path / "demo" / "events.jsonl"))
+    events = list(read_jsonl(tmp_path / "local-demo" / "events.jsonl"))
     (resume,) = [e for e in events if e["event"] == "resume"]
     assert resume["step"] == last_ckpt  # the newest committed checkpoint, nothing older
     assert [e["step"] for e in events if e["event"] == "finish"] == [300]
