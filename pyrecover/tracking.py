@@ -31,7 +31,7 @@ from pyrecover import config as config_mod
 from pyrecover.config import Config
 from pyrecover.ledger import ledger
 from pyrecover.records import well_formed
-from pyrecover.rundir import RunDir, read_jsonl
+from pyrecover.rundir import RunDir, read_jsonl, replace_text
 
 log = logging.getLogger("pyrecover")
 
@@ -109,9 +109,7 @@ def run_id(run: RunDir) -> str:
             return text
     run.wandb.mkdir(parents=True, exist_ok=True)
     new = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(12))
-    tmp = path.with_name(f".{RUN_ID_FILE}.{os.getpid()}")
-    tmp.write_text(new + "\n")
-    os.replace(tmp, path)
+    replace_text(path, new + "\n")
     return new
 
 

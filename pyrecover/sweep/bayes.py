@@ -21,10 +21,8 @@ written; the next start asks again.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +34,7 @@ import yaml
 from pyrecover import config as config_mod
 from pyrecover.config import Config, ConfigError
 from pyrecover.experiment import prepare_run_dir, write_config
-from pyrecover.rundir import RunDir
+from pyrecover.rundir import RunDir, replace_text
 from pyrecover.sweep import SweepError, agent, record, spec, trials
 from pyrecover.tracking import RUN_ID_FILE, SWEEP_PARAMS
 
@@ -132,7 +130,7 @@ def keep_base(sweep_dir: Path, cfg: Config) -> None:
         if changed:
             raise SweepError(f"{sweep_dir} was launched with another experiment "
                              f"({'; '.join(changed)}); give this sweep another name")
-    _write(path, config_mod.dump(cfg, "the experiment every trial of this bayes sweep "
+    replace_text(path, config_mod.dump(cfg, "the experiment every trial of this bayes sweep "
                                       "starts from; trial-<i>/run.yaml adds its values"))
 
 
@@ -208,19 +206,9 @@ def take(trial_dir: str | Path, ask: Ask, world_size: int | None = None) -> Take
                                   f"the values wandb handed to trial {index}"), trial)
     run.create()
     run.wandb.mkdir(parents=True, exist_ok=True)
-    _write(run.wandb / RUN_ID_FILE, got.run_id + "\n")
-    _write(run.wandb / SWEEP_PARAMS, "wandb_version: 1\n\n" + yaml.safe_dump(
+    replace_text(run.wandb / RUN_ID_FILE, got.run_id + "\n")
+    replace_text(run.wandb / SWEEP_PARAMS, "wandb_version: 1\n\n" + yaml.safe_dump(
         {k: {"value": v} for k, v in values.items()}, sort_keys=False))
     write_config(cfg, run, f"values from wandb's sweep {rec.wandb['sweep_id']}, run "
                            f"{got.run_id}")
     return Taken(values, got.run_id, asked=True)
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)

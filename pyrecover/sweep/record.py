@@ -15,14 +15,13 @@ directory); a sweep file that now gives other trials is refused.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from pyrecover.rundir import SWEEP_RECORD, RunDir
+from pyrecover.rundir import SWEEP_RECORD, RunDir, replace_text
 from pyrecover.sweep import SweepError
 from pyrecover.sweep.spec import Sweep, raw_param
 from pyrecover.sweep.trials import trial_name
@@ -118,9 +117,7 @@ def write(sweep_dir: Path, record: Record) -> None:
     if check(sweep_dir, record):
         return
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{RECORD}.{os.getpid()}")
-    tmp.write_text(to_yaml(record))
-    os.replace(tmp, path)
+    replace_text(path, to_yaml(record))
 
 
 def add_job(sweep_dir: Path, job_id: int) -> None:
