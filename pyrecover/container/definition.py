@@ -44,7 +44,30 @@ def check_definition(path: str | Path, root: str | Path | None = None) -> list[P
         raise ContainerError(f"definition file {str(p)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ContainerError(f"cannot read definition file {str(p)!r}: {exc}") from None
+    if not looks_like_definition(text):
+        raise ContainerError(
+            f"{str(p)!r} is not an Apptainer definition file: it has no 'Bootstrap:' header "
+            "and lines of text outside any %section; check a .def file, e.g. "
+            "containers/pyrecover.def")
     return check_definition_text(text, root)
+
+
+# A file with no Bootstrap header and at least this many lines that are neither a header, a
+# comment nor in a section is some other text (a README, a script), not a broken definition.
+_STRAY_LIMIT = 3
+
+
+def looks_like_definition(text: str) -> bool:
+    """looks_like_definition is False for text that is no definition file at all.
+
+    A definition missing its Bootstrap header is still one (its problems are listed); a
+    file with none and lines of prose outside every section is not, and listing a problem
+    for each of its lines would bury the one thing to say.
+    """
+    stages = scan(text.splitlines())
+    if any("bootstrap" in stage.headers for stage in stages):
+        return True
+    return sum(len(stage.stray) for stage in stages) < _STRAY_LIMIT
 
 
 def check_definition_text(text: str, root: str | Path | None = None) -> list[Problem]:

@@ -248,6 +248,17 @@ def test_an_empty_file_lists_every_missing_part():
         "no 'Bootstrap"}
 
 
+def test_a_file_that_is_no_definition_is_one_clear_error_not_a_problem_per_line(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text((REPO / "README.md").read_text())
+    with pytest.raises(ContainerError, match="is not an Apptainer definition file"):
+        check_definition(readme)
+    # A definition that lost its Bootstrap header is still checked, problem by problem.
+    headless = tmp_path / "headless.def"
+    headless.write_text(real_text().replace("Bootstrap: docker\n", ""))
+    assert "no 'Bootstrap:' header" in only(check_definition(headless)).message
+
+
 def test_a_missing_definition_file_is_a_clear_error(tmp_path):
     with pytest.raises(ContainerError, match="does not exist"):
         check_definition(tmp_path / "nope.def")
@@ -282,6 +293,16 @@ def test_image_check_of_a_missing_file_is_a_usage_error():
     done = run_cli("image", "check", "containers/missing.def")
     assert done.returncode == 2
     assert "does not exist" in done.stderr
+
+
+def test_image_check_of_a_readme_is_one_error_line():
+    done = run_cli("image", "check", "README.md")
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "error: 'README.md' is not an Apptainer definition file: it has no 'Bootstrap:' header "
+        "and lines of text outside any %section; check a .def file, e.g. "
+        "containers/pyrecover.def"]
 
 
 def test_image_build_without_apptainer_says_how_to_get_it_and_exits_2(tmp_path):
