@@ -80,9 +80,12 @@ def validate(cfg: Config) -> None:
     _choice("train.compile", t.compile, ("auto", "true", "false"))
     _choice("train.parallel", t.parallel, PARALLELS)
     try:
-        parse_profile_window(t.profile)
+        window = parse_profile_window(t.profile)
     except ValueError as exc:
         _bad("train.profile", t.profile, str(exc))
+    if window is not None and window[0] > t.max_steps:  # (a window the run ends inside is cut)
+        _bad("train.profile", t.profile, f"a window starting at or before train.max_steps="
+                                         f"{t.max_steps}: the run never reaches step {window[0]}")
     c = cfg.checkpoint
     _choice("checkpoint.mode", c.mode, CHECKPOINT_MODES)
     if c.interval != "auto":

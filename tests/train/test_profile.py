@@ -123,6 +123,13 @@ def test_a_window_that_is_not_steps_a_to_b_is_refused_by_name(value):
         config_mod.load(None, [f"train.profile={value}"])
 
 
+def test_a_window_after_the_last_step_is_refused_not_silently_skipped():
+    with pytest.raises(config_mod.ConfigError, match=r"^train\.profile='9-10' is not allowed: .*"
+                                                     r"max_steps=8: the run never reaches step 9"):
+        config_mod.load(None, ["train.profile=9-10", "train.max_steps=8"])
+    config_mod.load(None, ["train.profile=8-10", "train.max_steps=8"])  # cut to step 8
+
+
 def test_the_device_times_count_overlapping_kernels_once_and_copies_by_direction():
     def ev(name, start, end, device="CUDA", annotation=False):
         return SimpleNamespace(name=name, device_type=SimpleNamespace(name=device),
