@@ -42,6 +42,10 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+# What `prepare` may name its output: a parquet file, said so by its name.
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
 def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = (".py",),
             max_bytes: int | None = None, replace: bool = True) -> tuple[int, int]:
     """prepare writes one row per text file under src_dir into a parquet `text` column.
@@ -54,7 +58,14 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
     if not src.is_dir():
         what = "is not a folder" if src.exists() else "does not exist"
         raise DataError(f"source folder {str(src)!r} {what}")
-    if not replace and Path(out).is_file():
+    out_path = Path(out)
+    if out_path.is_dir():
+        raise DataError(f"{out_path} is a folder; give the parquet file to write, e.g. "
+                        f"{out_path / 'corpus.parquet'}")
+    if out_path.suffix not in PARQUET_SUFFIXES:
+        raise DataError(f"{out_path} does not end in .parquet, and the corpus is written as "
+                        f"parquet; name it e.g. {out_path.with_name(out_path.stem + '.parquet')}")
+    if not replace and out_path.is_file():
         raise DataError(f"{out} already exists; pass --force to replace it (a run trained on "
                         "it would then resume on other data)")
     paths, texts, total = [], [], 0
@@ -81,9 +92,6 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         kinds = "/".join(s or "suffix-less" for s in suffixes)
         raise DataError(f"no readable {kinds} files under {src}")
     out_path = Path(out)
-    if out_path.is_dir():
-        raise DataError(f"{out_path} is a folder; give the parquet file to write, e.g. "
-                        f"{out_path / 'corpus.parquet'}")
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,13 +7,15 @@ from typing import Annotated
 
 import typer
 
-data_app = typer.Typer(help="Build and inspect training corpora.", no_args_is_help=True)
+data_app = typer.Typer(help="Build training corpora (parquet files of text) from folders of files.",
+                       no_args_is_help=True)
 
 
 @data_app.command("prepare")
 def prepare(
     src_dir: Annotated[Path, typer.Argument(help="Folder of text files, searched recursively.")],
-    out: Annotated[Path, typer.Argument(help="Parquet file to write (a `text` column).")],
+    out: Annotated[Path, typer.Argument(
+        help="Parquet file to write (a `text` column), ending in .parquet.")],
     suffix: Annotated[list[str] | None, typer.Option(
         help="File endings to take (.txt or txt); repeatable. Default: .py")] = None,
     max_mb: Annotated[float | None, typer.Option(

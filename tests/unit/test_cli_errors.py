@@ -121,6 +121,18 @@ def test_data_prepare_into_a_folder_or_an_unwritable_place_is_one_line_and_leave
     assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
 
 
+def test_data_prepare_into_a_name_that_is_no_parquet_file_is_refused_before_reading(tmp_path):
+    src = tmp_path / "texts"
+    src.mkdir()
+    (src / "a.py").write_text("print('hi')\n")
+    done = pyrecover("data", "prepare", str(src), str(tmp_path / "corpus.txt"))
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"error: {tmp_path / 'corpus.txt'} does not end in .parquet, and the corpus is written "
+        f"as parquet; name it e.g. {tmp_path / 'corpus.parquet'}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["texts"]
+
+
 def test_a_data_mistake_on_an_existing_run_is_one_line_and_recorded_as_its_error(tmp_path):
     """As the README says: nothing is written but the `error` event the job script reads."""
     from pyrecover.rundir import RunDir
