@@ -7,6 +7,7 @@ Nothing here writes.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -109,11 +110,12 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
     if waiting:  # launched again, not started yet: the job in the queue
         job_id, slurm_state = waiting[0]
     book = ledger_mod.ledger(events, metrics, _job_times(events, sacct) if sacct else [])
+    exp_name, max_steps = _recorded(run)
     return Status(
-        run_dir=str(run.root), exp_name=run.root.name, state=state,
+        run_dir=str(run.root), exp_name=exp_name, state=state,
         slurm_state=slurm_state,
         job_id=job_id,
-        step=step, max_steps=_max_steps(run), starts=len(runs),
+        step=step, max_steps=max_steps, starts=len(runs),
         restarts_by_cause=dict(causes), last_checkpoint=last_ckpt, invalid_checkpoints=invalid,
         steps_lost=ledger_mod.steps_lost(events, metrics),
         checkpoint_seconds=round(checkpoint_s, 3),
@@ -237,15 +239,23 @@ def _logged_error(run: RunDir) -> str | None:
     return None
 
 
-def _max_steps(run: RunDir) -> int | None:
-    """_max_steps is run.yaml's train.max_steps; a run.yaml that does not read (damaged,
-    hand-edited) leaves the progress line without it: status only reads, it never fails."""
+def _recorded(run: RunDir) -> tuple[str, int | None]:
+    """_recorded is run.yaml's (run.exp_name, train.max_steps); a run.yaml that does not read
+    (damaged, hand-edited) gives the folder's name and no max_steps: status only reads, it
+    never fails."""
     from pyrecover.config import ConfigError, read_yaml
 
     try:
-        return int(read_yaml(run.config)["train"]["max_steps"])
-    except (ConfigError, KeyError, TypeError, ValueError):
-        return None
+        recorded = read_yaml(run.config)
+    except ConfigError:
+        recorded = {}
+    name = run.root.name
+    with contextlib.suppress(AttributeError, KeyError, TypeError):
+        name = str(recorded["run"]["exp_name"]) or name
+    try:
+        return name, int(recorded["train"]["max_steps"])
+    except (KeyError, TypeError, ValueError):
+        return name, None
 
 
 def _last_checkpoint(run: RunDir, now: float

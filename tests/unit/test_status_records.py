@@ -180,3 +180,21 @@ def test_the_ledger_takes_the_queue_times_of_the_jobs_that_ran_the_run_not_the_o
     assert s.ledger["causes"]["queue_wait"] == 899.0 + 8.0
     assert s.ledger["queue_from_slurm"]
     assert sum(s.ledger["causes"].values()) == pytest.approx(s.ledger["wall_seconds"], abs=1e-3)
+
+
+@pytest.mark.parametrize("recorded, shown", [
+    ("run:\n  exp_name: gpt-125m-lr3e-4\ntrain:\n  max_steps: 40\n", ("gpt-125m-lr3e-4", 40)),
+    ("run: [not, a, mapping]\ntrain:\n  max_steps: 40\n", ("moved-here", 40)),
+    ("train: {max_steps: many}\n", ("moved-here", None)),
+    ("{{{ not yaml", ("moved-here", None)),
+])
+def test_status_names_the_run_by_its_recorded_exp_name_and_survives_a_damaged_run_yaml(
+        tmp_path, recorded, shown):
+    """A run folder moved or renamed by hand is still named as its config names it."""
+    run = RunDir(tmp_path / "moved-here")
+    run.create()
+    _a_real_history(run)
+    run.config.write_text(recorded)
+    s = status.read(run.root)
+    assert (s.exp_name, s.max_steps) == shown
+    assert status.render(s).splitlines()[0] == f"run         {run.root} ({shown[0]})"
