@@ -86,9 +86,11 @@ def launch(
     from pyrecover import config as config_mod
     from pyrecover.experiment import check_run_dir, prepare_run_dir, resolve_for_run
     from pyrecover.slurm import LaunchError, query, render, sinfo, submit
+    from pyrecover.slurm import profile as profile_mod
 
     if init_cluster is not None:
-        typer.echo(sinfo.init_profile(init_cluster, query.sinfo(sinfo.SINFO_FORMAT)))
+        found = profile_mod.find_profile(None, os.environ, Path.home(), exists=lambda _: True)
+        typer.echo(sinfo.init_profile(init_cluster, query.sinfo(sinfo.SINFO_FORMAT), found))
         return
     cwd = os.getcwd()
     sets = list(overrides or [])

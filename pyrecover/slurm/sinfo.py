@@ -8,6 +8,7 @@ Only `init_profile` touches the filesystem.
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,9 +143,11 @@ def _line(text: str, comment: str) -> str:
     return f"{text:<25} # {comment}"
 
 
-def init_profile(path: str | Path, sinfo_text: str | None) -> str:
+def init_profile(path: str | Path, sinfo_text: str | None,
+                 found: Path | None = None) -> str:
     """init_profile writes starting_profile(...) to `path` (never over an existing file),
-    checks that it loads, and returns the line to print."""
+    checks that it loads, and returns the line to print: the launch to run next, with
+    `--cluster PATH` unless `path` is `found`, the profile launch finds without it."""
     target = Path(path).expanduser()
     if target.exists():
         raise LaunchError(f"{target} already exists: edit it, or pass another path to "
@@ -157,8 +160,10 @@ def init_profile(path: str | Path, sinfo_text: str | None) -> str:
         raise LaunchError(f"cannot write {target}: {exc.strerror or exc}") from None
     load_profile(target, target.parent)
     source = "from sinfo" if partitions else "with the defaults (sinfo did not answer)"
+    found_it = found is not None and found.expanduser().absolute() == target.absolute()
+    cluster = "" if found_it else f"--cluster {shlex.quote(str(target))} "
     return f"wrote cluster profile {target} {source}; look it over, then: pyrecover launch " \
-           "--nodes 2 --mode dcp"
+           f"{cluster}--nodes 2 --mode dcp"
 
 
 def _number(text: str) -> int:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -68,8 +69,8 @@ def test_sinfo_lines_become_one_partition_each(text, expected):
 def test_the_starting_profile_loads_and_holds_what_sinfo_said(tmp_path, text, partition, gpus,
                                                               cpus, time):
     path = tmp_path / "sub" / "cluster.yaml"
-    line = sinfo.init_profile(path, text)
-    assert str(path) in line and "pyrecover launch --nodes 2 --mode dcp" in line
+    line = sinfo.init_profile(path, text, found=path)
+    assert str(path) in line and line.endswith("then: pyrecover launch --nodes 2 --mode dcp")
     written = path.read_text()
     assert written.startswith("# A pyrecover cluster profile") and "launcher: srun" in written
     prof = profile.load_profile(path, tmp_path)
@@ -96,8 +97,25 @@ def test_launch_without_a_profile_is_one_line_naming_init_cluster_which_then_wor
     done = pyrecover("launch", "--init-cluster", str(tmp_path / ".config/pyrecover/cluster.yaml"),
                      env=env, cwd=tmp_path)
     assert done.returncode == 0 and "with the defaults (sinfo did not answer)" in done.stdout
+    assert done.stdout.rstrip().endswith("then: pyrecover launch --nodes 2 --mode dcp")
     done = pyrecover("launch", "--nodes", "2", "--mode", "dcp", "--launcher", "none",
                      "--dry-run", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "#SBATCH --nodes=2" in done.stdout and "#SBATCH --ntasks-per-node=4" in done.stdout
     assert "note: train.global_batch_size=auto:16: 64 sequences chosen" in done.stderr
+
+
+def test_init_cluster_elsewhere_suggests_the_launch_that_finds_it(tmp_path):
+    """A profile written where launch does not look by itself: the launch it suggests names
+    it with --cluster, and works as printed."""
+    env = {"HOME": str(tmp_path), "PATH": str(Path(sys.executable).parent)}  # no sinfo here
+    elsewhere = tmp_path / "my profiles" / "site.yaml"
+    done = pyrecover("launch", "--init-cluster", str(elsewhere), env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    suggested = done.stdout.rstrip().split("then: ", 1)[1]
+    assert suggested == f"pyrecover launch --cluster {shlex.quote(str(elsewhere))} --nodes 2 " \
+                        "--mode dcp"
+    done = pyrecover(*shlex.split(suggested)[1:], "--launcher", "none", "--dry-run", env=env,
+                     cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --nodes=2" in done.stdout
