@@ -40,6 +40,7 @@ from pyrecover.bench.common import (
     make_dir,
     num,
     quiet,
+    remove_made,
     timed,
 )
 from pyrecover.bench.state import State, build_state, own, touch
@@ -235,10 +236,11 @@ def bench_ckpt(directory: Path, size_gb: float, repeat: int = 3,
     if system_drop and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         raise BenchError("--drop-all-caches needs root (write access to /proc/sys/vm/drop_caches)")
     directory = Path(directory)
-    make_dir(directory)
+    made = make_dir(directory)
     target = int(size_gb * 1e9)
     free = shutil.disk_usage(directory).free
     if free < 3 * target:
+        remove_made(directory, made)
         raise BenchError(f"{directory}: {free / 1e9:.1f} GB free; the benchmark needs about "
                          f"{3 * target / 1e9:.1f} GB (three copies of the state)")
     work = Path(tempfile.mkdtemp(prefix="pyrecover-bench-", dir=directory))
@@ -263,6 +265,7 @@ def bench_ckpt(directory: Path, size_gb: float, repeat: int = 3,
                 b.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        remove_made(directory, made)
     drop = "posix_fadvise(POSIX_FADV_DONTNEED) per file after fsync"
     if system_drop:
         drop += ", then /proc/sys/vm/drop_caches"

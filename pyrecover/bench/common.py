@@ -31,9 +31,11 @@ class BenchError(ValueError):
     """The benchmark cannot run as asked (bad directory, size, mode); one line says why."""
 
 
-def make_dir(path: Path, option: str = "--dir") -> Path:
+def make_dir(path: Path, option: str = "--dir") -> Path | None:
     """make_dir creates the benchmark's folder; a path that is a file, under /proc or not
-    writable is one BenchError line, not a traceback."""
+    writable is one BenchError line, not a traceback. Returns the topmost folder it created
+    (for `remove_made` once the benchmark is done), None where `path` existed."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".pyrecover-bench-{os.getpid()}"
@@ -42,7 +44,21 @@ def make_dir(path: Path, option: str = "--dir") -> Path:
     except OSError as exc:
         raise BenchError(f"{option} {path}: cannot be used ({exc.strerror or exc}); give a "
                          "writable folder") from None
-    return path
+    return missing[-1] if missing else None
+
+
+def remove_made(path: Path, top: Path | None) -> None:
+    """remove_made removes the folders `make_dir` created, from `path` up to `top`, where they
+    are empty: a benchmark that cleaned up after itself leaves no empty folder behind."""
+    if top is None:
+        return
+    for folder in (path, *path.parents):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (the user's own files), or gone
+            return
+        if folder == top:
+            return
 
 
 Note = Callable[[str], None]

@@ -35,7 +35,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pyrecover.bench.common import BenchError, Note, machine, make_dir, num, quiet, trainer_env
+from pyrecover.bench.common import (
+    BenchError,
+    Note,
+    machine,
+    make_dir,
+    num,
+    quiet,
+    remove_made,
+    trainer_env,
+)
 from pyrecover.bench.memory_ranks import FIGURES, SEQUENCE, WORLD_SIZE, run_ranks
 
 # The targets (README "Benchmarks"): the figure and the bound it must stay within.
@@ -54,7 +63,8 @@ def _available_memory() -> int | None:
     return None
 
 
-def _check(directory: Path, target: int, repeat: int, steps: int, warmup: int) -> None:
+def _check(directory: Path, target: int, repeat: int, steps: int, warmup: int
+           ) -> Path | None:
     if target <= 0 or repeat < 1:
         raise BenchError(f"--size-gb must be > 0 and --repeat >= 1 (got {target / 1e9:g}, "
                          f"{repeat})")
@@ -67,17 +77,19 @@ def _check(directory: Path, target: int, repeat: int, steps: int, warmup: int) -
                          "srun and torchrun (unset RANK/WORLD_SIZE or SLURM_PROCID/SLURM_STEP_ID)")
     if directory.exists() and not directory.is_dir():
         raise BenchError(f"--dir {directory} is not a directory")
-    make_dir(directory)
-    free = shutil.disk_usage(directory).free
-    if free < 2 * target:
-        raise BenchError(f"{directory}: {free / 1e9:.1f} GB free; the benchmark needs about "
-                         f"{2 * target / 1e9:.1f} GB")
     # Per rank: the state, DDP's gradients and buckets, three snapshot buffer sets of two
     # slices each (its own and a replica): about 5x the state; two ranks.
     needed, available = 10 * target, _available_memory()
     if available is not None and available < needed:
         raise BenchError(f"{available / 1e9:.1f} GB of memory available; --size-gb "
                          f"{target / 1e9:g} needs about {needed / 1e9:.1f} GB (2 ranks)")
+    made = make_dir(directory)
+    free = shutil.disk_usage(directory).free
+    if free < 2 * target:
+        remove_made(directory, made)
+        raise BenchError(f"{directory}: {free / 1e9:.1f} GB free; the benchmark needs about "
+                         f"{2 * target / 1e9:.1f} GB")
+    return made
 
 
 # --- the two ranks -------------------------------------------------------------------------
@@ -201,17 +213,20 @@ def bench_memory(directory: Path, size_gb: float = 1.0, repeat: int = 3,
 
     directory = Path(directory)
     target = int(size_gb * 1e9)
-    _check(directory, target, repeat, steps, warmup)
     if snapshot_interval < 1:
         raise BenchError(f"--snapshot-interval must be >= 1 (got {snapshot_interval})")
-    _train_config(config, overrides, steps, warmup)  # a bad config or corpus fails first
-    work = Path(tempfile.mkdtemp(prefix="pyrecover-bench-memory-", dir=directory))
+    made = _check(directory, target, repeat, steps, warmup)
     try:
-        samples = run_ranks(target, repeat, work, note)
-        train = _train_runs(config, overrides, steps, warmup, repeat, snapshot_interval, work,
-                            note)
+        _train_config(config, overrides, steps, warmup)  # a bad config or corpus fails first
+        work = Path(tempfile.mkdtemp(prefix="pyrecover-bench-memory-", dir=directory))
+        try:
+            samples = run_ranks(target, repeat, work, note)
+            train = _train_runs(config, overrides, steps, warmup, repeat, snapshot_interval,
+                                work, note)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_made(directory, made)
     sec = samples["seconds"]
     state_bytes, persist_bytes = samples["state_bytes"], samples["persist_bytes"]
     sizes = {"torch_save": state_bytes, "persist_parallel": persist_bytes,

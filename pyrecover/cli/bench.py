@@ -34,7 +34,7 @@ def _note(text: str) -> None:
 def ckpt(
     directory: Annotated[Path, typer.Option(
         "--dir", help="Storage to measure, e.g. /scratch/$USER; a temporary folder inside "
-        "it is removed afterwards.")],
+        "it is removed afterwards (and DIR itself where the benchmark created it).")],
     size_gb: Annotated[float, typer.Option(
         help="Size of the synthetic model + AdamW state in GB.")] = 1.0,
     repeat: Annotated[int, typer.Option(help="Runs of every figure; the table shows the "

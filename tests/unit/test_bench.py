@@ -16,9 +16,10 @@ def by_key(rows: list[dict]) -> dict[tuple[str, str], dict]:
 
 def test_bench_ckpt_json_has_every_figure_positive_and_ratios_equal_figure_over_baseline(
         tmp_path):
-    done = pyrecover("bench", "ckpt", "--dir", str(tmp_path), "--size-gb", "0.008",
-                     "--repeat", "1", "--json")
+    done = pyrecover("bench", "ckpt", "--dir", str(tmp_path / "new" / "folder"), "--size-gb",
+                     "0.008", "--repeat", "1", "--json")
     assert done.returncode == 0, done.stderr
+    assert list(tmp_path.iterdir()) == []  # the folders it made, removed with its files
     report = json.loads(done.stdout)
     rows = by_key(report["rows"])
     expected = {("raw", m) for m in ("save", "load_cold", "load_warm")}

@@ -23,6 +23,7 @@ def test_bench_memory_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not (tmp_path / "bench").exists()  # a refused benchmark leaves no folder behind
 
 
 def test_bench_memory_refuses_a_file_as_its_directory(tmp_path):
