@@ -45,6 +45,7 @@ from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.config import Config, ConfigError
 from pyrecover.config_checks import parse_profile_window
 from pyrecover.data import Batches, DataError, check_tokens, fingerprint, load_tokens
+from pyrecover.devices import autocast_for, device_kind, kind_name
 from pyrecover.experiment import (
     check_corpus,
     hold_run_dir,
@@ -73,14 +74,6 @@ def setup_logging(rank: int) -> None:
     log.handlers[:] = [handler]
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     log.propagate = False
-
-
-def device_kind(cfg: Config) -> str:
-    if cfg.train.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device='cuda' but no CUDA device is available; use auto or cpu")
-    return cfg.train.device
 
 
 def main(cfg: Config, run_dir: Path) -> None:
@@ -382,19 +375,3 @@ def train_state_of(saved: dict) -> TrainState:
     if bad:
         raise ValueError(f"train state {bad} is not made of counts")
     return state
-
-
-def autocast_for(cfg: Config, device: torch.device):
-    precision = cfg.train.precision
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    if precision == "bf16":
-        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
-
-
-def kind_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"CUDA {torch.cuda.get_device_name(device)}"
-    return f"CPU ({torch.get_num_threads()} threads)"
-

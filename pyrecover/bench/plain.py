@@ -23,13 +23,13 @@ from pyrecover.config import Config
 def plain_tokens_per_s(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     """plain_tokens_per_s trains `warmup + steps` steps the plain way; tokens/s of the last
     `steps`, and whether it compiled."""
-    from pyrecover import train as train_mod
+    from pyrecover import devices
     from pyrecover.data import Batches, load_tokens
     from pyrecover.model import GPT, GPTConfig
     from pyrecover.optim import build_optimizer, build_scheduler
 
     t = cfg.train
-    kind = train_mod.device_kind(cfg)
+    kind = devices.device_kind(cfg)
     device = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
     if kind == "cuda":
         torch.cuda.set_device(device)
@@ -42,7 +42,7 @@ def plain_tokens_per_s(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         model.compile()
     optimizer = build_optimizer(model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg)
-    autocast = train_mod.autocast_for(cfg, device)
+    autocast = devices.autocast_for(cfg, device)
     batches = Batches(load_tokens(cfg.data.path, cfg.data.column), cfg.model.block_size, t.seed)
     model.train()
 

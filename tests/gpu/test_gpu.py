@@ -77,8 +77,8 @@ def test_ddp_on_nccl_trains_on_every_gpu_and_resumes_from_its_checkpoint(tmp_pat
 def test_cuda_training_runs_the_model_under_bf16_autocast():
     if not torch.cuda.is_bf16_supported():
         pytest.skip(f"{torch.cuda.get_device_name(0)} does not support bf16")
+    from pyrecover.devices import autocast_for
     from pyrecover.model import GPT, GPTConfig
-    from pyrecover.train import autocast_for
 
     device = torch.device("cuda", 0)
     for precision, dtype in (("auto", torch.bfloat16), ("bf16", torch.bfloat16),
