@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as tdist
 
-from pyrecover.checkpoint import checksum, store
+from pyrecover.checkpoint import checksum, entries, store
 from pyrecover.checkpoint.mode import Parts, Restored
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 from pyrecover.readahead import read_through
@@ -87,7 +87,7 @@ def tidy(root: Path, on_event: Callable[..., Any]) -> None:
         log.warning("recovered checkpoint step %d: a save that crashed before its folder was "
                     "renamed into place had committed it", step)
         on_event("checkpoint_recovered", step=step)
-    for tmp in store.clean_uncommitted(root):
+    for tmp in entries.clean_uncommitted(root):
         log.warning("removed uncommitted checkpoint folder %s", tmp.name)
 
 
@@ -203,7 +203,7 @@ def beats(root: Path) -> int:
 def _progress() -> int:
     """_progress moves as rank 0's choice gets on: checksum reads, and a killed save's files
     removed by `tidy`."""
-    return checksum.checksummed_bytes() + store.removed_entries()
+    return checksum.checksummed_bytes() + entries.removed_entries()
 
 
 class _Beats:

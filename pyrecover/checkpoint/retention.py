@@ -16,7 +16,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from pyrecover.checkpoint import store
+from pyrecover.checkpoint import entries, store
 
 
 def retired(root: Path, keep: int, committed: int, skipped: frozenset[int] = frozenset()
@@ -25,9 +25,10 @@ def retired(root: Path, keep: int, committed: int, skipped: frozenset[int] = fro
     `skipped` are the steps this run's resume found invalid: below `committed` too (a stop
     save at 437 found corrupt, the run resumed from 400 and committed 500) they are neither
     counted nor retired, as a folder above it is not: counted, 437 retired 400, the
-    checkpoint just resumed from, and left one loadable checkpoint of `keep`."""
+    checkpoint just resumed from, and left one loadable checkpoint of `keep`. A `step-N`
+    that is a symbolic link is no checkpoint this run wrote: neither counted nor retired."""
     return [(s, f) for s, f in store.committed_steps(root)
-            if s <= committed and s not in skipped][keep:]
+            if s <= committed and s not in skipped and entries.is_real_dir(f)][keep:]
 
 
 def retire(root: Path, keep: int, committed: int, skipped: frozenset[int] = frozenset()

@@ -17,12 +17,12 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pyrecover.checkpoint import trust
+from pyrecover.checkpoint import entries, trust
 from pyrecover.checkpoint.checksum import (  # noqa: F401 (callers know them as store.*)
     CHECKSUM_KINDS,
     TREE_BLOCK,
@@ -220,7 +220,7 @@ def committed_steps(root: Path) -> list[tuple[int, Path]]:
         for p in root.iterdir():
             digits = p.name[5:]  # ASCII only: int() cannot read every digit isdigit() knows
             if p.name.startswith("step-") and digits.isascii() and digits.isdigit() and (
-                    p.is_dir() or p.is_symlink()):
+                    entries.is_dir_or_link(p)):
                 out.append((int(digits), p))
     return sorted(out, reverse=True)
 
@@ -287,7 +287,7 @@ def step_folder(run: RunDir, step: int) -> Path:
     """step_folder is the folder of checkpoint `step` of `run`, or a CheckpointError naming the
     steps it has where there is none (unverified: a symlink too, which verify then refuses)."""
     folder = run.checkpoints / step_folder_name(step)
-    if not (folder.is_dir() or folder.is_symlink()):
+    if not entries.is_dir_or_link(folder):
         have = ", ".join(str(s) for s, _ in committed_steps(run.checkpoints)) or "none"
         raise CheckpointError(f"{run.root} has no checkpoint step {step} (steps: {have})")
     return folder
@@ -296,11 +296,11 @@ def step_folder(run: RunDir, step: int) -> Path:
 def read_manifest(folder: Path) -> dict[str, Any]:
     """read_manifest returns a step folder's manifest once its structure is valid (the files
     themselves are `verify`'s)."""
-    if folder.is_symlink():
+    if stat.S_ISLNK(entries.mode_of(folder) or 0):
         raise CheckpointError(f"{folder}: is a symbolic link; a checkpoint folder must be a "
                               f"real folder")
     mpath = folder / MANIFEST
-    if mpath.is_symlink() or not mpath.is_file():
+    if not stat.S_ISREG(entries.mode_of(mpath) or 0):  # a link is no manifest either
         raise CheckpointError(f"{folder}: no {MANIFEST} (the save never committed)")
     try:
         manifest = json.loads(mpath.read_text())
@@ -361,38 +361,3 @@ def scan(root: Path, checksums: bool = True, environ: Mapping[str, str] | None =
             yield step, folder, verify(folder, checksums, environ), ""
         except CheckpointError as exc:
             yield step, folder, None, str(exc)
-
-
-_removed = 0  # entries clean_uncommitted has removed, in this process
-
-
-def removed_entries() -> int:
-    """removed_entries is how many files and folders `clean_uncommitted` has removed so far in
-    this process: it moves only as a removal returns, so rank 0's beats while it tidies a
-    killed save's many files follow it (resume.py), and stand still where storage hangs."""
-    return _removed
-
-
-def clean_uncommitted(root: Path) -> list[Path]:
-    """clean_uncommitted removes temporary folders a killed save left behind; returns them.
-    Errors are ignored (what is left is removed at the next start)."""
-    removed = []
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.is_dir() and (p.name.startswith(".tmp-step-") or p.name.startswith(".old-step-")):
-                for folder, dirs, files in os.walk(p, topdown=False):  # links are not followed
-                    links = [d for d in dirs if os.path.islink(os.path.join(folder, d))]
-                    for name in files + links:
-                        _remove(os.unlink, os.path.join(folder, name))
-                    _remove(os.rmdir, folder)
-                removed.append(p)
-    return removed
-
-
-def _remove(remove: Callable[[str], None], path: str) -> None:
-    global _removed
-    try:
-        remove(path)
-    except OSError:
-        pass
-    _removed += 1

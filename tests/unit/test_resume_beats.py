@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from pyrecover.checkpoint import checksum, resume, store
+from pyrecover.checkpoint import checksum, entries, resume
 from pyrecover.watchdog import Rule, Watchdog
 
 
@@ -111,6 +111,6 @@ def test_removing_a_killed_save_s_files_beats_and_leaves_nothing(tmp_path):
     (left / "link").symlink_to(root / "elsewhere", target_is_directory=True)  # not followed
     (root / "step-30").mkdir()
     beating = resume._Beats(tmp_path / resume.VERIFYING, every=3600.0)
-    assert store.clean_uncommitted(root) == [left]
+    assert entries.clean_uncommitted(root) == [left]
     assert beating.beat() and not beating.beat()  # moved once for the removals, then still
     assert sorted(p.name for p in root.iterdir()) == ["elsewhere", "step-30"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pyrecover.checkpoint import store
+from pyrecover.checkpoint import entries, store
 from pyrecover.checkpoint.store import CheckpointError
 
 
@@ -31,7 +31,7 @@ def test_a_save_killed_before_its_manifest_leaves_no_checkpoint(tmp_path):
         f.write(b"half")
     # No commit: the process died here.
     assert [s for s, *_ in store.scan(tmp_path)] == [10]
-    assert store.clean_uncommitted(tmp_path) == [pending.tmp]
+    assert entries.clean_uncommitted(tmp_path) == [pending.tmp]
     assert not pending.tmp.exists()
 
 

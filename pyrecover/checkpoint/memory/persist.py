@@ -9,13 +9,14 @@ import json
 import logging
 import os
 import shutil
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pyrecover.checkpoint import rng, store
+from pyrecover.checkpoint import entries, rng, store
 from pyrecover.checkpoint.hashed_file import HashedFile, pread_into
 from pyrecover.checkpoint.memory.layout import NAME, SNAP_PREFIX, Snapshot, meta_name, part_name
 from pyrecover.checkpoint.store import CheckpointError, Pending
@@ -150,8 +151,14 @@ def finalize_snapshots(root: Path, on_event) -> None:
 
     Called by rank 0 at start, before the newest checkpoint is chosen.
     """
-    snaps = sorted((p for p in root.glob(f"{SNAP_PREFIX}*") if p.is_dir()),
-                   key=lambda p: int(p.name.removeprefix(SNAP_PREFIX)), reverse=True)
+    snaps = []
+    for p in root.glob(f"{SNAP_PREFIX}*"):
+        digits = p.name.removeprefix(SNAP_PREFIX)
+        if stat.S_ISLNK(entries.mode_of(p) or 0):  # never ours: its target is not touched
+            p.unlink(missing_ok=True)
+        elif digits.isascii() and digits.isdigit() and entries.is_real_dir(p):
+            snaps.append(p)
+    snaps.sort(key=lambda p: int(p.name.removeprefix(SNAP_PREFIX)), reverse=True)
     # Not only those above the newest step folder: that one may be the corrupt checkpoint the
     # run resumed past, and then this snapshot is newer than anything loadable (dropping it
     # sent the resume back a whole disk interval). The pick takes the newest that verifies.
