@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import sys
 import threading
 import time
@@ -106,7 +107,8 @@ def recover_commits(root: Path) -> list[int]:
     recovered = []
     if not root.is_dir():
         return recovered
-    tmps = [p for p in root.glob(".tmp-step-*") if (p / store.MANIFEST).is_file()]
+    tmps = [p for p in root.glob(".tmp-step-*")  # (EIO raises: never taken for no manifest)
+            if stat.S_ISREG(entries.mode_of(p / store.MANIFEST) or 0)]
     for tmp in sorted(tmps, key=lambda p: (p / store.MANIFEST).stat().st_mtime, reverse=True):
         step = tmp.name.split("-")[2]
         final = (root / store.step_folder_name(int(step))

@@ -3,6 +3,8 @@ alignment of the tensors in the flat state, and the model's bytes not kept after
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import saved_and_restored
@@ -141,3 +143,35 @@ def test_a_hang_s_persist_is_not_overwritten_by_a_snapshot_of_a_main_thread_that
         part = run.checkpoints / f".snap-step-{step}" / "part-s0-r0.bin"
         got = torch.frombuffer(bytearray(part.read_bytes()), dtype=torch.uint8)
         assert torch.equal(got[:want.numel()], want), step
+
+
+def test_storage_failing_on_a_survivors_snapshot_keeps_the_snapshot_for_the_next_start(
+        tmp_path, monkeypatch):
+    """EIO while the start reads the survivors' snapshot: an error (exit 1, requeued), not
+    'slices missing', which deleted the newest state the run had."""
+    import os
+
+    from pyrecover.checkpoint import resume
+
+    state, run, first = memory_run(tmp_path, interval=10, keep=3)
+    first.at_step(10)
+    first.finish(10)
+    second = memory_run(tmp_path, interval=10, keep=3, state=state)[2]
+    for step in (12, 14):
+        second.at_step(step)
+    second.persist_after_failure()
+    snap = run.checkpoints / ".snap-step-14"
+    real = os.lstat
+
+    def failing(path, *args, **kwargs):
+        if snap in Path(path).parents:
+            raise OSError(5, "Input/output error", str(path))
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(os, "lstat", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        resume.tidy(run.checkpoints, lambda *a, **k: None)
+    monkeypatch.setattr(os, "lstat", real)
+    assert snap.is_dir()
+    events = []
+    resume.tidy(run.checkpoints, lambda kind, **fields: events.append((kind, fields["step"])))
+    assert ("snapshot_recovered", 14) in events  # the next start, on storage that answers

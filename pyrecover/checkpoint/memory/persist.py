@@ -131,7 +131,8 @@ def coverage(folder: Path) -> tuple[int, dict[str, Any], list[int], dict[str, An
         for name, info in done["files"].items():
             path = folder / name
             try:
-                ok = (path.is_file() and path.stat().st_size == info["size"]
+                ok = (stat.S_ISREG(entries.mode_of(path) or 0)  # EIO raises, not "missing"
+                      and path.stat().st_size == info["size"]
                       and store.checksum_ok(path, info))
             except CheckpointError:  # a checksum this version does not know: unusable here
                 ok = False
