@@ -110,8 +110,13 @@ class Loop:
 
     def __post_init__(self) -> None:
         # FSDP's sharded parameters: the host reads each step before its update, as before.
-        self.skip_on_device = (optim.skips_on_device(self.optimizer)
-                               and not parallel.is_sharded(self.model))
+        sharded = parallel.is_sharded(self.model)
+        self.skip_on_device = optim.skips_on_device(self.optimizer) and not sharded
+        # FSDP all-gathers in the forward and all-reduces the norm in the optimizer phase: a
+        # rank there may be waiting for a peer, so those phases get names of their own (the
+        # watchdog's and the job script's own-phase rules never blame such a rank's node).
+        self.phase_names = {"forward": "fsdp_forward", "optimizer": "fsdp_optimizer"} if (
+            sharded) else {}
 
     def run_steps(self) -> TrainState:
         t = self.cfg.train
@@ -286,6 +291,7 @@ class Loop:
 
     def _phase(self, name: str, step: int | None = None) -> None:
         """_phase tells the watchdog that `name` begins (and lets a test hang there)."""
+        name = self.phase_names.get(name, name)
         self.watchdog.phase(name, step)
         faults.maybe_hang(name, self.watchdog.step, self.rank)
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -129,7 +130,11 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                         name(i, p)
                 if failures and deadline is None:
                     deadline = time.monotonic() + grace_s
-                if deadline is not None and time.monotonic() > deadline:
+                frozen = deadline is not None and all_stopped(procs)
+                if frozen:  # a stopped rank notices nothing and persists nothing: no grace
+                    print("pyrecover: the ranks still running are stopped (SIGSTOP, state "
+                          "T); ending them now", file=sys.stderr, flush=True)
+                if deadline is not None and (frozen or time.monotonic() > deadline):
                     _stop_all(procs)
                     stopped = True
             info = signal.sigtimedwait(FORWARDED, 0.05)
@@ -214,10 +219,29 @@ def cause(failures: list[int]) -> int:
     return next((c for c in failures if c not in NO_CAUSE), failures[0] if failures else 0)
 
 
+def all_stopped(procs: list[subprocess.Popen]) -> bool:
+    """all_stopped: every worker still running is stopped (a SIGSTOP, a debugger), which no
+    grace period ends."""
+    live = [p for p in procs if p.poll() is None]
+    return bool(live) and all(_state(p.pid) in ("T", "t") for p in live)
+
+
+def _state(pid: int) -> str:
+    """_state is the process's state letter from /proc (R, S, D, T, ...), "" where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+    return fields[0] if fields else ""
+
+
 def _stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
     live = [p for p in procs if p.poll() is None]
     for p in live:
         p.terminate()
+        with contextlib.suppress(OSError):  # a stopped worker takes SIGTERM once continued
+            os.kill(p.pid, signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     for p in live:
         try:

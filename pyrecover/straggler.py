@@ -1,10 +1,15 @@
-"""Straggler detection: a rank whose own compute time stays well above the median.
+"""Straggler detection: a rank whose own compute time stays well above the other ranks'.
 
 Every `interval` steps each rank shares its mean own compute time per step over the window
 (one all-gather of one float; `Watchdog.step_done` measures it: the phases that never wait on
 another rank, so a slow rank does not make the fast ones look slow too). A rank slower than
-the median by `factor` in `windows` windows in a row is a straggler: rank 0 records a
-`straggler` event and logs a line, again after every further `windows` slow windows.
+its reference (`reference`: the median of the faster half of the other ranks) by `factor`
+in `windows` windows in a row is a straggler: rank 0 records a `straggler` event and logs a
+line, again after every further `windows` slow windows.
+
+The reference leaves the rank itself and the slower half out: against the median of all
+ranks, a slow one of two never counted below 3x at factor 1.5 (the median of two is their
+mean), nor at any factor >= 2, and neither did the ranks of one slow node of two.
 """
 
 from __future__ import annotations
@@ -17,12 +22,18 @@ from dataclasses import dataclass, field
 log = logging.getLogger("pyrecover")
 
 
+def reference(times: list[float], rank: int) -> float:
+    """reference is what `rank`'s time is held against: the median of the faster half (the
+    larger half where the count is odd) of the other ranks' times."""
+    others = sorted(t for r, t in enumerate(times) if r != rank)
+    return statistics.median(others[:(len(others) + 1) // 2])
+
+
 def slow_ranks(times: list[float], factor: float) -> list[int]:
-    """slow_ranks lists the ranks whose time exceeds `factor` x the median of all ranks."""
+    """slow_ranks lists the ranks whose time exceeds `factor` x their reference."""
     if len(times) < 2:
         return []
-    median = statistics.median(times)
-    return [r for r, t in enumerate(times) if t > factor * median and t > 0]
+    return [r for r, t in enumerate(times) if t > factor * reference(times, r) and t > 0]
 
 
 def update_streaks(streaks: list[int], slow: list[int]) -> list[int]:
@@ -41,7 +52,8 @@ class Straggler:
     node: str
     seconds: float
     """Its own compute time per step, mean over the window."""
-    median: float
+    reference: float
+    """The median of the faster half of the other ranks' times (`reference`)."""
     windows: int
     step: int
 
@@ -91,9 +103,8 @@ class StragglerWatch:
         if not self.streaks:
             self.streaks = [0] * len(times)
         self.streaks = update_streaks(self.streaks, slow_ranks(times, self.factor))
-        median = statistics.median(times)
         return [Straggler(r, self.nodes[r] if r < len(self.nodes) else "?", round(t, 6),
-                          round(median, 6), self.streaks[r], step)
+                          round(reference(times, r), 6), self.streaks[r], step)
                 for r, t in enumerate(times) if due(self.streaks[r], self.windows)]
 
 
@@ -101,8 +112,8 @@ def report(found: list[Straggler], event: Callable[..., object]) -> None:
     """report logs each straggler and records a `straggler` event (rank 0 calls it)."""
     for s in found:
         log.warning("straggler: rank %d on %s takes %.3fs of its own compute per step, %.1fx "
-                    "the median %.3fs, for %d windows in a row (step %d)", s.rank, s.node,
-                    s.seconds, s.seconds / s.median if s.median else float("inf"), s.median,
-                    s.windows, s.step)
-        event("straggler", rank=s.rank, node=s.node, seconds=s.seconds, median=s.median,
+                    "the other ranks' %.3fs, for %d windows in a row (step %d)", s.rank, s.node,
+                    s.seconds, s.seconds / s.reference if s.reference else float("inf"),
+                    s.reference, s.windows, s.step)
+        event("straggler", rank=s.rank, node=s.node, seconds=s.seconds, reference=s.reference,
               windows=s.windows, step=s.step)

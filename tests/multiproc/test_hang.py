@@ -111,14 +111,32 @@ def test_a_slow_rank_is_reported_as_a_straggler_and_an_even_run_reports_none(tmp
     assert slow.returncode == 0, slow.stderr
     found = events(tmp_path / "slow", "straggler")
     assert [(e["rank"], e["step"], e["windows"]) for e in found] == [(1, 8, 2), (1, 16, 4)]
-    assert found[0]["node"] and found[0]["seconds"] > 1.5 * found[0]["median"]
+    assert found[0]["node"] and found[0]["seconds"] > 1.5 * found[0]["reference"]
     assert "straggler: rank 1 on" in slow.stderr
     status = pyrecover("status", str(tmp_path / "slow"))
     assert "straggler   rank 1 on" in status.stdout
 
     # Both ranks' own time is the same injected 0.1 s, so scheduling noise on a busy machine
-    # cannot make either 1.5 x the median.
+    # cannot make either 1.5 x the other.
     even = train(tmp_path, corpus, "even", *extra,
                  env={"PYRECOVER_SLOW_RANK": "0,1", "PYRECOVER_SLOW_S": "0.1"})
     assert even.returncode == 0, even.stderr
     assert not events(tmp_path / "even", "straggler")
+
+
+def test_under_fsdp_a_rank_waiting_on_a_stopped_peer_reports_a_collective_phase(tmp_path, corpus):
+    """FSDP all-gathers in the forward: rank 0, waiting there for rank 1 (stopped in its data
+    phase), reported a hang "in phase forward", which the job script took as its node's own
+    fault. The phase is named fsdp_forward, no node is blamed by it, and the silent peer is
+    named instead."""
+    stop = {"PYRECOVER_HANG_AT_STEP": "5", "PYRECOVER_HANG_RANK": "1",
+            "PYRECOVER_HANG_PHASE": "data", "PYRECOVER_HANG_HOW": "stop"}
+    hung = train(tmp_path, corpus, "fsdp", "train.parallel=fsdp", "train.max_steps=8", *WATCH,
+                 env=stop)
+    assert hung.returncode == EXIT_HANG, hung.stderr[-3000:]
+    [report] = [e for e in events(tmp_path / "fsdp", "hang") if e["rank"] == 0]
+    assert (report["phase"], report["step"]) == ("fsdp_forward", 5)
+    assert report["silent_ranks"] == [1]
+    # A stopped rank persists nothing: the launcher ends it without the survivors' grace.
+    assert "the ranks still running are stopped (SIGSTOP, state T); ending them now" in \
+        hung.stderr

@@ -11,7 +11,7 @@ def test_status_names_the_hung_rank_the_straggler_and_the_restart_cause(tmp_path
     run.create()
     run.event("start", step=0)
     run.event("straggler", rank=2, node="n2", seconds=0.4, median=0.1, windows=3, step=30)
-    run.event("straggler", rank=2, node="n2", seconds=0.5, median=0.1, windows=6, step=60)
+    run.event("straggler", rank=2, node="n2", seconds=0.5, reference=0.1, windows=6, step=60)
     run.event("hang", rank=1, node="n1", phase="allreduce", step=64, seconds=61.0, limit=60.0,
               stacks="thread MainThread: ...")
     run.event("snapshot_persisted", rank=0, steps=[63])
@@ -24,7 +24,12 @@ def test_status_names_the_hung_rank_the_straggler_and_the_restart_cause(tmp_path
     text = status.render(s)
     assert "restarts 1 x hang" in text
     assert "hang        rank 1 on n1: phase allreduce of step 64 ran 61.0s (limit 60.0s)" in text
-    assert "straggler   rank 2 on n2: 0.5s own compute per step, median 0.1s (step 60" in text
+    assert "straggler   rank 2 on n2: 0.5s own compute per step, the other ranks' 0.1s (step " \
+        "60" in text
+    # A record an earlier version wrote names the reference `median`.
+    run.event("straggler", rank=3, node="n3", seconds=0.7, median=0.2, windows=3, step=61)
+    assert "rank 3 on n3: 0.7s own compute per step, the other ranks' 0.2s" in status.render(
+        status.read(run.root))
 
 
 def test_a_run_the_watchdog_ended_is_shown_hung_not_killed(tmp_path):
