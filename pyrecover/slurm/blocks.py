@@ -5,7 +5,9 @@ It runs in the batch shell, outside the container, so the image needs no SLURM c
 keeps the run's bad nodes, picks each step's nodes and restarts a step inside the
 allocation. Both read the trainer's records in events.jsonl by a regex that relies on the
 key order rundir.RunDir.event writes: event, time, the fields, job_id, restart_count,
-in_job_restart.
+in_job_restart. Every grep of events.jsonl is `grep -a`: a node that died while appending can
+leave NUL bytes in it, and GNU grep then takes the whole file for binary and prints no line
+(the restart limit would never be reached).
 """
 
 REQUEUE_BLOCK = r"""# The trainer also stops by itself when the next steps and a checkpoint would
@@ -54,15 +56,26 @@ this_step() {
 # exit (75 or 2 is non-zero too) gets the others SIGTERMed, often while they are still
 # shutting down: 143. The trainer's own record of this step tells what really happened.
 attempt_outcome() {
-    grep -E "^\{\"event\": \"(stop|error|hang|health)\".*$(this_step)" "$EVENTS" 2>/dev/null |
-        grep -v '^{"event": "health", "time": [0-9.]*, "ok": true' | tail -n 1 |
+    grep -aE "^\{\"event\": \"(stop|error|hang|health|finish)\".*$(this_step)" "$EVENTS" \
+        2>/dev/null |
+        grep -av '^{"event": "health", "time": [0-9.]*, "ok": true' | tail -n 1 |
         sed -E 's/^\{"event": "([a-z]+)".*/\1/'
 }
-# resolve_code prints the step's exit code, corrected by its own record where SLURM ended it.
+# resolve_code prints the step's exit code, corrected by its own record where SLURM ended it,
+# and 0 where the trainer recorded this step's finish (after its final checkpoint) and a
+# task failed after that, in its teardown: a requeue would redo nothing.
 resolve_code() {
-    local code=$1
+    local code=$1 outcome
+    [ "$code" -ne 0 ] || { echo 0; return; }
+    outcome=$(attempt_outcome)
+    if [ "$outcome" = finish ]; then
+        echo "pyrecover: a task exited with code $code after the trainer recorded this" \
+            "attempt's finish; taking it as finished" >&2
+        echo 0
+        return
+    fi
     if [ "$code" -gt 128 ]; then
-        case $(attempt_outcome) in
+        case $outcome in
             stop) code=75 ;;
             error) code=2 ;;
             hang) code=76 ;;
@@ -76,15 +89,15 @@ resolve_code() {
 # failures prints how many of this job's requeues so far were failures (the script's own
 # requeue records: every reason but a clean stop).
 failures() {
-    grep -E "^\{\"event\": \"requeue\", \"time\": [0-9.]+, \"job_id\": \"$SLURM_JOB_ID\", " \
-        "$EVENTS" 2>/dev/null | grep -cv '"reason": "stopped cleanly"}$'
+    grep -aE "^\{\"event\": \"requeue\", \"time\": [0-9.]+, \"job_id\": \"$SLURM_JOB_ID\", " \
+        "$EVENTS" 2>/dev/null | grep -acv '"reason": "stopped cleanly"}$'
 }
 # progressed: this step's stop record names a later step than its start or resume record.
 progressed() {
     local began stopped number='s/^\{"event": "[a-z]+", "time": [0-9.]+, "step": ([0-9]+), .*/\1/'
-    began=$(grep -E "^\{\"event\": \"(start|resume)\", .*$(this_step)" "$EVENTS" 2>/dev/null |
+    began=$(grep -aE "^\{\"event\": \"(start|resume)\", .*$(this_step)" "$EVENTS" 2>/dev/null |
         tail -n 1 | sed -nE "${number}p")
-    stopped=$(grep -E "^\{\"event\": \"stop\", .*$(this_step)" "$EVENTS" 2>/dev/null |
+    stopped=$(grep -aE "^\{\"event\": \"stop\", .*$(this_step)" "$EVENTS" 2>/dev/null |
         tail -n 1 | sed -nE "${number}p")
     [ -n "$began" ] && [ -n "$stopped" ] && [ "$stopped" -gt "$began" ]
 }
@@ -121,7 +134,13 @@ after_training() {
         record no_requeue "$code" "$reason; max restarts ($MAX_RESTARTS) reached by failures"
         exit "$code"
     fi
-    record requeue "$code" "$reason"
+    if ! record requeue "$code" "$reason"; then
+        # Uncounted, a failure would requeue for ever: the restart limit reads these records.
+        echo "pyrecover: cannot write $EVENTS (storage full, over quota or read-only?), so" \
+            "this requeue could not be counted; not requeueing. Free the storage, then launch" \
+            "the run again" >&2
+        exit "$code"
+    fi
     exclude=$(exclusion_for_requeue)  # before the requeue, whose SIGTERM may cut it short
     excluded=$(job_record | sed -nE 's/.* ExcNodeList=([^ ]*).*/\1/p')
     echo "pyrecover: requeueing job $SLURM_JOB_ID ($reason)" >&2
@@ -170,7 +189,7 @@ suspects() {
     # that does not complete is no one node's fault, nor is a storage write that failed on
     # every node of the step: the shared storage's.
     local node='"node": "([A-Za-z0-9._-]+)"' check='(gpu|memory|storage_write)' failed
-    failed=$(grep -E "^\{\"event\": \"health\", \"time\": [0-9.]+, \"ok\": false.*$(this_step)" \
+    failed=$(grep -aE "^\{\"event\": \"health\", \"time\": [0-9.]+, \"ok\": false.*$(this_step)" \
             "$EVENTS" 2>/dev/null |
         sed -nE "s/.*$node, \"check\": \"$check\".*/\1\thealth check failed: \2/p")
     if tr ',' '\n' <<< "$STEP_NODES" |
@@ -181,11 +200,11 @@ suspects() {
     fi
     # A rank stuck outside any collective reports its own hang; ranks waiting in one do not
     # name the culprit.
-    grep -E "^\{\"event\": \"hang\".*$(this_step)" "$EVENTS" 2>/dev/null |
+    grep -aE "^\{\"event\": \"hang\".*$(this_step)" "$EVENTS" 2>/dev/null |
         sed -nE "s/.*$node, \"phase\": \"(data|forward|optimizer)\".*/\1\thang in phase \2/p"
     # A rank that stopped altogether (SIGSTOP, a frozen node) cannot report; the peers that
     # report the hang name it when its heartbeat stopped (pyrecover/heartbeat.py).
-    grep -E "^\{\"event\": \"hang\".*$(this_step)" "$EVENTS" 2>/dev/null |
+    grep -aE "^\{\"event\": \"hang\".*$(this_step)" "$EVENTS" 2>/dev/null |
         sed -nE 's/.*"suspect_node": "([A-Za-z0-9._-]+)", "stacks": ".*/\1\tsilent in a hang/p'
     # A node SLURM found failed ("srun: error: Node failure on node2"): the step's tasks that
     # srun killed after it, on any node, are no evidence.

@@ -286,10 +286,12 @@ def test_a_rank_that_hangs_outside_a_collective_blames_its_node_and_its_waiting_
         return {"event": "hang", "time": 9.0, "rank": rank, "node": node, "phase": phase,
                 "step": 9, "job_id": "123", "restart_count": 0, "in_job_restart": 0}
 
-    # On CUDA a rank whose peer is stuck waits for its GPU (phase `device`): no blame.
+    # On CUDA a rank whose peer is stuck waits for its GPU (phase `device`), and under FSDP
+    # in its forward's all-gathers or its optimizer's norm all-reduce: no blame.
     step = "".join(f"echo {shlex.quote(json.dumps(h))} >> \"$EVENTS\"\n" for h in (
         hang(0, "node1", "backward"), hang(1, "node2", "forward"),
-        hang(2, "node3", "device"))) + "exit 76\n"
+        hang(2, "node3", "device"), hang(3, "node1", "fsdp_forward"),
+        hang(4, "node3", "fsdp_optimizer"))) + "exit 76\n"
     done, run = run_job(tmp_path, [step, "exit 0\n"], spares=1, nodes="node1 node2 node3")
     assert done.returncode == 0
     assert [line.split("\t")[::2] for line in lines(run / "bad-nodes")] == [

@@ -121,8 +121,9 @@ def test_crashes_use_up_max_restarts_counting_only_this_jobs_failures(tmp_path, 
 def test_the_stop_signal_sent_to_the_batch_shell_does_not_end_it_before_the_decision(
         tmp_path, stop_signal):
     """`scancel -s USR2 --full` signals the batch shell as well as the tasks."""
-    spec = spec_for("none", sets=["run.storage=/scratch/pyrecover", "run.exp_name=tiny-gpt",
+    spec = spec_for("none", sets=[f"run.storage={tmp_path / 'store'}", "run.exp_name=tiny-gpt",
                                   f"run.stop_signal={stop_signal}"])
+    (tmp_path / "store" / "tiny-gpt" / "logs").mkdir(parents=True)  # where it records
     # The stand-in step signals the script's shell (its parent) and exits as a stopped
     # trainer; it also reports its own mask of ignored signals (/proc: SigIgn).
     step = (f"kill -{stop_signal} \"$PPID\"\n"
@@ -138,3 +139,44 @@ def test_the_stop_signal_sent_to_the_batch_shell_does_not_end_it_before_the_deci
                        ).split()[1], 16)
     number = {"USR1": 10, "USR2": 12}[stop_signal]
     assert not ignored & (1 << (number - 1))
+
+
+# ------------------------------------------------------------- damaged or full storage
+
+
+def test_nul_bytes_in_the_events_file_do_not_hide_the_failures_from_the_restart_limit(
+        tmp_path):
+    """A node that died while appending leaves NULs in events.jsonl; GNU grep then takes the
+    file for binary, printed no line, and every crash requeued for ever."""
+    earlier = [decision("crash", k, code=1) for k in range(3)]
+    nuls = "head -c 4096 /dev/zero >> \"$EVENTS\"\necho >> \"$EVENTS\"\n"
+    step = nuls + attempt(earlier, [trainer("resume", 5, 3, path="p")], 1)
+    done, run = run_job(tmp_path, [step], env={"SLURM_RESTART_COUNT": "3"})
+    assert done.returncode == 1
+    records = [json.loads(line) for line in lines(run / "events.jsonl") if line.startswith("{")]
+    assert [(r["event"], r["reason"]) for r in records if "reason" in r][-1] == (
+        "no_requeue", "crash; max restarts (3) reached by failures")
+    assert lines(tmp_path / "scontrol.calls") == []
+
+
+def test_a_requeue_that_cannot_be_recorded_ends_the_job_instead_of_requeueing_uncounted(
+        tmp_path):
+    """Storage full or read-only: the trainer fails, the requeue record cannot be written, and
+    the restart limit, which counts those records, could never be reached."""
+    unwritable = "rm -f \"$EVENTS\"\nmkdir \"$EVENTS\"\nexit 1\n"  # no file can be written there
+    done, run = run_job(tmp_path, [unwritable])
+    assert done.returncode == 1
+    assert lines(tmp_path / "scontrol.calls") == []  # no requeue
+    assert "this requeue could not be counted; not requeueing. Free the storage, then launch " \
+        "the run again" in (run / "logs" / "123.out").read_text()
+
+
+def test_a_task_failing_after_the_recorded_finish_ends_the_job_as_finished(tmp_path):
+    """A rank aborting in its teardown (exit 134) after the final checkpoint and the `finish`
+    record: no requeue, which would redo nothing and use up a restart."""
+    step = attempt([], [trainer("start", 0, 0), trainer("finish", 8, 0, tokens_seen=512)], 134)
+    done, run = run_job(tmp_path, [step])
+    assert done.returncode == 0
+    assert decisions(run) == [] and lines(tmp_path / "scontrol.calls") == []
+    assert "a task exited with code 134 after the trainer recorded this attempt's finish" in (
+        run / "logs" / "123.out").read_text()
