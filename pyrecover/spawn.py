@@ -67,6 +67,9 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+STOPPED_FOR_S = 2.0  # workers stopped this long are not waited for (spawn_local)
+
+
 def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                 grace_s: float = 60.0, parent: DistEnv | None = None) -> int:
     """spawn_local runs `argv` as `nproc` workers of this process (`parent`, default: alone
@@ -116,6 +119,7 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
         failures: list[int] = []  # in the order they were seen, none that was stopped here
         counted: set[int] = set()
         deadline, stopped = None, False
+        stopped_since: float | None = None  # since when every live worker is stopped
         while None in [p.poll() for p in procs]:
             for p, signum in list(held):
                 if p.poll() is not None or catching(p.pid):
@@ -130,8 +134,15 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                         name(i, p)
                 if failures and deadline is None:
                     deadline = time.monotonic() + grace_s
-                frozen = deadline is not None and all_stopped(procs)
-                if frozen:  # a stopped rank notices nothing and persists nothing: no grace
+                # A stopped rank notices nothing and persists nothing: no grace for it, once
+                # it stays stopped (not a debugger's or py-spy's brief ptrace stop).
+                if deadline is None or not all_stopped(procs):
+                    stopped_since = None
+                elif stopped_since is None:
+                    stopped_since = time.monotonic()
+                frozen = stopped_since is not None and (
+                    time.monotonic() - stopped_since > STOPPED_FOR_S)
+                if frozen:
                     print("pyrecover: the ranks still running are stopped (SIGSTOP, state "
                           "T); ending them now", file=sys.stderr, flush=True)
                 if deadline is not None and (frozen or time.monotonic() > deadline):
