@@ -171,7 +171,9 @@ def main(cfg: Config, run_dir: Path) -> None:
         # Stopped before persisting, so this path's own work is never taken for a hang; one
         # that already fired ends the process with EXIT_HANG inside this call.
         dog.stop()
-        user_error = isinstance(exc, (ConfigError, DataError, CheckpointError, TrainingError))
+        # (a permission no requeue gives: the CLI ends it as a user error, exit 2)
+        user_error = isinstance(exc, (ConfigError, DataError, CheckpointError, TrainingError,
+                                      PermissionError))
         if not user_error:
             watchdog.persist_once(persist)  # once, whether this thread or the watchdog is first
         lost = peer_lost(exc)

@@ -26,12 +26,16 @@ def build_corpus(out: Path, max_bytes: int = 400_000) -> Path:
 
 def pyrecover(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
               timeout: float = 300, max_file_bytes: int | None = None,
-              via: tuple[str, ...] = ("-m", "pyrecover")) -> subprocess.CompletedProcess:
+              via: tuple[str, ...] = ("-m", "pyrecover"),
+              file_permissions: bool = False) -> subprocess.CompletedProcess:
     """pyrecover runs the CLI in a fresh interpreter, in its own session (process group).
 
     `max_file_bytes` caps the size of any file it writes (RLIMIT_FSIZE): a write past it fails
     with EFBIG, as on a full disk (Python ignores SIGXFSZ). `via` is what the interpreter runs
-    before `args` (a script of a test's own that runs the CLI: `("-c", CODE, ...)`).
+    before `args` (a script of a test's own that runs the CLI: `("-c", CODE, ...)`). With
+    `file_permissions`, root's power to ignore them (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH)
+    is dropped for the command: a chmod 000 file is then as unreadable to it as to a
+    colleague reading someone else's run.
     """
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PYRECOVER_")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
@@ -43,10 +47,24 @@ def pyrecover(*args: str, env: dict[str, str] | None = None, cwd: Path | None = 
     def limit() -> None:
         if max_file_bytes is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+        if file_permissions and os.geteuid() == 0:
+            drop_file_capabilities()
 
     return subprocess.run([sys.executable, *via, *args], env=full_env, cwd=cwd,
                           capture_output=True, text=True, timeout=timeout,
                           start_new_session=True, preexec_fn=limit)
+
+
+def drop_file_capabilities() -> None:
+    """drop_file_capabilities takes CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH out of this
+    process's bounding set (prctl PR_CAPBSET_DROP), so that a program it then execs as root
+    is held to file permissions."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH (linux/capability.h)
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
 
 
 def default_cluster(tmp_path: Path) -> dict[str, str]:

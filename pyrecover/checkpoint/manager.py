@@ -36,7 +36,12 @@ from pyrecover.checkpoint.mode import (
     train_now,
 )
 from pyrecover.checkpoint.modes import make_mode
-from pyrecover.checkpoint.resume import NotReadableHere, ResumeFailed, choose, resume_newest
+from pyrecover.checkpoint.resume import (
+    NotReadableHere,
+    ResumeFailed,
+    rank0_choice,
+    resume_newest,
+)
 from pyrecover.checkpoint.stall import StallClock
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
 from pyrecover.rundir import RunDir
@@ -338,24 +343,19 @@ class CheckpointManager:
         never loaded. Rank 0's first pick is `self.chosen` (resume.choose_in_background)."""
         choice: list[Any] = [None]
         found: Checkpoint | None = None
+        failed: BaseException | None = None
         if self.rank == 0:
             chosen, self.chosen = self.chosen, None
-            asked = time.perf_counter()
-            picked = (chosen.result() if chosen is not None and below is None
-                      else choose(self.root, below, self.run.event))
-            # Where the seconds of a start's choice went (the checkpoint_chosen phase).
-            self.choice_times = {"wait_s": round(time.perf_counter() - asked, 3)}
-            if picked.seconds is not None:
-                self.choice_times["verify_s"] = round(picked.seconds, 3)
-            for step, folder, problem in picked.invalid:
-                self._report_invalid(step, folder, problem)
-            refused = picked.refusal()  # none could be read: every rank ends, none starts over
-            found, choice = picked.found, [str(picked.found.path) if picked.found else
-                                           {"refused": refused} if refused else None]
+            found, choice[0], self.choice_times, failed = rank0_choice(
+                chosen if below is None else None, self.root, below, self.run.event,
+                self._report_invalid)
         if tdist.is_initialized() and self.world_size > 1:
             tdist.broadcast_object_list(choice, src=0)
+        if failed is not None:  # raised once every rank knows: none waits for rank 0
+            raise failed
         if isinstance(choice[0], dict):
-            raise ResumeFailed(choice[0]["refused"])
+            raise ResumeFailed(choice[0].get("refused") or
+                               f"rank 0 could not choose a checkpoint: {choice[0]['failed']}")
         if choice[0] is None or found is not None:
             return found
         # Other ranks trust rank 0's checksum pass; the sizes are cheap to check again. One

@@ -166,12 +166,16 @@ def choose_in_background(root: Path, on_event: Callable[..., Any]) -> Future:
     it yet; a vanilla file, which every rank's restore reads whole, is then read once into the
     page cache after the future is set, so the restore does not wait on storage."""
     beating = _Beats(root / VERIFYING, BEAT_S).start()
+    future: Future = Future()
     try:
         tidy(root, on_event)
+    except Exception as exc:  # (a checkpoints folder it may not read): said at the choice,
+        beating.stop()  # where every rank learns of it
+        future.set_exception(exc)
+        return future
     except BaseException:
         beating.stop()
         raise
-    future: Future = Future()
 
     def work() -> None:
         started = time.perf_counter()
@@ -191,6 +195,31 @@ def choose_in_background(root: Path, on_event: Callable[..., Any]) -> Future:
 
     threading.Thread(target=work, name="pyrecover-choose", daemon=True).start()
     return future
+
+
+def rank0_choice(chosen: Future | None, root: Path, below: int | None,
+                 on_event: Callable[..., Any], report_invalid: Callable[[int, Path, str], Any]
+                 ) -> tuple[Checkpoint | None, Any, dict[str, float], BaseException | None]:
+    """rank0_choice is rank 0's part of a resume's choice (`chosen`, the pick begun in the
+    background, or a pick now): (the checkpoint, what rank 0 broadcasts, where the choice's
+    seconds went, the error to raise once the others know). It broadcasts the folder, None
+    (start fresh), {"refused": why} (nothing could be read) or {"failed": why}: the choice
+    itself failed (a checkpoints folder this user may not read) and every rank ends, instead
+    of the others waiting for a rank 0 that is gone."""
+    asked = time.perf_counter()
+    try:
+        picked = chosen.result() if chosen is not None else choose(root, below, on_event)
+    except Exception as exc:
+        return None, {"failed": f"{type(exc).__name__}: {exc}"}, {}, exc
+    times = {"wait_s": round(time.perf_counter() - asked, 3)}  # the checkpoint_chosen phase
+    if picked.seconds is not None:
+        times["verify_s"] = round(picked.seconds, 3)
+    for step, folder, problem in picked.invalid:
+        report_invalid(step, folder, problem)
+    refused = picked.refusal()  # none could be read: every rank ends, none starts over
+    message = str(picked.found.path) if picked.found else {"refused": refused} if refused \
+        else None
+    return picked.found, message, times, None
 
 
 def beats(root: Path) -> int:

@@ -136,10 +136,24 @@ def _main() -> None:
         if isinstance(exc, loaded(FAULTS)):
             typer.echo(f"error: {exc}", err=True)
             sys.exit(1)
+        if isinstance(exc, OSError):  # the file system's answer, not a bug: one line
+            typer.echo(f"error: {os_error_line(exc)}", err=True)
+            sys.exit(EXIT_USER_ERROR if isinstance(exc, PermissionError) else 1)
         raise
     # typer.Exit(code) comes back as its code. Every end is a SystemExit, as in click's own
     # standalone mode: main() ends a trainer's process through dist.exit_now on it.
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def os_error_line(exc: OSError) -> str:
+    """os_error_line says what an OSError no command caught means: which path, and what to
+    do about a permission (exit 2: no retry helps; any other, such as EIO, exits 1)."""
+    where = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 else "")
+    what = exc.strerror or type(exc).__name__
+    if isinstance(exc, PermissionError):
+        return (f"permission denied: {where or 'a file'}; give this user access to it (or run "
+                "as its owner)")
+    return f"{where}: {what}" if where else f"{what} ({exc})"
 
 
 def _parser_error(exc: Exception) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import TINY, pyrecover
+from helpers import TINY, pyrecover, tiny_args
 
 
 def files_under(path):
@@ -185,3 +185,31 @@ def test_a_limit_smaller_than_the_first_file_says_so(tmp_path):
                      "0.001")
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert "a.py (0.002 MB of text), is larger than the limit of 0.001 MB" in done.stderr
+
+
+def test_a_run_this_user_may_not_read_is_one_line_and_exit_2_never_a_traceback(tmp_path,
+                                                                              corpus):
+    """A colleague's run, or one chmod'ed by accident: status, plot, ckpt and a resume each
+    say which path and exit 2 (the job script does not requeue what no retry fixes); with
+    --nproc 2 every rank ends at once, none waiting for a rank 0 that is gone."""
+    run = tmp_path / "theirs"
+    done = pyrecover("train", *tiny_args(tmp_path, corpus, "theirs", "train.max_steps=2"))
+    assert done.returncode == 0, done.stderr
+    resume = ["train", "--nproc", "2", *tiny_args(tmp_path, corpus, "theirs",
+                                                   "train.max_steps=4", "train.device=cpu")]
+    for locked in (run / "events.jsonl", run / "checkpoints"):
+        mode = locked.stat().st_mode
+        locked.chmod(0)
+        try:
+            readers = [["status", str(run)], resume] + (  # plot reads no checkpoint, and
+                [["plot", str(run), "--out", str(tmp_path / "run.png")]]  # ckpt ls no event
+                if locked.name == "events.jsonl" else [["ckpt", "ls", str(run)]])
+            for args in readers:
+                done = pyrecover(*args, file_permissions=True)
+                assert done.returncode == 2, (args, done.stderr)
+                assert f"error: permission denied: {locked}; give this user access to it" in \
+                    done.stderr, (args, done.stderr)
+                assert "Traceback" not in done.stderr and "TCPStore" not in done.stderr, \
+                    done.stderr
+        finally:
+            locked.chmod(mode)
