@@ -157,16 +157,34 @@ def read_yaml(p: Path, strings: bool = False, what: str = "config file") -> Any:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{p}: not UTF-8 text (byte {data[exc.start]:#04x} at offset "
                           f"{exc.start})") from None
-    loader = (_StringsLoader if strings else _NoAliasLoader)(text)
+    try:
+        loader = (_StringsLoader if strings else _NoAliasLoader)(text)
+    except yaml.YAMLError as exc:  # the reader's: a NUL or another character YAML forbids
+        raise ConfigError(f"{p}: not valid YAML ({_reader_problem(exc)})") from None
     loader.name, loader.what = str(p), what
     try:
         return loader.get_single_data()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{p}{where}: not valid YAML") from None
+        problem = f" ({_reader_problem(exc)})" if isinstance(exc, yaml.reader.ReaderError) \
+            else ""
+        raise ConfigError(f"{p}{where}: not valid YAML{problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: not valid YAML (nested too deeply)") from None
+    except ValueError:  # an integer of more digits than Python converts (4300)
+        raise ConfigError(f"{p}: holds a number of more than 4300 digits, which is no config "
+                          "value") from None
     finally:
         loader.dispose()
+
+
+def _reader_problem(exc: yaml.YAMLError) -> str:
+    """_reader_problem names the character YAML's reader refused, and where."""
+    if isinstance(exc, yaml.reader.ReaderError):
+        code = exc.character if isinstance(exc.character, int) else ord(exc.character[:1] or " ")
+        return f"character U+{code:04X} at offset {exc.position}, which YAML forbids"
+    return type(exc).__name__
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -177,8 +195,11 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.max_steps=100")
     try:
         value = yaml.load(text, Loader=_NoAliasLoader) if text.strip() else ""
-    except (yaml.YAMLError, ConfigError):
+    except (yaml.YAMLError, ConfigError, RecursionError):
         value = text
+    except ValueError:  # more digits than Python converts to an int
+        raise ConfigError(f"--set {short(item)}: a number of {len(text)} characters is no "
+                          "config value") from None
     if not isinstance(value, (str, int, float, bool)):
         value = text  # lists and mappings are not config values; keep the literal text
     return key, value

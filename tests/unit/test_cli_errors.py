@@ -213,3 +213,39 @@ def test_a_run_this_user_may_not_read_is_one_line_and_exit_2_never_a_traceback(t
                     done.stderr
         finally:
             locked.chmod(mode)
+
+
+@pytest.mark.parametrize("text, said", [
+    ("train:\n  max_steps: 2\x00\n", "not valid YAML (character U+0000 at offset 21, which "
+                                     "YAML forbids)"),
+    ("train:\n  max_steps: " + "9" * 5000 + "\n", "holds a number of more than 4300 digits"),
+    ("train:\n  lr: " + "[" * 5000 + "\n", "not valid YAML (nested too deeply)"),
+])
+@pytest.mark.parametrize("command", ["train", "launch", "sweep"])
+def test_yaml_that_parses_badly_in_other_ways_is_one_line_for_every_kind_of_file(
+        tmp_path, text, said, command):
+    """A NUL byte, a 5000-digit number, 5000 nested brackets: PyYAML's reader, Python's int
+    limit and the recursion limit each ended a config, cluster profile or sweep in a
+    traceback."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    args = {"train": ["train", "--config", str(path)],
+            "launch": ["launch", "--cluster", str(path), "--dry-run"],
+            "sweep": ["sweep", "launch", str(path), "--dry-run"]}[command]
+    done = pyrecover(*args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: {path}"), line
+    # (A cluster profile reads its values as the strings written: the number is no problem
+    # there, its key is.)
+    assert said in line or (command == "launch" and "digits" in said), line
+
+
+@pytest.mark.parametrize("value, said", [
+    ("9" * 5000, "a number of 5000 characters is no config value"),
+    ("[" * 5000, "is not allowed: expected a value of type float"),
+])
+def test_a_set_value_python_cannot_read_is_one_line(value, said):
+    done = pyrecover("train", "--set", f"train.lr={value}")
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert said in done.stderr
