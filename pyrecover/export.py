@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pyrecover.checkpoint import store
+from pyrecover.checkpoint.listing import outside_checkpoints
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 from pyrecover.config_checks import short
 from pyrecover.rundir import RunDir
@@ -106,10 +107,7 @@ def _target(out: Path, run: RunDir, fmt: str, replace: bool) -> Path:
         raise CheckpointError(f"--out {out}: {above} is {what}, not a folder; choose a path "
                               "under a folder")
     root, real = run.root.resolve(), out.resolve()
-    checkpoints = run.checkpoints.resolve()
-    if real == checkpoints or checkpoints in real.parents:
-        raise CheckpointError(f"--out {out} is inside the run's checkpoints folder, which holds "
-                              "checkpoints only; choose a path outside it")
+    outside_checkpoints(out, run, "--out")
     if root in real.parents and (out.exists() or out.is_symlink()):
         raise CheckpointError(f"--out {out} would replace {real.relative_to(root)} of the run "
                               "directory; choose a new path")

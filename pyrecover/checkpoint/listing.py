@@ -8,6 +8,7 @@ after torch's import (seconds; far more on a cluster's login node).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,12 +69,24 @@ def list_checkpoints(run: RunDir, checksums: bool = True, steps: set[int] | None
 CONVERT_TO = ("torch", "dcp")
 
 
-def convert_target(to: str, out: Path) -> None:
+def convert_target(to: str, out: Path, run: RunDir) -> None:
     """convert_target refuses a `--to` or an `out` that `ckpt convert` cannot write."""
     if to not in CONVERT_TO:
         raise CheckpointError(f"--to {to!r}: expected {' or '.join(CONVERT_TO)}")
+    outside_checkpoints(out, run, "OUT")
     if out.exists() or out.is_symlink():
         raise CheckpointError(f"{out} already exists; choose a new path")
+
+
+def outside_checkpoints(out: Path, run: RunDir, option: str) -> None:
+    """outside_checkpoints refuses an output path in the run's checkpoints folder (through
+    a symbolic link too): a file there would change a committed checkpoint, a folder would
+    pass for a step that never committed."""
+    checkpoints = run.checkpoints.resolve()
+    real = Path(os.path.abspath(out)).resolve()
+    if real == checkpoints or checkpoints in real.parents:
+        raise CheckpointError(f"{option} {out} is inside the run's checkpoints folder, which "
+                              "holds checkpoints only; choose a path outside it")
 
 
 def human_bytes(n: float) -> str:

@@ -134,7 +134,7 @@ def convert(
     from pyrecover.checkpoint import listing, store
 
     run = listing.open_run(run_dir)  # what it refuses is said before torch's import
-    listing.convert_target(to, out)
+    listing.convert_target(to, out, run)
     if step is not None:
         store.step_folder(run, step)
     from pyrecover.checkpoint import tools

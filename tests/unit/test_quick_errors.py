@@ -61,6 +61,12 @@ def committed_run(root):
     (["ckpt", "convert", "run", "--step", "7", "--to", "dcp", "d"], "has no checkpoint step 7"),
     (["ckpt", "convert", "run", "--to", "onnx", "m.onnx"], "--to 'onnx': expected torch or dcp"),
     (["ckpt", "convert", "run", "--to", "torch", "run/run.yaml"], "already exists"),
+    (["ckpt", "convert", "run", "--to", "torch", "run/checkpoints/step-10/extra.pt"],
+     "is inside the run's checkpoints folder"),
+    (["ckpt", "convert", "run", "--to", "dcp", "run/checkpoints/step-500"],
+     "is inside the run's checkpoints folder"),
+    (["ckpt", "convert", "run", "--to", "dcp", "link-to-checkpoints/step-500"],
+     "is inside the run's checkpoints folder"),
     (["ckpt", "export", "run", "--out", "run/run.yaml"], "would replace run.yaml"),
     (["ckpt", "export", "run", "--out", "m.pt", "--format", "onnx"], "--format 'onnx'"),
     (["launch", "--config", str(TINY), "--set", "checkpoint.mode=nonsense"], "checkpoint.mode"),
@@ -75,6 +81,7 @@ def committed_run(root):
 ])
 def test_a_mistake_is_one_line_exit_2_before_torch_is_imported(tmp_path, args, message):
     committed_run(tmp_path / "run")
+    (tmp_path / "link-to-checkpoints").symlink_to(tmp_path / "run" / "checkpoints")
     outcome, stderr, _ = run_cli(*args, cwd=tmp_path)
     assert outcome == "exit=2 torch=False", stderr
     lines = stderr.strip().splitlines()
