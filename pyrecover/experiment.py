@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import time
+from pathlib import Path
 
 from pyrecover import batch, dist, preempt, rundir
 from pyrecover import config as config_mod
@@ -72,6 +74,24 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
         record_corpus(run, corpus)
 
 
+def nesting_problem(run: RunDir) -> str | None:
+    """nesting_problem says why a run cannot live in `run.root`: inside another run's folder
+    (in its checkpoints/, which that run's retention prunes), or in a folder holding other
+    runs (the storage root itself). None where it may."""
+    real = Path(os.path.abspath(run.root))
+    outer = next((p for p in real.parents if RunDir(p).is_recorded_run()), None)
+    if outer is not None:
+        return (f"{run.root} is inside the run directory {outer}; give a folder of its own, "
+                "outside any run")
+    with contextlib.suppress(OSError):
+        held = [p.name for p in itertools.islice(real.iterdir(), 1000)
+                if p.is_dir() and RunDir(p).is_recorded_run()]
+        if held:
+            return (f"{run.root} holds other runs ({', '.join(sorted(held)[:3])}); give the "
+                    f"run a folder of its own, e.g. {run.root / 'NAME'}")
+    return None
+
+
 def check_run_dir(cfg: Config, run: RunDir) -> Config | None:
     """check_run_dir refuses (ConfigError) what prepare_run_dir would refuse, writing nothing
     (`launch --dry-run` asks it too): a sweep's folder, or a recorded config whose identity
@@ -79,6 +99,9 @@ def check_run_dir(cfg: Config, run: RunDir) -> Config | None:
     if run.is_sweep():  # `pyrecover cancel` of the run would then end the sweep's array
         raise ConfigError(f"{run.root} holds a sweep ({run.root.name}/sweep.yaml), not a run; "
                           "use another run.exp_name")
+    nested = nesting_problem(run)
+    if nested is not None:
+        raise ConfigError(nested)
     if not run.config.is_file():
         return None
     try:

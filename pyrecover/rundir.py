@@ -124,6 +124,11 @@ class RunDir:
         return (self.config.is_file() or self.events.is_file() or self.metrics.is_file()
                 or self.checkpoints.is_dir())
 
+    def is_recorded_run(self) -> bool:
+        """is_recorded_run: a run.yaml beside events or checkpoints (stricter than is_run:
+        a home folder with a checkpoints/ of its own is no run)."""
+        return self.config.is_file() and (self.events.is_file() or self.checkpoints.is_dir())
+
     def problem(self) -> str | None:
         """problem says why this is no run directory to read (None when it is one)."""
         if not self.root.is_dir():

@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from pyrecover.cli.errors import user_error
+
 ConfigOpt = Annotated[Path | None, typer.Option(
     "--config", "-c", help="Experiment YAML (e.g. launch/experiments/tiny.yaml). "
     "Without it the embedded CPU demo defaults are used.")]
@@ -20,7 +22,7 @@ SetOpt = Annotated[list[str] | None, typer.Option(
 def train(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
-    run_dir: Annotated[Path | None, typer.Option(
+    run_dir: Annotated[str | None, typer.Option(
         help="Run directory; default <run.storage>/<run.exp_name>.")] = None,
     nproc: Annotated[int, typer.Option(
         min=1, help="Start this many worker processes here (alone, or as one srun task per "
@@ -53,10 +55,15 @@ def train(
     from pyrecover import config as config_mod
     from pyrecover.rundir import RunDir
 
+    if run_dir is not None and not run_dir.strip():  # an unset shell variable: not here
+        raise user_error("--run-dir is empty; give the run's folder, e.g. --run-dir runs/NAME")
     cfg = config_mod.load(config, overrides or [])
-    target = run_dir if run_dir is not None else cfg.run_dir()
+    target = Path(run_dir) if run_dir is not None else cfg.run_dir()
     env = dist.detect(os.environ)
     run = RunDir(target)
+    nested = experiment.nesting_problem(run)  # (the trainer checks it again, after torch)
+    if nested is not None:
+        raise user_error(nested)
     if startup.CACHE_CREATED and env.rank == 0:
         typer.echo(f"pyrecover: torch's bytecode is neither installed nor writable next to "
                    f"it: this first start compiles it into {startup.BYTECODE_CACHE}, which "
