@@ -310,7 +310,8 @@ class CheckpointManager:
             for res in results:
                 pending.files.update(res.files)
             try:  # a quota hit by manifest.json, the last write; EIO at an fsync
-                folder = pending.commit(self.mode_name, self.world_size, train_now(flight.train))
+                folder = pending.commit(self.mode_name, self.world_size, train_now(flight.train),
+                                        keep_replaced=pending.step in self.retention.skipped)
             except OSError as exc:
                 error = f"rank 0's commit: {type(exc).__name__}: {exc}"
                 self._discard(pending, error)

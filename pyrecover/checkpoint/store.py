@@ -116,8 +116,11 @@ class Pending:
         self.files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
 
     def commit(self, mode: str, world_size: int, train_state: dict[str, Any],
-               extra: dict[str, Any] | None = None) -> Path:
-        """commit writes the manifest last, renames into `step-<N>/` and returns that folder."""
+               extra: dict[str, Any] | None = None, keep_replaced: bool = False) -> Path:
+        """commit writes the manifest last, renames into `step-<N>/` and returns that folder.
+        An older `step-<N>/` it replaces is kept as `invalid-step-<N>-*` where it does not
+        verify by its sizes, or where `keep_replaced` says its checksums did not (the
+        resume's finding, which a size check cannot repeat)."""
         manifest = {
             "format": FORMAT, "mode": mode, "step": self.step, "world_size": world_size,
             "time": time.time(), "train_state": train_state, "files": self.files,
@@ -136,7 +139,7 @@ class Pending:
             # is why the resume went back past it) is kept for inspection as `invalid-step-*`.
             try:
                 verify(final, checksums=False)
-                keep = False
+                keep = keep_replaced
             except CheckpointError:
                 keep = True
             aside = self.root / (f"invalid-step-{self.step}-{uuid.uuid4().hex[:8]}" if keep

@@ -259,3 +259,20 @@ def test_a_skipped_checkpoint_below_the_next_commit_does_not_cost_the_one_resume
     assert {p.name for p in run.checkpoints.glob("step-*")} == {"step-400", "step-437",
                                                                 "step-500"}
     assert store.verify(run.checkpoints / "step-400").step == 400
+
+
+def test_a_checkpoint_corrupt_only_in_its_checksums_is_kept_for_inspection_when_redone(
+        tmp_path):
+    """Step 4 flipped in place (its size unchanged): the resume skipped it, went back to 2
+    and saved 4 again. The commit's size check passed the old folder, which was deleted as
+    an ordinary replaced save instead of kept as invalid-step-4-*."""
+    run = saved_run(tmp_path, flip=True)
+    flipped = (run.checkpoints / "step-4" / "state.pt").read_bytes()
+    dst = build_state(400_000, seed=1)
+    loader = CheckpointManager(run, "vanilla", 2, 3, 0, 1, dst.parts, CPU, False)
+    assert loader.find_resume().step == 2
+    loader.at_step(4)
+    loader.finish(4)
+    [kept] = run.checkpoints.glob("invalid-step-4-*")
+    assert (kept / "state.pt").read_bytes() == flipped
+    assert store.verify(run.checkpoints / "step-4").step == 4
