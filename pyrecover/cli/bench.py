@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from pyrecover.cli.errors import user_error
+from pyrecover.cli.errors import finite, user_error
 
 bench_app = typer.Typer(help="Measure checkpoints against the storage's limits, training "
                         "throughput against a plain loop, an interruption to the first resumed "
@@ -35,7 +35,7 @@ def ckpt(
     directory: Annotated[Path, typer.Option(
         "--dir", help="Storage to measure, e.g. /scratch/$USER; a temporary folder inside "
         "it is removed afterwards (and DIR itself where the benchmark created it).")],
-    size_gb: Annotated[float, typer.Option(
+    size_gb: Annotated[float, typer.Option(callback=finite,
         help="Size of the synthetic model + AdamW state in GB.")] = 1.0,
     repeat: Annotated[int, typer.Option(help="Runs of every figure; the table shows the "
                                         "median, min and max.")] = 3,
@@ -126,7 +126,7 @@ def memory(
     directory: Annotated[Path, typer.Option(
         "--dir", help="Storage for the persist figures and the training runs; a temporary "
         "folder inside it is removed afterwards.")],
-    size_gb: Annotated[float, typer.Option(
+    size_gb: Annotated[float, typer.Option(callback=finite,
         help="Size of the synthetic model + AdamW state on each rank, in GB.")] = 1.0,
     repeat: Annotated[int, typer.Option(help="Runs of every figure; the tables show the "
                                         "median, min and max.")] = 3,
@@ -187,10 +187,10 @@ def restart(
         "SIGKILLs itself); repeatable. Default: both.")] = None,
     repeat: Annotated[int, typer.Option(help="Interruptions of each kind (one job, "
                                         "requeued each time); medians shown.")] = 3,
-    state_gb: Annotated[float | None, typer.Option(
+    state_gb: Annotated[float | None, typer.Option(callback=finite,
         help="Train a 4-layer GPT whose weights + AdamW state are about this many GB "
         "instead of the config's model.")] = None,
-    timeout: Annotated[float, typer.Option(
+    timeout: Annotated[float, typer.Option(callback=finite,
         help="Seconds to wait for any one event (a start, a resumed step).")] = 600.0,
     local: Annotated[bool, typer.Option(
         "--local", help="No SLURM: run `pyrecover train --nproc N` here and restart it at "
@@ -292,7 +292,8 @@ def gpu_check(
     warmup: Annotated[int, typer.Option(help="Steps before the measurement (compilation).")]
     = 5,
     interval: Annotated[int, typer.Option(help="Checkpoint every this many steps.")] = 15,
-    size_gb: Annotated[float, typer.Option(help="State size for bench ckpt, in GB.")] = 2.0,
+    size_gb: Annotated[float, typer.Option(
+        callback=finite, help="State size for bench ckpt, in GB.")] = 2.0,
     tests: Annotated[bool, typer.Option(help="Run tests/gpu first.")] = True,
     allow_cpu: Annotated[bool, typer.Option(
         help="Run without a GPU (to try the check itself; its figures mean nothing).")] = False,
@@ -304,20 +305,20 @@ def gpu_check(
     cpu_repeat: Annotated[int, typer.Option(
         help="Rounds of the benches on the CPU cores: bench memory's (memory-cpu), and "
         "interruptions of each kind in the restart steps.")] = 2,
-    cpu_state_gb: Annotated[float, typer.Option(
+    cpu_state_gb: Annotated[float, typer.Option(callback=finite,
         help="The state of memory-cpu and restart-cpu-1gb, in GB (the issues bound 1 GB).")]
     = 1.0,
     cpu_steps: Annotated[int, typer.Option(
         min=1, help="Measured training steps of each throughput run of memory-cpu (bench "
         "memory's --steps); fewer try the check quickly, with figures that mean less.")] = 60,
-    step_timeout: Annotated[float, typer.Option(
+    step_timeout: Annotated[float, typer.Option(callback=finite,
         help="Seconds one step may take; past it the step is stopped (SIGTERM, then SIGKILL), "
         "reported as failed, and the check goes on with the next; 0: no limit.")] = 1800.0,
     rounds: Annotated[int, typer.Option(
         min=1, help="Runs of each mode in the GPU's training steps (train, memory-every-step), "
         "in a rotated order, medians: one run of a mode is about 4% apart from the next on "
         "an H200, as far as some ratios are from their bounds.")] = 1,
-    budget: Annotated[float, typer.Option(
+    budget: Annotated[float, typer.Option(callback=finite,
         help="Seconds the whole check may take (a lease's minutes): a step starts only with "
         "60 s of it left and is stopped 20 s before it runs out; the steps not run are "
         "listed, with the --only to run them next time. 0: no budget.")] = 0.0,

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from pyrecover.cli.errors import finite
+
 data_app = typer.Typer(help="Build training corpora (parquet files of text) from folders of files.",
                        no_args_is_help=True)
 
@@ -18,7 +20,7 @@ def prepare(
         help="Parquet file to write (a `text` column), ending in .parquet.")],
     suffix: Annotated[list[str] | None, typer.Option(
         help="File endings to take (.txt or txt); repeatable. Default: .py")] = None,
-    max_mb: Annotated[float | None, typer.Option(
+    max_mb: Annotated[float | None, typer.Option(callback=finite,
         min=0.001, help="Stop after this many megabytes of text.")] = None,
     force: Annotated[bool, typer.Option(
         "--force", help="Replace OUT where it exists (a run trained on it would then resume "

@@ -249,3 +249,17 @@ def test_a_set_value_python_cannot_read_is_one_line(value, said):
     done = pyrecover("train", "--set", f"train.lr={value}")
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert said in done.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["bench", "ckpt", "--size-gb", "nan"], ["bench", "memory", "--size-gb", "inf"],
+    ["bench", "restart", "--local", "--state-gb", "nan"],
+    ["bench", "gpu-check", "--budget", "inf"],
+])
+def test_a_float_option_that_is_no_finite_number_is_one_line(tmp_path, args):
+    done = pyrecover(*args[:2], "--dir", str(tmp_path / "d"), *args[2:]) if args[1] != \
+        "gpu-check" else pyrecover(*args)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.splitlines()
+    assert "is not a finite number" in line, line
+    assert not (tmp_path / "d").exists()
