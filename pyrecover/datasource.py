@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -46,13 +47,30 @@ def first_line(exc: BaseException) -> str:
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
+class Prepared(NamedTuple):
+    """What `prepare` wrote, and what it left out."""
+
+    files: int
+    bytes: int
+    not_utf8: int = 0  # files that are not UTF-8 text (or could not be read)
+    links: int = 0  # symbolic links, never followed (as rglob follows no linked folder)
+
+    def summary(self, out: str | Path) -> str:
+        """summary is the line `data prepare` and the demo print."""
+        skipped = [f"{n} {what}" for n, what in ((self.not_utf8, "not UTF-8 text"),
+                                                 (self.links, "symbolic link(s)")) if n]
+        return (f"wrote {out}: {self.files} files, {self.bytes / 1e6:.1f} MB of text"
+                + (f" (skipped: {', '.join(skipped)})" if skipped else ""))
+
+
 def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = (".py",),
-            max_bytes: int | None = None, replace: bool = True) -> tuple[int, int]:
+            max_bytes: int | None = None, replace: bool = True) -> Prepared:
     """prepare writes one row per text file under src_dir into a parquet `text` column.
 
     Files are taken in sorted path order, so the corpus is the same on every machine with the
-    same sources; undecodable files are skipped. An existing `out` is replaced only with
-    `replace` (`data prepare --force`). Returns (files, bytes) written.
+    same sources; files that are not UTF-8 and symbolic links (which may point anywhere) are
+    skipped and counted. An existing `out` is replaced only with `replace` (`data prepare
+    --force`). Returns what it wrote.
     """
     src = Path(src_dir)
     if not src.is_dir():
@@ -69,13 +87,20 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         raise DataError(f"{out} already exists; pass --force to replace it (a run trained on "
                         "it would then resume on other data)")
     paths, texts, total = [], [], 0
+    not_utf8 = links = 0
     too_big: tuple[Path, int] | None = None  # the file the limit stopped at
     for path in sorted(src.rglob("*")):
-        if not path.is_file() or (suffixes and path.suffix not in suffixes):
+        if suffixes and path.suffix not in suffixes:
+            continue
+        if path.is_symlink():
+            links += 1
+            continue
+        if not path.is_file():
             continue
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
+            not_utf8 += 1
             continue
         if not text:
             continue
@@ -101,4 +126,4 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise DataError(f"cannot write {out_path}: {exc.strerror or exc}") from None
-    return len(texts), total
+    return Prepared(len(texts), total, not_utf8, links)

@@ -38,5 +38,4 @@ def prepare(
     # `--suffix txt` means `.txt`: Path.suffix, which it is matched against, has the dot
     suffixes = tuple(s if s.startswith(".") or not s else f".{s}" for s in suffix or [".py"])
     max_bytes = int(max_mb * 1e6) if max_mb is not None else None
-    files, size = datasource.prepare(src_dir, out, suffixes, max_bytes, replace=force)
-    typer.echo(f"wrote {out}: {files} files, {size / 1e6:.1f} MB of text")
+    typer.echo(datasource.prepare(src_dir, out, suffixes, max_bytes, replace=force).summary(out))

@@ -41,8 +41,7 @@ def run(workdir: Path, nproc: int) -> int:
     if not corpus.is_file():
         stdlib = sysconfig.get_paths()["stdlib"]
         say(f"building the corpus from the standard library's .py files in {stdlib}")
-        files, size = datasource.prepare(stdlib, corpus, (".py",), max_bytes=5_000_000)
-        print(f"wrote {corpus}: {files} files, {size / 1e6:.1f} MB of text")
+        print(datasource.prepare(stdlib, corpus, (".py",), max_bytes=5_000_000).summary(corpus))
     if run_dir.root.exists():
         say(f"removing the previous demo run {run_dir.root}")
         shutil.rmtree(run_dir.root)
