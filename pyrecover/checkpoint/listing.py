@@ -49,11 +49,15 @@ def list_checkpoints(run: RunDir, checksums: bool = True, steps: set[int] | None
     """
     now = time.time() if now is None else now
     rows = []
+    recorded = _recorded_model(run) if checksums else None
     for step, folder, ckpt, problem in store.scan(run.checkpoints, checksums, steps=steps):
         if ckpt is not None and checksums:
-            from pyrecover.checkpoint.tools import load_problem  # torch: only for one to open
+            from pyrecover.checkpoint.tools import (  # torch: only for one to open
+                load_problem,
+                model_problem,
+            )
 
-            problem = load_problem(ckpt)
+            problem = load_problem(ckpt) or model_problem(ckpt, recorded)
         try:
             manifest = ckpt.manifest if ckpt else store.read_manifest(folder)
             mode, world = manifest["mode"], manifest["world_size"]
@@ -63,6 +67,17 @@ def list_checkpoints(run: RunDir, checksums: bool = True, steps: set[int] | None
             mode, world, size, age = "?", "?", _du(folder), None
         rows.append(Row(step, mode, world, size, age, problem))
     return rows
+
+
+def _recorded_model(run: RunDir) -> dict | None:
+    """_recorded_model is run.yaml's model section, None where run.yaml does not say."""
+    from pyrecover.config import ConfigError, read_yaml
+
+    try:
+        model = read_yaml(run.config)["model"]
+    except (ConfigError, KeyError, TypeError):
+        return None
+    return model if isinstance(model, dict) else None
 
 
 # What `ckpt convert --to` writes: one torch.save file, or a folder plain DCP loads.

@@ -41,6 +41,23 @@ def load_problem(ckpt: Checkpoint) -> str:
     return ""
 
 
+def model_problem(ckpt: Checkpoint, recorded: dict | None) -> str:
+    """model_problem is "" when `ckpt` was made for the model `recorded` (run.yaml's model
+    section; None: not known), else which keys differ: a checkpoint copied in from another
+    run verifies, but no restore into this run's model can load it."""
+    if not recorded:
+        return ""
+    try:
+        made = config_of(ckpt)["model"]
+    except Exception as exc:
+        return f"cannot be read: {type(exc).__name__}: {_first_line(exc)}"
+    differ = [f"model.{k} {made.get(k)!r}, run.yaml {v!r}" for k, v in sorted(recorded.items())
+              if k in made and made[k] != v]
+    if not differ:
+        return ""
+    return f"made for another model ({'; '.join(differ[:3])}): this run cannot restore it"
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 

@@ -155,6 +155,12 @@ def test_a_checkpoint_of_another_model_shape_is_skipped(run, finished_run, tmp_p
     shutil.copytree(tmp_path / "o" / "other" / "checkpoints" / "step-10",
                     run / "checkpoints" / "step-20")
     rewrite_manifest(run / "checkpoints" / "step-20", lambda m: m.__setitem__("step", 20))
+    # ckpt verify and ls say so before a resume finds out (their files verify).
+    verified = pyrecover("ckpt", "verify", str(run))
+    assert verified.returncode == 1, verified.stdout
+    assert verified.stdout.splitlines() == [
+        "step 20: INVALID: made for another model (model.n_embd 32, run.yaml 64): this run "
+        "cannot restore it", "step 10: ok"]
     assert_fell_back(resume(run, corpus), run, "cannot be restored")
 
 
