@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from pyrecover.cli import site_options as site
+from pyrecover.cli.errors import user_error
 
 if TYPE_CHECKING:
     from pyrecover.config import Config
@@ -26,6 +27,7 @@ P = site.P  # help text: which options override the profile
 
 
 def launch(
+    ctx: typer.Context,
     config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="Experiment YAML (e.g. launch/experiments/gpt-125m.yaml); "
         "without it the demo defaults.")] = None,
@@ -89,6 +91,12 @@ def launch(
     from pyrecover.slurm import profile as profile_mod
 
     if init_cluster is not None:
+        ignored = [f"--{name.replace('_', '-')}" for name in ctx.params if name != "init_cluster"
+                   and getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
+        if ignored:  # it writes what sinfo says and launches nothing
+            raise user_error(f"--init-cluster writes a starting profile from sinfo and launches "
+                             f"nothing, so {', '.join(ignored)} would be ignored: run it alone, "
+                             "then set them in the profile or give them to the launch")
         found = profile_mod.find_profile(None, os.environ, Path.home(), exists=lambda _: True)
         typer.echo(sinfo.init_profile(init_cluster, query.sinfo(sinfo.SINFO_FORMAT), found))
         return

@@ -119,3 +119,15 @@ def test_init_cluster_elsewhere_suggests_the_launch_that_finds_it(tmp_path):
                      cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "#SBATCH --nodes=2" in done.stdout
+
+
+def test_init_cluster_with_launch_options_refuses_rather_than_ignoring_them(tmp_path):
+    env = {"HOME": str(tmp_path), "PATH": str(Path(sys.executable).parent)}
+    target = tmp_path / "prof.yaml"
+    done = pyrecover("launch", "--init-cluster", str(target), "--nodes", "3", "--partition",
+                     "foo", env=env, cwd=tmp_path)
+    assert done.returncode == 2 and not target.exists()
+    assert done.stderr.splitlines() == [
+        "error: --init-cluster writes a starting profile from sinfo and launches nothing, so "
+        "--nodes, --partition would be ignored: run it alone, then set them in the profile or "
+        "give them to the launch"]
