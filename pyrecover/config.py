@@ -172,6 +172,8 @@ def read_yaml(p: Path, strings: bool = False, what: str = "config file") -> Any:
         raise ConfigError(f"{p}{where}: not valid YAML{problem}") from None
     except RecursionError:
         raise ConfigError(f"{p}: not valid YAML (nested too deeply)") from None
+    except ConfigError:  # the loader's own: a key twice, an alias
+        raise
     except ValueError:  # an integer of more digits than Python converts (4300)
         raise ConfigError(f"{p}: holds a number of more than 4300 digits, which is no config "
                           "value") from None
