@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -133,10 +134,20 @@ def launch(
         raise LaunchError(f"image {spec.image!r} does not exist: build it with `make image`, "
                           "fix image/--image, or use --dry-run")
     submit.require_sbatch(os.environ)
-    _refuse_live(spec.run)
+    timeout = submit.sbatch_timeout(os.environ)
+    with query.slow_note("squeue"):
+        _refuse_live(spec.run)
+    new_run = not spec.run.root.exists()
     prepare_run_dir(cfg, spec.run, batch_note)
     spec.run.job_script.write_text(script)
-    job_id = submit.submit(argv, cwd=spec.run_dir)
+    try:
+        with query.slow_note("sbatch"):
+            job_id = submit.submit(argv, cwd=spec.run_dir, timeout=timeout)
+    except LaunchError as exc:
+        # Refused, so no job runs from it: no new run folder is left to look "not started".
+        if new_run and not isinstance(exc, submit.MaybeSubmitted):
+            shutil.rmtree(spec.run.root, ignore_errors=True)
+        raise
     log = spec.run.logs / f"{job_id}.out"
     typer.echo(f"submitted job {job_id}")
     typer.echo(f"run directory: {spec.run_dir}")

@@ -43,7 +43,7 @@ def status(
     from pyrecover import status as status_mod
     from pyrecover.badnodes import clear_bad_nodes as clear
     from pyrecover.rundir import RunDir
-    from pyrecover.slurm.query import job_times, queued_jobs, squeue_state
+    from pyrecover.slurm.query import job_times, queued_jobs, slow_note, squeue_state
 
     if clear_bad_nodes:
         status_mod.read(run_dir)  # refuses what is not a run directory, before changing it
@@ -51,7 +51,9 @@ def status(
         typer.echo(f"cleared {len(cleared)} excluded node(s)" +
                    (f": {', '.join(cleared)}" if cleared else ""), err=True)
 
-    report = status_mod.read(run_dir, squeue=squeue_state, sacct=job_times, queued=queued_jobs)
+    with slow_note("squeue, sacct"):
+        report = status_mod.read(run_dir, squeue=squeue_state, sacct=job_times,
+                                 queued=queued_jobs)
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_mod.render(report))
 
 

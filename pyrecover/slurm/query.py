@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # States of a job that is queued or running (squeue's %T): such a job still starts a trainer.
 LIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
                "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT")
+
+
+@contextlib.contextmanager
+def slow_note(what: str, after_s: float = 3.0) -> Iterator[None]:
+    """slow_note says on stderr, once `after_s` seconds pass inside it, that a SLURM command
+    has not answered yet: a controller that is down makes sbatch retry for a minute, and a
+    silent command looks hung."""
+    timer = threading.Timer(after_s, lambda: print(
+        f"pyrecover: waiting for SLURM ({what}) to answer; `sinfo` tells whether its "
+        "controller is up", file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def squeue_state(job_id: str) -> str | None:

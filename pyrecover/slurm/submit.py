@@ -27,6 +27,25 @@ def require_sbatch(environ: Mapping[str, str]) -> None:
                           "--dry-run to print the job script and the sbatch command")
 
 
+class MaybeSubmitted(LaunchError):
+    """sbatch did not answer in time: the job may or may not be in the queue."""
+
+
+TIMEOUT_ENV = "PYRECOVER_SBATCH_TIMEOUT"  # seconds sbatch may take to answer (default 120)
+
+
+def sbatch_timeout(environ: Mapping[str, str]) -> float:
+    """sbatch_timeout is $PYRECOVER_SBATCH_TIMEOUT (seconds, > 0), else 120."""
+    text = environ.get(TIMEOUT_ENV, "")
+    try:
+        value = float(text) if text else 120.0
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 86400:
+        raise LaunchError(f"{TIMEOUT_ENV}={text!r}: expected seconds, e.g. 300")
+    return value
+
+
 def submit(argv: list[str], cwd: str | Path | None = None, timeout: float = 120.0) -> int:
     """submit runs `argv` (from sbatch_argv) and returns the job id sbatch printed."""
     try:
@@ -35,8 +54,8 @@ def submit(argv: list[str], cwd: str | Path | None = None, timeout: float = 120.
         raise LaunchError(f"{argv[0]} not found on PATH; use --dry-run to see the script") \
             from None
     except subprocess.TimeoutExpired:
-        raise LaunchError(f"{argv[0]} did not answer within {timeout:.0f}s; the job may or may "
-                          "not have been submitted: check with squeue") from None
+        raise MaybeSubmitted(f"{argv[0]} did not answer within {timeout:.0f}s; the job may or "
+                             "may not have been submitted: check with squeue") from None
     if result.returncode != 0:
         why = " ".join(result.stderr.split()) or f"exit code {result.returncode}"
         raise LaunchError(f"{argv[0]} refused the job: {why}")

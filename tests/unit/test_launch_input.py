@@ -392,3 +392,29 @@ def test_the_rendered_script_of_an_edge_name_runs_in_bash_and_runs_nothing_else(
     assert code == 0, stderr
     assert argv == expected_argv(spec)
     assert not list(tmp_path.rglob("pwned")) and not (tmp_path / "z").exists()
+
+
+@pytest.mark.parametrize("answer, kept", [
+    ("echo 'sbatch: error: Batch job submission failed: Invalid partition' >&2; exit 1",
+     False),
+    ("sleep 30", True),  # no answer in time: a job may be queued, which needs its folder
+])
+def test_a_job_sbatch_refused_leaves_no_run_folder_and_a_slow_one_is_said(
+        tmp_path, monkeypatch, answer, kept):
+    """sbatch refused the job (or SLURM is down): the new run folder, with run.yaml and
+    job.sbatch, was left behind and status showed a run "not started" that had no job."""
+    from helpers import build_corpus
+
+    build_corpus(tmp_path / "data.parquet", max_bytes=50_000)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("sbatch", answer), ("squeue", "sleep 4")):  # slow, as when down
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
+           "PYRECOVER_SBATCH_TIMEOUT": "6"}
+    done = launch(tmp_path, "--gpus-per-node", "2", "--launcher", "none", "--exp-name", "new",
+                  env=env)
+    assert done.returncode == 2, done.stderr
+    assert "pyrecover: waiting for SLURM (squeue) to answer" in done.stderr
+    assert (tmp_path / "store" / "new").exists() is kept, done.stderr
