@@ -195,4 +195,12 @@ def _notes(cfg: Config, spec: JobSpec) -> list[str]:
     if spec.image is not None and render.outside_binds(cfg.data.path, spec.binds):
         notes.append(f"data.path {cfg.data.path} is outside every bind mount; add "
                      "--bind for its folder unless the image has it")
+    from pyrecover.slurm import query, sinfo
+
+    with query.slow_note("sinfo"):
+        described = query.sinfo(sinfo.SINFO_FORMAT)
+    unfit = sinfo.fit_problem(sinfo.parse_sinfo(described or ""), spec.partition,
+                              spec.nodes + spec.spare_nodes, spec.gpus_per_node)
+    if unfit:
+        notes.append(unfit)
     return notes

@@ -80,6 +80,23 @@ def pick(partitions: list[Partition]) -> Partition | None:
     return ranked[0] if ranked else None
 
 
+def fit_problem(partitions: list[Partition], partition: str | None, nodes: int,
+                gpus_per_node: int) -> str | None:
+    """fit_problem says why a job of `nodes` nodes with `gpus_per_node` GPUs each can never
+    start in `partition` (None: the default one), as sinfo described them; None where it can,
+    or where sinfo does not know the partition (a launch is never refused on a guess)."""
+    part = next((p for p in partitions if p.name == partition), None) if partition else next(
+        (p for p in partitions if p.default), None)
+    if part is None:
+        return None
+    fit = sum(t.nodes for t in part.types if t.gpus >= gpus_per_node)
+    if fit >= nodes:
+        return None
+    return (f"partition {part.name} has {fit} node(s) with {gpus_per_node} or more GPUs "
+            f"(sinfo), and this job asks for {nodes}: SLURM would keep it pending for good; "
+            "check --nodes, --gpus-per-node and --spare-nodes")
+
+
 def starting_profile(partitions: list[Partition] | None) -> str:
     """starting_profile is the text of a commented cluster profile: what sinfo said where it
     answered (None: it did not), the built-in defaults otherwise."""

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import pyrecover
+from helpers import default_cluster, pyrecover
 
 from pyrecover.slurm import LaunchError, profile, sinfo
 from pyrecover.slurm.profile import ClusterProfile
@@ -131,3 +131,33 @@ def test_init_cluster_with_launch_options_refuses_rather_than_ignoring_them(tmp_
         "error: --init-cluster writes a starting profile from sinfo and launches nothing, so "
         "--nodes, --partition would be ignored: run it alone, then set them in the profile or "
         "give them to the launch"]
+
+
+@pytest.mark.parametrize("partition, nodes, gpus, said", [
+    ("gpu", 10, 4, None),
+    ("gpu", 12, 4, None),  # 12 fit: 10 with 4 GPUs and 2 with 8
+    ("gpu", 3, 8, "partition gpu has 2 node(s) with 8 or more GPUs (sinfo), and this job "
+                  "asks for 3: SLURM would keep it pending for good"),
+    ("gpu", 13, 4, "partition gpu has 12 node(s) with 4 or more GPUs"),
+    (None, 1, 4, "partition cpu has 0 node(s) with 4 or more GPUs"),  # the default: no GPUs
+    ("nowhere", 99, 4, None),  # a partition sinfo does not show: no guess
+])
+def test_a_job_the_partition_cannot_hold_is_named(partition, nodes, gpus, said):
+    problem = sinfo.fit_problem(sinfo.parse_sinfo(SITE_SINFO), partition, nodes, gpus)
+    if said is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.startswith(said), problem
+
+
+def test_launch_notes_a_job_that_could_never_start(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sinfo").write_text(f"#!/bin/bash\nprintf '%s' {shlex.quote(LOCAL_SINFO)}\n")
+    (bin_dir / "sinfo").chmod(0o755)
+    env = {"HOME": str(tmp_path), "PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin"}
+    done = pyrecover("launch", "--nodes", "3", "--launcher", "none", "--dry-run",
+                     env={**env, **default_cluster(tmp_path)}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "note: partition debug has 2 node(s) with 4 or more GPUs (sinfo), and this job " \
+        "asks for 3: SLURM would keep it pending for good" in done.stderr
