@@ -30,6 +30,10 @@ def validate(cfg: Config) -> None:
     if not isinstance(name, str) or not _EXP_NAME.fullmatch(name) or ".." in name:
         _bad("run.exp_name", cfg.run.exp_name, "1 to 128 letters, digits, '.', '_' and '-', "
              "starting with a letter or digit, no '..'")
+    tags = cfg.tracking.tags
+    if isinstance(tags, str) and any(c in tags for c in "[]{}"):
+        _bad("tracking.tags", tags, "tags separated by commas, e.g. tracking.tags=baseline,"
+                                    "lr-sweep (no brackets)")
     if cfg.run.stop_signal.upper().removeprefix("SIG") not in ("USR1", "USR2", "TERM", "INT",
                                                                  "HUP", "XCPU"):
         _bad("run.stop_signal", cfg.run.stop_signal, "one of USR1, USR2, TERM, INT, HUP, XCPU")
@@ -209,7 +213,10 @@ def short(value: Any, limit: int = 80) -> str:
     if isinstance(value, (dict, list, tuple, set)) and len(value) > 20:
         return f"<a {type(value).__name__} of {len(value)} items>"
     text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    if len(text) <= limit:
+        return text
+    length = len(value) if isinstance(value, str) else len(text)  # (a string's, not its repr's)
+    return f"{text[:limit]}... ({length} characters)"
 
 
 def _bad(key: str, value: Any, allowed: str) -> typing.NoReturn:

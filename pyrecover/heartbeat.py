@@ -30,6 +30,7 @@ log = logging.getLogger("pyrecover")
 BEAT_S = 0.5
 WINDOW_BEATS = 4  # a peer whose counter did not move while ours moved this often is silent
 EXITED = b"exit"
+LEAVE_WAIT_S = 3.0  # rank 0 waits this long at most for the others' `exit` (Heartbeat.stop)
 GIVE_UP_FAILURES = 3  # beats in a row the store did not take (each up to its 5 s timeout)
 
 
@@ -127,6 +128,24 @@ class Heartbeat:
             self.store.set(key(self.rank), EXITED)
         except Exception as exc:
             log.debug("rank %d: could not write its heartbeat's exit: %s", self.rank, exc)
+            return
+        if self.rank == 0:
+            self._wait_for_the_others()
+
+    def _wait_for_the_others(self, wait_s: float | None = None) -> None:
+        """Rank 0's process holds the store (srun, train --nproc): leaving first, it cut off
+        the others' own `exit` writes, and torch printed a C++ warning per write under their
+        one error line. It waits for them, `wait_s` at most: a rank that died or hangs never
+        writes it."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        deadline = time.monotonic() + (LEAVE_WAIT_S if wait_s is None else wait_s)
+        while others and time.monotonic() < deadline:
+            try:
+                if all(v == EXITED for v in self._read(others).values()):
+                    return
+            except Exception:  # the store went (torchrun's agent hosts it): nothing to wait for
+                return
+            time.sleep(0.05)
 
     def silent(self, beats: int = WINDOW_BEATS, max_wait_s: float = 30.0,
                sleep: Callable[[float], None] = time.sleep) -> Silence | None:

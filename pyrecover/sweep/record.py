@@ -67,6 +67,9 @@ def to_yaml(record: Record) -> str:
 def read(sweep_dir: str | Path) -> Record:
     """read loads `sweep.yaml`; raises SweepError when the folder is no sweep."""
     path = Path(sweep_dir) / RECORD
+    if not Path(sweep_dir).is_dir():
+        what = "is a file, not a folder" if Path(sweep_dir).exists() else "does not exist"
+        raise SweepError(f"sweep directory {str(sweep_dir)!r} {what}")
     if not path.is_file():
         raise SweepError(f"{sweep_dir} is not a sweep directory (no {RECORD}); it is "
                          "<run.storage>/<sweep name> of a `pyrecover sweep launch`")

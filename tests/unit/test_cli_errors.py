@@ -27,6 +27,10 @@ def files_under(path):
     (["--config", "."], "config file '.' is a folder, not a YAML file"),
     (["--config", str(TINY), "--set", "data.path=."],
      "data file '.' is a folder, not a parquet file"),
+    (["--config", str(TINY), "--set", "run.exp_name=" + "a" * 129],
+     "(129 characters) is not allowed"),  # the name's length, not its quoted repr's
+    (["--config", str(TINY), "--set", "tracking.tags=[a,b]"],
+     "tracking.tags='[a,b]' is not allowed: expected tags separated by commas"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message):
     pq.write_table(pa.table({"body": ["some text"]}), tmp_path / "wrong.parquet")

@@ -92,3 +92,31 @@ def test_a_rank_whose_store_blipped_beats_on_and_is_not_named_silent_later():
     for beat in beats:
         beat.stop()
     del server
+
+
+def test_rank_0_which_holds_the_store_leaves_after_the_others_have_said_exit(monkeypatch):
+    """Rank 0 leaving first cut off the others' `exit` writes (a C++ warning each, under a
+    start error's one line); it waits for them, and not for ever for one that never writes."""
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),
+                      wait_for_workers=False)
+    beats = [heartbeat.Heartbeat(heartbeat.connect("127.0.0.1", port), rank, 3, "n",
+                                 every_s=0.05).start() for rank in range(3)]
+    monkeypatch.setattr(heartbeat, "LEAVE_WAIT_S", 120.0)  # far past any busy machine's lag
+    rank0_done = threading.Event()
+    leaving = threading.Thread(target=lambda: (beats[0].stop(), rank0_done.set()))
+    leaving.start()
+    beats[1].stop()
+    assert not rank0_done.wait(0.3)  # rank 2 has not said it leaves
+    beats[2].stop()
+    assert rank0_done.wait(10)
+    leaving.join()
+    # A rank that died never writes `exit`: rank 0 still leaves, after LEAVE_WAIT_S at most.
+    alone = [heartbeat.Heartbeat(heartbeat.connect("127.0.0.1", port), rank, 2, "n",
+                                 every_s=0.05).start() for rank in range(2)]
+    alone[1]._stop.set()  # as a crash would: no `exit`
+    alone[1]._thread.join()
+    alone[1].store.set(heartbeat.key(1), "7")
+    monkeypatch.setattr(heartbeat, "LEAVE_WAIT_S", 0.2)
+    alone[0].stop()  # returns, the bound reached
+    del server

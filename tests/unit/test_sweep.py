@@ -439,3 +439,10 @@ def test_a_trial_of_a_sweep_with_an_auto_global_batch_trains(tmp_path, corpus):
                         "train.max_steps=2")
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert [e["event"] for e in RunDir(trial).read_events()].count("finish") == 1
+
+
+def test_sweep_status_of_a_missing_folder_says_it_does_not_exist(tmp_path):
+    done = pyrecover("sweep", "status", str(tmp_path / "nowhere"))
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"error: sweep directory '{tmp_path / 'nowhere'}' does not exist"]
