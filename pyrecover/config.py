@@ -174,11 +174,18 @@ def read_yaml(p: Path, strings: bool = False, what: str = "config file") -> Any:
         raise ConfigError(f"{p}: not valid YAML (nested too deeply)") from None
     except ConfigError:  # the loader's own: a key twice, an alias
         raise
-    except ValueError:  # an integer of more digits than Python converts (4300)
+    except ValueError as exc:
+        if not _digit_limit(exc):  # a constructor's own refusal (a date like 2024-13-45)
+            raise ConfigError(f"{p}: not valid YAML ({short(str(exc))})") from None
         raise ConfigError(f"{p}: holds a number of more than 4300 digits, which is no config "
                           "value") from None
     finally:
         loader.dispose()
+
+
+def _digit_limit(exc: ValueError) -> bool:
+    """_digit_limit: `exc` is int()'s refusal of a number of more than sys's digit limit."""
+    return "Exceeds the limit" in str(exc) and "digits" in str(exc)
 
 
 def _reader_problem(exc: yaml.YAMLError) -> str:
@@ -199,7 +206,9 @@ def parse_override(item: str) -> tuple[str, Any]:
         value = yaml.load(text, Loader=_NoAliasLoader) if text.strip() else ""
     except (yaml.YAMLError, ConfigError, RecursionError):
         value = text
-    except ValueError:  # more digits than Python converts to an int
+    except ValueError as exc:  # more digits than Python converts to an int, or a bad date
+        if not _digit_limit(exc):
+            return key, text
         raise ConfigError(f"--set {short(item)}: a number of {len(text)} characters is no "
                           "config value") from None
     if not isinstance(value, (str, int, float, bool)):

@@ -75,14 +75,18 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
 
 
 def nesting_problem(run: RunDir) -> str | None:
-    """nesting_problem says why a run cannot live in `run.root`: inside another run's folder
-    (in its checkpoints/, which that run's retention prunes), or in a folder holding other
-    runs (the storage root itself). None where it may."""
-    real = Path(os.path.abspath(run.root))
+    """nesting_problem says why a new run cannot live in `run.root`: inside another run's
+    folder (in its checkpoints/, which that run's retention prunes; through a symbolic link
+    too), or in a folder holding other runs (the storage root itself). None where it may,
+    and for a run that exists already (its requeue is never refused for a layout an earlier
+    version allowed)."""
+    if run.config.is_file():
+        return None
+    real = Path(os.path.realpath(run.root))
     outer = next((p for p in real.parents if RunDir(p).is_recorded_run()), None)
     if outer is not None:
-        return (f"{run.root} is inside the run directory {outer}; give a folder of its own, "
-                "outside any run")
+        return (f"{run.root} is inside the run directory {outer} (it has {outer / 'run.yaml'}); "
+                "give a folder of its own, outside any run")
     with contextlib.suppress(OSError):
         held = [p.name for p in itertools.islice(real.iterdir(), 1000)
                 if p.is_dir() and RunDir(p).is_recorded_run()]

@@ -87,6 +87,7 @@ class Heartbeat:
     def __init__(self, store: Any, rank: int, world_size: int, node: str,
                  every_s: float = BEAT_S) -> None:
         self.store, self.rank, self.world_size, self.node = store, rank, world_size, node
+        self._left = False  # stop() ran
         self.every_s = every_s
         self._count = 0
         self._stop = threading.Event()
@@ -119,8 +120,13 @@ class Heartbeat:
                 if failed >= GIVE_UP_FAILURES:
                     return
 
-    def stop(self) -> None:
-        """stop ends the beats and writes `exit`, so peers never take this rank for silent."""
+    def stop(self, wait: bool = True) -> None:
+        """stop ends the beats and writes `exit`, so peers never take this rank for silent;
+        rank 0 then waits for the others' (`wait`; not on a hang, where the peers are stuck
+        and its persist comes first). A second call does nothing."""
+        if self._left:
+            return
+        self._left = True
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.every_s + 5)
@@ -129,7 +135,7 @@ class Heartbeat:
         except Exception as exc:
             log.debug("rank %d: could not write its heartbeat's exit: %s", self.rank, exc)
             return
-        if self.rank == 0:
+        if self.rank == 0 and wait:
             self._wait_for_the_others()
 
     def _wait_for_the_others(self, wait_s: float | None = None) -> None:

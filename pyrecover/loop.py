@@ -291,9 +291,8 @@ class Loop:
 
     def _phase(self, name: str, step: int | None = None) -> None:
         """_phase tells the watchdog that `name` begins (and lets a test hang there)."""
-        name = self.phase_names.get(name, name)
-        self.watchdog.phase(name, step)
-        faults.maybe_hang(name, self.watchdog.step, self.rank)
+        self.watchdog.phase(self.phase_names.get(name, name), step)
+        faults.maybe_hang(name, self.watchdog.step, self.rank)  # (PYRECOVER_HANG_PHASE=forward)
 
     def _log(self, step: int, loss: float, grad_norm: float, tok_s: float, step_s: float) -> None:
         lr = self.optimizer.param_groups[0]["lr"]

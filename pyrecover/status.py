@@ -304,8 +304,9 @@ def render(s: Status) -> str:
                      f"of step {h.get('step')} ran {h.get('seconds')}s (limit {h.get('limit')}s)")
     for g in s.stragglers:
         lines.append(f"straggler   rank {g.get('rank')} on {g.get('node')}: {g.get('seconds')}s "
-                     f"own compute per step, the other ranks' "
-                     f"{g.get('reference', g.get('median'))}s (step {g.get('step')}, "
+                     f"own compute per step, "
+                     + (f"the other ranks' {g['reference']}s" if "reference" in g else
+                        f"median {g.get('median')}s") + f" (step {g.get('step')}, "
                      f"{g.get('windows')} windows in a row)")
     for n in s.excluded_nodes:
         lines.append(f"excluded    {n['node']} since {n['time']}: {n['reason']}")

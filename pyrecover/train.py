@@ -7,6 +7,7 @@ Every rank runs `main`. The process group is joined in one place and always left
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
 import logging
@@ -152,7 +153,8 @@ def main(cfg: Config, run_dir: Path) -> None:
 
     dog = watchdog.Watchdog(rule, env.rank, dist.node_name(), on_hang=lambda hang: watchdog.handle(
                             hang, run.event, persist, device, silent=beats and beats.silent,
-                            leaving=beats and beats.stop, progress=watchdog.io_bytes),
+                            leaving=beats and functools.partial(beats.stop, wait=False),
+                            progress=watchdog.io_bytes),
                             progress=progress).start()
     try:
         _train(cfg, run, env, device, tokens, managers, flag, dog, phases)
@@ -172,8 +174,8 @@ def main(cfg: Config, run_dir: Path) -> None:
         # that already fired ends the process with EXIT_HANG inside this call.
         dog.stop()
         # (a permission no requeue gives: the CLI ends it as a user error, exit 2)
-        user_error = isinstance(exc, (ConfigError, DataError, CheckpointError, TrainingError,
-                                      PermissionError))
+        user_error = isinstance(exc, (ConfigError, DataError, CheckpointError, TrainingError)
+                                ) or _permission_in(exc, run.root)
         if not user_error:
             watchdog.persist_once(persist)  # once, whether this thread or the watchdog is first
         lost = peer_lost(exc)
@@ -214,6 +216,15 @@ def peer_lost(exc: BaseException) -> bool:
     return isinstance(exc, tdist.DistError) or any(
         s in text for s in ("Connection closed by peer", "Connection reset by peer",
                             "Broken pipe", "NCCL communicator was aborted"))
+
+
+def _permission_in(exc: BaseException, root: Path) -> bool:
+    """_permission_in: `exc` is a permission refused on the run directory's own files, which
+    no requeue gives (a node's /tmp or /dev/shm refusing one is that node's: it requeues)."""
+    if not isinstance(exc, PermissionError) or exc.filename is None:
+        return False
+    path = os.path.realpath(os.fsdecode(exc.filename))
+    return os.path.commonpath([path, os.path.realpath(root)]) == os.path.realpath(root)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -6,6 +6,7 @@ starting with `error:` and exit code 2; a bug still shows its traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -148,7 +149,9 @@ def _main() -> None:
 def os_error_line(exc: OSError) -> str:
     """os_error_line says what an OSError no command caught means: which path, and what to
     do about a permission (exit 2: no retry helps; any other, such as EIO, exits 1)."""
-    where = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 else "")
+    where = "" if exc.filename is None else (
+        os.fsdecode(exc.filename) + (f" -> {os.fsdecode(exc.filename2)}" if exc.filename2
+                                     else ""))
     what = exc.strerror or type(exc).__name__
     if isinstance(exc, PermissionError):
         return (f"permission denied: {where or 'a file'}; give this user access to it (or run "

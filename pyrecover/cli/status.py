@@ -51,9 +51,13 @@ def status(
         typer.echo(f"cleared {len(cleared)} excluded node(s)" +
                    (f": {', '.join(cleared)}" if cleared else ""), err=True)
 
-    with slow_note("squeue, sacct"):
-        report = status_mod.read(run_dir, squeue=squeue_state, sacct=job_times,
-                                 queued=queued_jobs)
+    def slow(ask):  # said only where SLURM itself is slow, not the run's files
+        def call(*args):
+            with slow_note(ask.__name__):
+                return ask(*args)
+        return call
+    report = status_mod.read(run_dir, squeue=slow(squeue_state), sacct=slow(job_times),
+                             queued=slow(queued_jobs))
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_mod.render(report))
 
 

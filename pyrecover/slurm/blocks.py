@@ -134,8 +134,9 @@ after_training() {
         record no_requeue "$code" "$reason; max restarts ($MAX_RESTARTS) reached by failures"
         exit "$code"
     fi
-    if ! record requeue "$code" "$reason"; then
+    if ! record requeue "$code" "$reason" && [ "$reason" != "stopped cleanly" ]; then
         # Uncounted, a failure would requeue for ever: the restart limit reads these records.
+        # (A clean stop that trained is never counted: it requeues all the same.)
         echo "pyrecover: cannot write $EVENTS (storage full, over quota or read-only?), so" \
             "this requeue could not be counted; not requeueing. Free the storage, then launch" \
             "the run again" >&2

@@ -40,7 +40,7 @@ def test_state_gb_gives_a_model_whose_weights_and_adamw_state_come_to_about_that
     (["--repeat", "0"], "--repeat >= 1"),
     (["--state-gb", "-1"], "--state-gb must be in (0, 64]"),
     (["--timeout", "0"], "--timeout must be a number of seconds > 0"),
-    (["--timeout", "nan"], "--timeout must be a number of seconds > 0"),
+    (["--timeout", "nan"], "'--timeout': nan is not a finite number"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_anything_is_submitted(tmp_path, args,
                                                                        message):

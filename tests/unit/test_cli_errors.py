@@ -267,3 +267,22 @@ def test_a_float_option_that_is_no_finite_number_is_one_line(tmp_path, args):
     [line] = done.stderr.splitlines()
     assert "is not a finite number" in line, line
     assert not (tmp_path / "d").exists()
+
+
+def test_an_os_error_without_a_path_keeps_its_message():
+    from pyrecover.cli.app import os_error_line
+
+    assert os_error_line(OSError("boom")) == "OSError (boom)"
+    assert os_error_line(BrokenPipeError(32, "Broken pipe")) == (
+        "Broken pipe ([Errno 32] Broken pipe)")
+    assert os_error_line(PermissionError(13, "Permission denied", "/x/y")) == (
+        "permission denied: /x/y; give this user access to it (or run as its owner)")
+    assert os_error_line(OSError(5, "Input/output error", "/x/y")) == "/x/y: Input/output error"
+
+
+def test_a_yaml_value_its_constructor_refuses_is_not_called_a_long_number(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  max_steps: 2024-13-45\n")
+    done = pyrecover("train", "--config", str(path))
+    assert done.returncode == 2 and "not valid YAML" in done.stderr, done.stderr
+    assert "digits" not in done.stderr

@@ -118,5 +118,8 @@ def test_rank_0_which_holds_the_store_leaves_after_the_others_have_said_exit(mon
     alone[1]._thread.join()
     alone[1].store.set(heartbeat.key(1), "7")
     monkeypatch.setattr(heartbeat, "LEAVE_WAIT_S", 0.2)
+    began = time.monotonic()
     alone[0].stop()  # returns, the bound reached
+    assert 0.2 <= time.monotonic() - began < 60
+    alone[0].stop()  # a second call does nothing: no second wait
     del server

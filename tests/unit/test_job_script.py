@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+import subprocess
 
 import pytest
 from sbatch_support import run_step, spec_for
@@ -169,6 +170,23 @@ def test_a_requeue_that_cannot_be_recorded_ends_the_job_instead_of_requeueing_un
     assert lines(tmp_path / "scontrol.calls") == []  # no requeue
     assert "this requeue could not be counted; not requeueing. Free the storage, then launch " \
         "the run again" in (run / "logs" / "123.out").read_text()
+
+
+def test_a_clean_stop_requeues_even_where_its_requeue_cannot_be_recorded(tmp_path):
+    """A long run stopping at its time limit while events.jsonl cannot take a line (over
+    quota): clean stops are never counted, so it requeues all the same. The file is made
+    immutable (chattr +i; root ignores permissions), still readable."""
+    step = attempt([], [trainer("resume", 50, 0, path="p"),
+                        trainer("stop", 60, 0, reason="SIGUSR2")], 75).replace(
+        "exit 75", "chattr +i \"$EVENTS\"\nexit 75")
+    try:
+        done, run = run_job(tmp_path, [step])
+    finally:
+        for events in tmp_path.rglob("events.jsonl"):
+            subprocess.run(["chattr", "-i", str(events)], check=False)
+    assert "Operation not permitted" in (run / "logs" / "123.out").read_text()  # not recorded
+    assert done.returncode == 75
+    assert lines(tmp_path / "scontrol.calls")[0] == "requeue 123"
 
 
 def test_a_task_failing_after_the_recorded_finish_ends_the_job_as_finished(tmp_path):

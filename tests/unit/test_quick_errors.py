@@ -78,6 +78,8 @@ def committed_run(root):
      ". holds other runs (run); give the run a folder of its own"),
     (["train", "--config", str(TINY), "--set", "run.storage=run/checkpoints"],
      "is inside the run directory"),
+    (["train", "--config", str(TINY), "--run-dir", "link-to-checkpoints/new"],
+     "is inside the run directory"),  # through a symbolic link too
     (["bench", "train", "--config", str(TINY), "--set", "train.nope=1"], "unknown key"),
     (["train", "--config", str(TINY), "--set", "data.path=no.parquet"],
      "data file 'no.parquet' does not exist"),
