@@ -33,6 +33,16 @@ def is_dir_or_link(path: Path) -> bool:
     return stat.S_ISDIR(mode) or stat.S_ISLNK(mode)
 
 
+def is_file(path: Path) -> bool:
+    """is_file: a regular file, not a link to one."""
+    return stat.S_ISREG(mode_of(path) or 0)
+
+
+def is_link(path: Path) -> bool:
+    """is_link: a symbolic link, whatever it points at."""
+    return stat.S_ISLNK(mode_of(path) or 0)
+
+
 def is_real_dir(path: Path) -> bool:
     """is_real_dir: a folder, not a link to one."""
     return stat.S_ISDIR(mode_of(path) or 0)
@@ -57,7 +67,7 @@ def clean_uncommitted(root: Path) -> list[Path]:
         for p in root.iterdir():
             if not p.name.startswith(LEFTOVER_PREFIXES):
                 continue
-            if stat.S_ISLNK(mode_of(p) or 0):
+            if is_link(p):
                 _remove(os.unlink, str(p))
             elif is_real_dir(p):
                 for folder, dirs, files in os.walk(p, topdown=False):  # links are not followed

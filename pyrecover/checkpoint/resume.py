@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import sys
 import threading
 import time
@@ -108,7 +107,7 @@ def recover_commits(root: Path) -> list[int]:
     if not root.is_dir():
         return recovered
     tmps = [p for p in root.glob(".tmp-step-*")  # (EIO raises: never taken for no manifest)
-            if stat.S_ISREG(entries.mode_of(p / store.MANIFEST) or 0)]
+            if entries.is_file(p / store.MANIFEST)]
     for tmp in sorted(tmps, key=lambda p: (p / store.MANIFEST).stat().st_mtime, reverse=True):
         step = tmp.name.split("-")[2]
         final = (root / store.step_folder_name(int(step))

@@ -299,11 +299,11 @@ def step_folder(run: RunDir, step: int) -> Path:
 def read_manifest(folder: Path) -> dict[str, Any]:
     """read_manifest returns a step folder's manifest once its structure is valid (the files
     themselves are `verify`'s)."""
-    if stat.S_ISLNK(entries.mode_of(folder) or 0):
+    if entries.is_link(folder):
         raise CheckpointError(f"{folder}: is a symbolic link; a checkpoint folder must be a "
                               f"real folder")
     mpath = folder / MANIFEST
-    if not stat.S_ISREG(entries.mode_of(mpath) or 0):  # a link is no manifest either
+    if not entries.is_file(mpath):  # a link is no manifest either
         raise CheckpointError(f"{folder}: no {MANIFEST} (the save never committed)")
     try:
         manifest = json.loads(mpath.read_text())

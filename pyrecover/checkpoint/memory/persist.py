@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -131,7 +130,7 @@ def coverage(folder: Path) -> tuple[int, dict[str, Any], list[int], dict[str, An
         for name, info in done["files"].items():
             path = folder / name
             try:
-                ok = (stat.S_ISREG(entries.mode_of(path) or 0)  # EIO raises, not "missing"
+                ok = (entries.is_file(path)  # EIO raises, not "missing"
                       and path.stat().st_size == info["size"]
                       and store.checksum_ok(path, info))
             except CheckpointError:  # a checksum this version does not know: unusable here
@@ -155,7 +154,7 @@ def finalize_snapshots(root: Path, on_event) -> None:
     snaps = []
     for p in root.glob(f"{SNAP_PREFIX}*"):
         digits = p.name.removeprefix(SNAP_PREFIX)
-        if stat.S_ISLNK(entries.mode_of(p) or 0):  # never ours: its target is not touched
+        if entries.is_link(p):  # never ours: its target is not touched
             p.unlink(missing_ok=True)
         elif digits.isascii() and digits.isdigit() and entries.is_real_dir(p):
             snaps.append(p)
