@@ -71,7 +71,9 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
             what = "is a folder, not a YAML file" if p.is_dir() else "does not exist"
             raise ConfigError(f"config file {str(p)!r} {what}")
         raw = read_yaml(p)
-        raw = {} if raw is None else raw  # an empty file: the defaults
+        if raw is None:  # a file truncated to nothing must not train the demo's defaults
+            raise ConfigError(f"{p}: holds no settings (empty, or only comments); leave "
+                              "--config out to train with the defaults")
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: expected a mapping of sections, got {type(raw).__name__}")
         source = str(p)

@@ -119,6 +119,17 @@ def test_a_missing_config_file_is_named(tmp_path):
         config.load(tmp_path / "nope.yaml")
 
 
+@pytest.mark.parametrize("text", ["", "\n  \n", "# every setting from the defaults\n"])
+def test_a_config_file_with_no_settings_is_refused_rather_than_read_as_the_defaults(tmp_path,
+                                                                                    text):
+    # A file truncated to nothing (a failed copy, a full disk) would otherwise train the
+    # embedded CPU demo under the user's experiment name.
+    f = tmp_path / "exp.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match="holds no settings.*leave --config out"):
+        config.load(f)
+
+
 def test_invalid_yaml_names_the_line(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("train:\n  max_steps: 3\n  lr: [1,\n")
