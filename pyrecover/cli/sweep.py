@@ -76,7 +76,7 @@ def launch(
     from pyrecover.sweep import bayes, record, render, spec, trials, wandb_sweep
 
     cwd = os.getcwd()
-    sweep = spec.load(sweep_file)
+    sweep = trials.absolute_values(spec.load(sweep_file), cwd)
     sets = list(overrides or []) + ([f"checkpoint.mode={mode}"] if mode else [])
     cfg = config_mod.load(config, sets)
     cfg = trials.base_for(sweep, absolute_paths(cfg, cwd))

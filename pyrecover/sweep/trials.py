@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 import random
 from typing import Any
 
@@ -120,6 +121,31 @@ def resolved(cfg: Config, keys: list[str]) -> dict[str, Any]:
 
 def describe(values: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in values.items())
+
+
+PATH_KEYS = ("data.path",)
+"""Swept keys that name a file: a trial starts in its sweep's folder, not where `sweep
+launch` ran, so a relative value must not reach its run.yaml."""
+
+
+def absolute_values(sweep: Sweep, cwd: str) -> Sweep:
+    """absolute_values makes every relative value of a PATH_KEYS parameter absolute from `cwd`,
+    as `launch` does the experiment's own paths. A bayes sweep's values are handed to each
+    trial by wandb's controller as the sweep file gives them: a relative one is refused."""
+    params = []
+    for p in sweep.params:
+        relative = [v for v in p.values if p.key in PATH_KEYS and isinstance(v, str)
+                    and not os.path.isabs(v)]
+        if relative and sweep.method == "bayes":
+            raise SweepError(f"parameters.{p.key}: {relative[0]!r} is a relative path, and a "
+                             "bayes trial gets it from wandb as written, in its sweep's folder; "
+                             "give absolute paths")
+        if relative:
+            p = dataclasses.replace(p, values=tuple(
+                os.path.abspath(os.path.join(cwd, v)) if isinstance(v, str) else v
+                for v in p.values))
+        params.append(p)
+    return dataclasses.replace(sweep, params=tuple(params))
 
 
 def base_for(sweep: Sweep, cfg: Config) -> Config:

@@ -1,0 +1,249 @@
+"""`sweep launch` and `sweep status` as a user runs them: the dry run, the profile and image
+found as `launch` finds them, one line for a bad sweep, the records a launch writes and the
+second live array it refuses, and a trial that trains."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from helpers import TINY, default_cluster, pyrecover
+
+from pyrecover import config as config_mod
+from pyrecover.rundir import RunDir
+from pyrecover.sweep import record
+
+GRID = {"method": "grid", "parameters": {"train.lr": {"values": [1e-3, 3e-3, 1e-2]},
+                                         "train.seed": {"values": [1, 2]},
+                                         "model.n_layer": {"value": 2}}}
+
+
+def test_dry_run_prints_the_array_script_and_the_trial_table_and_writes_nothing(tmp_path):
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump(GRID, sort_keys=False))
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--dry-run",
+                     "--max-parallel", "3", "--launcher", "none",
+                     "--set", f"run.storage={tmp_path / 'st'}", cwd=tmp_path,
+                     env=default_cluster(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --array=0-5%3" in done.stdout
+    assert "#   trial-5: train.lr=0.01, train.seed=2, model.n_layer=2" in done.stdout
+    assert not (tmp_path / "st").exists()
+
+
+def test_a_profile_s_spare_nodes_are_not_asked_for_by_every_trial(tmp_path):
+    profile_file = tmp_path / "cluster.yaml"
+    profile_file.write_text("nodes: 1\ngpus_per_node: 2\nspare_nodes: 1\n")
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump(GRID, sort_keys=False))
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--dry-run",
+                     "--cluster", str(profile_file), "--launcher", "none",
+                     "--set", f"run.storage={tmp_path / 'st'}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --nodes=1\n" in done.stdout and "#SBATCH --no-kill" not in done.stdout
+    assert "SPARES=0" in done.stdout
+    assert "spare_nodes=1 is not used by a sweep" in done.stderr
+
+
+def test_the_profile_and_the_image_are_found_as_launch_finds_them(tmp_path):
+    """Without --cluster and --image, `sweep launch` reads $PYRECOVER_CLUSTER and
+    $PYRECOVER_IMAGE, as `launch` does; with neither a profile nor ~/.config's, one line."""
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump(GRID, sort_keys=False))
+    (tmp_path / "cluster.yaml").write_text("partition: sweeps\nnodes: 1\ngpus_per_node: 2\n")
+    (tmp_path / "my.sif").write_text("")
+    argv = ["sweep", "launch", str(path), "--config", str(TINY), "--dry-run",
+            "--set", f"run.storage={tmp_path / 'st'}"]
+    done = pyrecover(*argv, cwd=tmp_path, env={
+        "HOME": str(tmp_path), "PYRECOVER_CLUSTER": str(tmp_path / "cluster.yaml"),
+        "PYRECOVER_IMAGE": str(tmp_path / "my.sif")})
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --partition=sweeps" in done.stdout
+    assert "#SBATCH --ntasks-per-node=2" in done.stdout
+    assert f"apptainer exec --nv --bind {tmp_path / 'st'}:{tmp_path / 'st'} " \
+           f"{tmp_path / 'my.sif'} " in done.stdout
+
+    done = pyrecover(*argv, cwd=tmp_path, env={"HOME": str(tmp_path)})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: no cluster profile: pass --cluster FILE, set "
+                               "PYRECOVER_CLUSTER"), lines[0]
+    assert not (tmp_path / "st").exists()
+
+
+@pytest.mark.parametrize("body, message", [
+    ("method: grid\nparameters:\n  train.nope: {values: [1]}\n", "parameters.train.nope"),
+    ("method: random\nparameters:\n  train.lr: {values: [1]}\n", "needs run_cap"),
+    ("method: [grid\n", "not valid YAML"),
+    ("method: grid\xff\n", "not UTF-8 text (byte 0xff"),
+    ("method: grid\nparameters:\n  train.lr: &v {values: [1]}\n  train.seed: *v\n",
+     "YAML aliases (*name) are not allowed"),
+    ("method: random\nrun_cap: 2\nparameters:\n  train.lr: {min: 1, max: 1" + "0" * 400
+     + "}\n", "parameters.train.lr: max=1000"),
+    ("method: random\nrun_cap: 1000000000\nparameters:\n  train.lr: {min: 0.001, max: 0.01}\n",
+     "1000000000 trials; a sweep has at most 10000"),
+    ("method: grid\nparameters:\n" + "".join(f"  model.k{i}: {{values: {list(range(10))}}}\n"
+                                            for i in range(9)),
+     "1000000000 trials; a sweep has at most 10000"),
+    ("method: grid\nseed: " + "x" * 5000 + "\nparameters:\n  train.lr: {values: [1]}\n",
+     "seed='xxxx"),
+])
+def test_a_bad_sweep_is_one_line_exit_2_and_writes_nothing(tmp_path, body, message):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(body.encode("latin-1"))
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY),
+                     "--set", f"run.storage={tmp_path / 'st'}", cwd=tmp_path,
+                     env=default_cluster(tmp_path))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and message in lines[0], done.stderr
+    assert not (tmp_path / "st").exists()
+
+
+def test_launch_writes_the_sweep_and_every_trial_then_refuses_a_second_live_array(tmp_path):
+    """`sbatch` and `squeue` are stand-ins here (tests/slurm runs the real ones): sbatch
+    answers job 77, squeue says what SQUEUE_SAYS holds."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 77\n")
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\ncat {tmp_path / 'squeue-says'}\n")
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nexit 1\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    (tmp_path / "squeue-says").write_text("")
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump({**GRID, "name": "lr"}, sort_keys=False))
+    args = ["sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
+            "--set", f"run.storage={tmp_path / 'st'}"]
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **default_cluster(tmp_path)}
+
+    done = pyrecover(*args, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "submitted job array 77 (6 trials)" in done.stdout
+    sweep_dir = tmp_path / "st" / "lr"
+    assert record.read(sweep_dir).trials[5] == {
+        "index": 5, "dir": "trial-5",
+        "params": {"train.lr": 0.01, "train.seed": 2, "model.n_layer": 2}}
+    assert (sweep_dir / "job.sbatch").read_text().count("#SBATCH --array=0-5") == 1
+    trial = config_mod.load(sweep_dir / "trial-5" / "run.yaml")
+    assert (trial.train.lr, trial.train.seed, trial.run.exp_name) == (0.01, 2, "trial-5")
+
+    script = sweep_dir / "job.sbatch"  # squeue --me -o %i|%T|%o: the array's tasks
+    for live in ("RUNNING", "REQUEUE_HOLD", "SUSPENDED"):
+        (tmp_path / "squeue-says").write_text(f"5|RUNNING|/elsewhere/job.sbatch\n"
+                                              f"77_0|{live}|{script}\n"
+                                              f"77_[1-5]|PENDING|{script}\n")
+        done = pyrecover(*args, env=env, cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert f"job array 77 is still queued or running ({live})" in done.stderr
+    (bin_dir / "squeue").write_text("#!/bin/sh\nexit 1\n")  # SLURM does not answer
+    done = pyrecover(*args, env=env, cwd=tmp_path)
+    assert done.returncode == 2 and "squeue did not answer" in done.stderr, done.stderr
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\ncat {tmp_path / 'squeue-says'}\n")
+
+    (tmp_path / "squeue-says").write_text("")
+    done = pyrecover(*args, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (sweep_dir / "jobs").read_text().split() == ["77", "77"]
+
+    path.write_text(yaml.safe_dump({**GRID, "name": "lr", "run_cap": 2}, sort_keys=False))
+    done = pyrecover(*args, env=env, cwd=tmp_path)
+    assert done.returncode == 2 and "holds sweep 'lr' with other trials" in done.stderr
+
+    # A run and a sweep of one name in one storage shared a folder (and `pyrecover cancel`
+    # of the run found the sweep's array by its job script): refused both ways.
+    run = pyrecover("launch", "--config", str(TINY), "--launcher", "none", "--exp-name", "lr",
+                    "--set", f"run.storage={tmp_path / 'st'}", env=env, cwd=tmp_path)
+    assert run.returncode == 2 and "holds a sweep" in run.stderr, run.stderr
+    RunDir(tmp_path / "st" / "solo").create()
+    RunDir(tmp_path / "st" / "solo").event("start", step=0)
+    path.write_text(yaml.safe_dump({**GRID, "name": "solo"}, sort_keys=False))
+    done = pyrecover(*args, env=env, cwd=tmp_path)
+    assert done.returncode == 2 and "holds a run" in done.stderr, done.stderr
+    # --dry-run shows what the launch would do: it refuses the same, in the same line.
+    dry = pyrecover(*args, "--dry-run", env=env, cwd=tmp_path)
+    assert dry.returncode == 2 and dry.stderr == done.stderr and not dry.stdout, dry.stderr
+    path.write_text(yaml.safe_dump({**GRID, "name": "lr", "run_cap": 2}, sort_keys=False))
+    dry = pyrecover(*args, "--dry-run", env=env, cwd=tmp_path)
+    assert dry.returncode == 2 and "holds sweep 'lr' with other trials" in dry.stderr
+
+
+def test_a_trial_of_a_sweep_with_an_auto_global_batch_trains(tmp_path, corpus):
+    """The default global batch is `auto:N`: every trial's run.yaml used to keep the string,
+    and the trial's first start, resolving it to a number, refused its own run directory as
+    'started with another config' (exit 2, never requeued)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 78\n")
+    (bin_dir / "squeue").write_text("#!/bin/sh\nexit 0\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump({"name": "lr", "method": "grid", "parameters": {
+        "train.lr": {"values": [1e-3, 2e-3]}}}, sort_keys=False))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **default_cluster(tmp_path)}  # 4 ranks
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
+                     "--set", f"run.storage={tmp_path / 'st'}", "--set", f"data.path={corpus}",
+                     "--set", "train.global_batch_size=auto:12", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    trial = tmp_path / "st" / "lr" / "trial-1"
+    assert config_mod.load(trial / "run.yaml").train.global_batch_size == 8  # 4 x 2 splits it
+    trained = pyrecover("train", "--config", str(trial / "run.yaml"), "--set",
+                        "train.max_steps=2")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert [e["event"] for e in RunDir(trial).read_events()].count("finish") == 1
+
+
+def test_sweep_status_of_a_missing_folder_says_it_does_not_exist(tmp_path):
+    done = pyrecover("sweep", "status", str(tmp_path / "nowhere"))
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"error: sweep directory '{tmp_path / 'nowhere'}' does not exist"]
+
+
+def stub_slurm(tmp_path, job_id: int = 79) -> dict[str, str]:
+    """stub_slurm: `sbatch` answers `job_id` and `squeue` lists nothing (tests/slurm runs
+    the real ones); the environment that puts them first, with the default profile."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho {job_id}\n")
+    (bin_dir / "squeue").write_text("#!/bin/sh\nexit 0\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", **default_cluster(tmp_path)}
+
+
+def test_a_swept_relative_data_path_is_made_absolute_so_the_trial_finds_it(tmp_path, corpus):
+    """A trial starts in its sweep's folder (`#SBATCH --chdir`): a swept `data.path` of
+    `data/a.parquet` stayed relative in run.yaml and every trial failed at its start."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.parquet").write_bytes(corpus.read_bytes())
+    path = tmp_path / "paths.yaml"
+    path.write_text(yaml.safe_dump({"name": "paths", "method": "grid", "parameters": {
+        "data.path": {"values": ["data/a.parquet", str(corpus)]}}}, sort_keys=False))
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
+                     "--set", f"run.storage={tmp_path / 'st'}",
+                     "--set", "train.global_batch_size=8", env=stub_slurm(tmp_path),
+                     cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    sweep_dir = tmp_path / "st" / "paths"
+    trial = sweep_dir / "trial-0"
+    assert config_mod.load(trial / "run.yaml").data.path == str(tmp_path / "data" / "a.parquet")
+    assert config_mod.load(sweep_dir / "trial-1" / "run.yaml").data.path == str(corpus)
+    trained = pyrecover("train", "--config", str(trial / "run.yaml"), "--set",
+                        "train.max_steps=1", cwd=sweep_dir)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+
+
+def test_a_bayes_sweep_refuses_a_relative_data_path_wandb_would_hand_on_as_written(tmp_path):
+    path = tmp_path / "paths.yaml"
+    path.write_text(yaml.safe_dump({"name": "paths", "method": "bayes", "run_cap": 2,
+                                    "metric": {"name": "loss", "goal": "minimize"},
+                                    "parameters": {"data.path": {"values": ["data/a.parquet"]},
+                                                   "train.lr": {"min": 1e-4, "max": 1e-3}}},
+                                   sort_keys=False))
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--dry-run",
+                     "--launcher", "none", "--set", f"run.storage={tmp_path / 'st'}",
+                     cwd=tmp_path, env=default_cluster(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "error: parameters.data.path: 'data/a.parquet' is a relative path, and a bayes trial "
+        "gets it from wandb as written, in its sweep's folder; give absolute paths"]
