@@ -133,8 +133,11 @@ def launch(
     submit.require_sbatch(os.environ)
     sweep_dir = Path(job.run_dir)
     _refuse_a_second_live_array(sweep_dir)
+    record.check(sweep_dir, rec)  # before wandb is asked: a refused launch registers nothing
     rec, cfgs = wandb_sweep.attach(sweep_file, sweep_dir, rec, cfgs or [cfg], os.environ)
-    record.write(sweep_dir, rec)
+    note = record.write(sweep_dir, rec)
+    if note:
+        typer.echo(note, err=True)
     if is_bayes:  # each trial's run.yaml is written when wandb hands it its values
         bayes.keep_base(sweep_dir, cfgs[0])
         bayes.refresh(sweep_dir, cfgs[0], world)  # the trials that started: new limits

@@ -15,6 +15,7 @@ directory); a sweep file that now gives other trials is refused.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,10 @@ def check(sweep_dir: Path, record: Record) -> bool:
                                                         record.parameters):
             raise SweepError(f"{sweep_dir} holds sweep {old.name!r} with other trials; give "
                              "this sweep another name (name: in the sweep file)")
+        if record.method == "bayes" and (old.metric, old.goal) != (record.metric, record.goal):
+            raise SweepError(f"{sweep_dir} holds sweep {old.name!r}, whose trials wandb's "
+                             f"controller chooses to {old.goal} {old.metric}; give this sweep "
+                             "another name (name: in the sweep file) to optimize another metric")
         return True
     if RunDir(sweep_dir).is_run():  # a run's folder: its job script and lock would be shared
         raise SweepError(f"{sweep_dir} holds a run (run.yaml, events.jsonl or checkpoints), "
@@ -114,13 +119,22 @@ def check(sweep_dir: Path, record: Record) -> bool:
     return False
 
 
-def write(sweep_dir: Path, record: Record) -> None:
-    """write records the sweep, or checks that a relaunch has the same trials."""
+def write(sweep_dir: Path, record: Record) -> str | None:
+    """write records the sweep, or checks that a relaunch has the same trials. A grid or
+    random relaunch may rank by another metric (it only orders `sweep status`): recorded,
+    and said in the note returned."""
     path = sweep_dir / RECORD
     if check(sweep_dir, record):
-        return
+        old = read(sweep_dir)
+        if (old.metric, old.goal) == (record.metric, record.goal):
+            return None
+        replace_text(path, to_yaml(dataclasses.replace(old, metric=record.metric,
+                                                       goal=record.goal)))
+        return (f"note: sweep status now ranks the trials to {record.goal} {record.metric} "
+                f"(was: {old.goal} {old.metric})")
     sweep_dir.mkdir(parents=True, exist_ok=True)
     replace_text(path, to_yaml(record))
+    return None
 
 
 def add_job(sweep_dir: Path, job_id: int) -> None:

@@ -9,11 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from helpers import TINY, default_cluster, pyrecover
 from test_sweep import base_config
 
-from pyrecover.sweep import record, spec, trials, wandb_sweep
+from pyrecover.sweep import SweepError, record, spec, trials, wandb_sweep
 
 STANDIN = Path(__file__).resolve().parents[1] / "wandb_standin.py"
 SWEEP = """\
@@ -106,3 +107,56 @@ def test_a_key_the_server_refuses_is_one_line_and_nothing_is_written_or_submitte
     assert done.stderr.startswith("error: wandb did not register the sweep (")
     assert "user is not logged in" in done.stderr and done.stderr.count("\n") == 1
     assert not (tmp_path / "st").exists() and not (tmp_path / "SUBMITTED").exists()
+
+
+def test_a_launch_refused_for_its_folder_registers_no_sweep_with_wandb(tmp_path):
+    """A sweep named like a run of the same storage is refused; wandb used to be asked
+    first, leaving a registered sweep that no trial would ever join."""
+    from pyrecover.rundir import RunDir
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("sbatch", "echo 77"), ("squeue", "exit 0")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    RunDir(tmp_path / "st" / "lr").create()
+    RunDir(tmp_path / "st" / "lr").event("start", step=0)
+    path = tmp_path / "lr.yaml"
+    path.write_text(SWEEP)
+    requests = tmp_path / "requests.jsonl"
+    server = subprocess.Popen([sys.executable, str(STANDIN), str(requests), "sweep01"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--launcher",
+                         "none", "--set", f"run.storage={tmp_path / 'st'}",
+                         "--set", "tracking.wandb=online", cwd=tmp_path,
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
+                              "WANDB_MODE": "online", "WANDB_API_KEY": "k" * 40,
+                              "WANDB_BASE_URL": f"http://127.0.0.1:{port}",
+                              **default_cluster(tmp_path)})
+    finally:
+        server.kill()
+        server.wait()
+    assert done.returncode == 2 and "holds a run" in done.stderr, done.stderr
+    asked = requests.read_text() if requests.exists() else ""
+    assert "UpsertSweep" not in asked
+
+
+def test_a_relaunch_may_rank_a_grid_by_another_metric_but_not_a_bayes_controller(tmp_path):
+    path, sweep_dir, rec, _ = launch_parts(tmp_path, "offline")
+    record.write(sweep_dir, rec)
+    again = record.Record(**{**rec.__dict__, "metric": "tokens_per_s", "goal": "maximize"})
+    note = record.write(sweep_dir, again)
+    assert note == ("note: sweep status now ranks the trials to maximize tokens_per_s "
+                    "(was: minimize loss)")
+    assert (record.read(sweep_dir).metric, record.read(sweep_dir).goal) == (
+        "tokens_per_s", "maximize")
+    assert record.write(sweep_dir, again) is None
+
+    bayes = record.Record(**{**rec.__dict__, "method": "bayes", "trials": [],
+                             "parameters": {"train.lr": {"min": 1e-4, "max": 1e-3}}})
+    record.write(tmp_path / "b", bayes)
+    other = record.Record(**{**bayes.__dict__, "metric": "grad_norm"})
+    with pytest.raises(SweepError, match="chooses to minimize loss; give this sweep another"):
+        record.write(tmp_path / "b", other)
