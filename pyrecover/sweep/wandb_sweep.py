@@ -112,8 +112,14 @@ def attach(sweep_file: Path, sweep_dir: Path, rec: record.Record, cfgs: list[Con
     at the first launch (a relaunch registers nothing); else, where tracking.wandb resolves
     to online, a new registration; else none, and nothing changes."""
     base = cfgs[0].tracking
+    url = environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
     if (sweep_dir / record.RECORD).is_file():
         known = record.read(sweep_dir).wandb
+    elif base.wandb == "online" and not tracking.server_reachable(url):
+        # A trial falls back to offline; the sweep cannot: a relaunch never registers it.
+        raise SweepError(f"tracking.wandb=online but {url} does not answer from here, so the "
+                         "sweep cannot be registered (a relaunch would not register it later); "
+                         "launch again once it answers, or set tracking.wandb=offline")
     elif tracking.resolve_mode(base.wandb, environ) == "online":
         done = register(sweep_config(sweep_file, rec.name), base.project, base.entity)
         known = {"sweep_id": done.sweep_id, "url": done.url}

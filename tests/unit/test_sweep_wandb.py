@@ -160,3 +160,13 @@ def test_a_relaunch_may_rank_a_grid_by_another_metric_but_not_a_bayes_controller
     other = record.Record(**{**bayes.__dict__, "metric": "grad_norm"})
     with pytest.raises(SweepError, match="chooses to minimize loss; give this sweep another"):
         record.write(tmp_path / "b", other)
+
+
+def test_online_asked_for_and_no_server_is_refused_since_no_relaunch_would_register_it(
+        tmp_path):
+    path, sweep_dir, rec, cfgs = launch_parts(tmp_path, "online")
+    env = {"WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": closed_port_url()}
+    with pytest.raises(SweepError, match="does not answer from here, so the sweep cannot be "
+                                         "registered"):
+        wandb_sweep.attach(path, sweep_dir, rec, cfgs, env)
+    assert not sweep_dir.exists()
