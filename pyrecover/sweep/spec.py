@@ -65,6 +65,9 @@ class Sweep:
     run_cap: int | None
     max_parallel: int | None
     seed: int
+    project: str | None = None
+    """wandb's project (and entity) of the sweep: every trial logs there (tracking.project)."""
+    entity: str | None = None
 
 
 def load(path: str | Path) -> Sweep:
@@ -126,8 +129,16 @@ def parse(raw: Any, default_name: str, source: str = "sweep") -> Sweep:
     seed = raw.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise SweepError(f"{source}: seed={short(seed)} is not allowed: expected an integer >= 0")
+    where = {}
+    for key in ("project", "entity"):
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise SweepError(f"{source}: {key}={short(value)} is not allowed: expected wandb's "
+                             f"{key} name")
+        where[key] = value
     return Sweep(name=name, method=method, metric=metric, goal=goal, params=parsed,
-                 run_cap=run_cap, max_parallel=_count(raw, "max_parallel", source), seed=seed)
+                 run_cap=run_cap, max_parallel=_count(raw, "max_parallel", source), seed=seed,
+                 **where)
 
 
 def raw_param(p: Param) -> dict[str, Any]:

@@ -149,8 +149,13 @@ def absolute_values(sweep: Sweep, cwd: str) -> Sweep:
 
 
 def base_for(sweep: Sweep, cfg: Config) -> Config:
-    """base_for is the experiment as the job array sees it: run dir = the sweep's folder."""
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, exp_name=sweep.name))
+    """base_for is the experiment as the job array sees it: run dir = the sweep's folder, and
+    the sweep file's wandb project and entity, where it names them, the trials' (wandb
+    registers the sweep there, and a run of another project is not the sweep's)."""
+    tracking = dataclasses.replace(cfg.tracking, project=sweep.project or cfg.tracking.project,
+                                   entity=sweep.entity or cfg.tracking.entity)
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, exp_name=sweep.name),
+                               tracking=tracking)
 
 
 def _round(value: float) -> float:

@@ -170,3 +170,19 @@ def test_online_asked_for_and_no_server_is_refused_since_no_relaunch_would_regis
                                          "registered"):
         wandb_sweep.attach(path, sweep_dir, rec, cfgs, env)
     assert not sweep_dir.exists()
+
+
+def test_the_sweep_files_project_and_entity_are_where_every_trial_logs_and_registers(
+        tmp_path):
+    """wandb's sweep format names the sweep's project and entity; they were accepted and
+    ignored, so the sweep was registered under tracking.project and its trials logged there."""
+    raw = {**yaml.safe_load(SWEEP), "project": "lr-study", "entity": "my-team"}
+    sweep = spec.parse(raw, "lr")
+    cfg = trials.base_for(sweep, base_config(str(tmp_path / "storage")))
+    assert (cfg.tracking.project, cfg.tracking.entity) == ("lr-study", "my-team")
+    for trial in trials.configs(sweep, cfg, trials.choose(sweep)):
+        assert (trial.tracking.project, trial.tracking.entity) == ("lr-study", "my-team")
+    plain = trials.base_for(spec.parse(yaml.safe_load(SWEEP), "lr"), base_config())
+    assert (plain.tracking.project, plain.tracking.entity) == ("pyrecover", "")
+    with pytest.raises(SweepError, match="project=3 is not allowed"):
+        spec.parse({**raw, "project": 3}, "lr")
