@@ -57,8 +57,12 @@ def edges(p: spec.Param) -> list[Any]:
     """edges are the values of `p` that a launch checks: every choice, or both ends."""
     if p.distribution in ("categorical", "constant"):
         return list(p.values)
-    if p.distribution == "int_uniform" or (p.distribution == "q_uniform" and all(
-            float(x).is_integer() for x in (p.q, p.low, p.high))):
+    if p.distribution == "q_uniform":  # wandb picks round(uniform(min, max) / q) * q
+        ends = [round(x / p.q) * p.q for x in (p.low, p.high)]
+        if all(float(x).is_integer() for x in (p.q, p.low, p.high)):
+            return [int(x) for x in ends]
+        return [float(f"{x:.12g}") for x in ends]  # 0.30000000000000004 as 0.3
+    if p.distribution == "int_uniform":
         return [int(p.low), int(p.high)]
     return [p.low, p.high]
 

@@ -388,3 +388,17 @@ def test_a_q_uniform_value_rounded_past_max_by_less_than_half_q_is_allowed():
     assert bayes.check_values(sweep, args(train__grad_clip=2.25)) == {"train.grad_clip": 2.25}
     with pytest.raises(SweepError, match="train.grad_clip=2.5, outside"):
         bayes.check_values(sweep, args(train__grad_clip=2.5))
+
+
+def test_the_launch_checks_the_values_q_uniform_rounds_its_ends_to():
+    """wandb's q_uniform picks round(uniform(min, max) / q) * q: with min 0.002 and q 0.005
+    it can hand out lr=0.0, which the launch, checking min itself, let through to fail each
+    such trial at its first start."""
+    sweep = spec.parse({**BAYES, "parameters": {"train.lr": {
+        "distribution": "q_uniform", "min": 0.002, "max": 0.01, "q": 0.005}}}, "bo")
+    assert bayes.edges(sweep.params[0]) == [0.0, 0.01]
+    with pytest.raises(SweepError, match=r"parameters.train.lr=0.0 \(a value wandb may "):
+        bayes.check_launch(sweep, trials.base_for(sweep, base_config()), 1)
+    ints = spec.parse({**BAYES, "parameters": {"train.warmup_steps": {
+        "distribution": "q_uniform", "min": 1, "max": 9, "q": 4}}}, "bo")
+    assert bayes.edges(ints.params[0]) == [0, 8]
