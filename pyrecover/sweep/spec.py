@@ -216,6 +216,11 @@ def _param(key: str, raw: Any, source: str) -> Param:
     q = _number(raw, "q", where) if "q" in raw else 1.0
     if q <= 0:
         raise SweepError(f"{where}: q={q!r} must be > 0")
+    if dist == "q_uniform" and low < high and round(low / q) == round(high / q):
+        given = f"q={q!r}" if "q" in raw else "q (default 1)"
+        raise SweepError(f"{where}: q_uniform rounds to multiples of {given}, so every value "
+                         f"between min={low!r} and max={high!r} is {round(low / q) * q!r}; give "
+                         "a smaller q")
     return Param(key, dist, low=low, high=high, q=q)
 
 

@@ -97,6 +97,13 @@ def test_log_uniform_draws_spread_evenly_over_the_decades():
         "min": 0.2, "max": 0.1}}}, "min=0.2 must not exceed max=0.1"),
     ({"method": "random", "run_cap": 2, "parameters": {"train.lr": {
         "distribution": "log_uniform_values", "min": 0, "max": 1}}}, "needs min > 0"),
+    ({"method": "random", "run_cap": 2, "parameters": {"train.lr": {
+        "distribution": "q_uniform", "min": 1e-4, "max": 1e-2}}},
+     "q_uniform rounds to multiples of q (default 1), so every value between min=0.0001 and "
+     "max=0.01 is 0.0; give a smaller q"),
+    ({"method": "random", "run_cap": 2, "parameters": {"train.lr": {
+        "distribution": "q_uniform", "min": 1e-3, "max": 2e-3, "q": 0.1}}},
+     "multiples of q=0.1, so every value"),
     ({"run_cap": 0}, "run_cap=0 is not allowed"),
     ({"max_parallel": "2"}, "max_parallel='2' is not allowed"),
     ({"metric": {"name": "val_loss"}}, "metric.name='val_loss' is not allowed"),
