@@ -80,6 +80,16 @@ def test_a_record_without_a_wandb_sweep_reads_back_as_none(tmp_path):
     assert record.read(sweep_dir).wandb is None
 
 
+def launch_online(tmp_path, path, bin_dir, port):
+    """`sweep launch` of `path` with tracking.wandb=online against the stand-in at `port`."""
+    return pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
+                     "--set", f"run.storage={tmp_path / 'st'}", "--set", "tracking.wandb=online",
+                     cwd=tmp_path, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
+                                        "WANDB_MODE": "online", "WANDB_API_KEY": "k" * 40,
+                                        "WANDB_BASE_URL": f"http://127.0.0.1:{port}",
+                                        **default_cluster(tmp_path)})
+
+
 def test_a_key_the_server_refuses_is_one_line_and_nothing_is_written_or_submitted(tmp_path):
     """sbatch is a stand-in that leaves a mark if called; the wandb server is
     tests/wandb_standin.py refusing the key (401), as wandb answers a wrong one."""
@@ -93,13 +103,7 @@ def test_a_key_the_server_refuses_is_one_line_and_nothing_is_written_or_submitte
                                "-"], stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline())
-        done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--launcher",
-                         "none", "--set", f"run.storage={tmp_path / 'st'}",
-                         "--set", "tracking.wandb=online", cwd=tmp_path,
-                         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
-                              "WANDB_MODE": "online", "WANDB_API_KEY": "k" * 40,
-                              "WANDB_BASE_URL": f"http://127.0.0.1:{port}",
-                              **default_cluster(tmp_path)})
+        done = launch_online(tmp_path, path, bin_dir, port)
         assert server.wait(timeout=60) == 0  # it was asked, and refused
     finally:
         server.kill()
@@ -128,13 +132,7 @@ def test_a_launch_refused_for_its_folder_registers_no_sweep_with_wandb(tmp_path)
                               stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline())
-        done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--launcher",
-                         "none", "--set", f"run.storage={tmp_path / 'st'}",
-                         "--set", "tracking.wandb=online", cwd=tmp_path,
-                         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
-                              "WANDB_MODE": "online", "WANDB_API_KEY": "k" * 40,
-                              "WANDB_BASE_URL": f"http://127.0.0.1:{port}",
-                              **default_cluster(tmp_path)})
+        done = launch_online(tmp_path, path, bin_dir, port)
     finally:
         server.kill()
         server.wait()
