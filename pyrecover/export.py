@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -124,6 +125,10 @@ def _target(out: Path, run: RunDir, fmt: str, replace: bool) -> Path:
     elif (out.exists() or out.is_symlink()) and not replace:
         raise CheckpointError(f"--out {out} already exists; choose a new path, or --force to "
                               "replace it")
+    elif out.exists() and not out.is_symlink() and not stat.S_ISREG(out.stat().st_mode):
+        # --force replaces a file; as root, a device such as /dev/null became a regular file
+        raise CheckpointError(f"--out {out} is not a regular file (a device, a pipe or a "
+                              "socket); --force replaces only a file: choose a new path")
     return out
 
 

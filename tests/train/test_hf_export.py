@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -238,6 +240,13 @@ def test_an_existing_file_is_replaced_only_with_force_and_a_file_is_no_folder(va
     folder = export(vanilla_run, tmp_path, "torch", "--force")
     assert folder.returncode == 2 and "is a folder; --format torch writes a file" in folder.stderr
     assert blocker.read_text() == "mine"
+    # --force replaces a file, not a pipe (nor, as root, a device such as /dev/null)
+    pipe = tmp_path / "a-pipe"
+    os.mkfifo(pipe)
+    done = export(vanilla_run, pipe, "torch", "--force")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "is not a regular file (a device, a pipe or a socket)" in done.stderr
+    assert stat.S_ISFIFO(pipe.lstat().st_mode)
 
 
 def test_without_the_safetensors_package_the_export_says_how_to_get_it(vanilla_run, tmp_path):
