@@ -357,7 +357,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
                 flops_per_token=flops.flops_per_token(cfg.model, n_params),
                 peak_flops=flops.peak_flops(torch.cuda.get_device_name(device))
                 if device.type == "cuda" else None,
-                tracker=tracking.start(cfg, run, env.rank, system),
+                tracker=tracking.start(cfg, run, env.rank, system) if state.step < t.max_steps
+                else tracking.Tracker(),  # a finished run's start is no restart to log
                 progress=progress.for_terminal(env.rank, t.max_steps, state.step),
                 stopper=preempt.Stopper(flag, preempt.Deadline(
                     preempt.job_end_time(os.environ), preempt.env_margin()), env.rank,

@@ -185,3 +185,19 @@ def test_each_restart_is_explained_by_the_last_event_before_it():
               {"event": "finish", "step": 30}, {"event": "resume", "step": 30}]
     assert [(r["step"], r["cause"]) for r in tracking.restarts(events)] == [
         (10, "killed"), (20, "crash"), (25, "stop"), (25, "requeue"), (30, "continued")]
+
+
+def test_starting_a_finished_run_again_opens_no_wandb_run_and_logs_no_restart(tmp_path,
+                                                                               corpus):
+    """A sweep relaunch starts every finished trial again, which ends at once: each used to
+    write a new offline run with `restarts 1` and a `continued` restart, max_steps unchanged."""
+    args = ["train", *tiny_args(tmp_path, corpus, "run", "train.max_steps=4",
+                                "tracking.wandb=offline")]
+    assert pyrecover(*args).returncode == 0
+    again = pyrecover(*args)
+    assert again.returncode == 0, again.stderr
+    assert "nothing to do: step 4 already reached" in again.stderr
+    assert len(offline_runs(tmp_path / "run")) == 1
+    longer = pyrecover(*args, "--set", "train.max_steps=6")  # raised: a continued run, logged
+    assert longer.returncode == 0, longer.stderr
+    assert len(offline_runs(tmp_path / "run")) == 2
