@@ -3,7 +3,9 @@
 The wandb run id is made on the first start and kept in `<run dir>/wandb/run-id`; every
 restart initialises wandb with that id and `resume="allow"`, and logs with `step=` equal to the
 global training step. Steps that an earlier start already logged (the work a kill threw away
-and this start redoes) are not logged again, so a run's curves never go backwards. In offline
+and this start redoes) are not logged again, so a run's curves never go backwards; after a
+SIGKILL, "logged" is what the killed start's wandb wrote (pyrecover.wandb_log), so the steps it
+lost are logged by the start that redoes them. In offline
 mode each start writes its own `wandb/offline-run-<time>-<id>/` folder, all with the same id,
 and `wandb sync <run dir>/wandb` uploads them, in start order, as one continuous run.
 
@@ -28,6 +30,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from pyrecover import config as config_mod
+from pyrecover import wandb_log
 from pyrecover.config import Config
 from pyrecover.ledger import ledger
 from pyrecover.records import well_formed
@@ -261,6 +264,8 @@ def start(cfg: Config, run: RunDir, rank: int, system: Mapping[str, Any] | None 
     floor = max((int(m.get("step", 0)) for m in metrics), default=0)
     if history:
         floor = max(floor, history[-1]["step"])
+        if history[-1]["cause"] == "killed":
+            floor = _written_floor(run, history[-1]["step"], floor)
     pending: dict[str, Any] = {}
     if history:
         last = history[-1]
@@ -280,6 +285,18 @@ def start(cfg: Config, run: RunDir, rank: int, system: Mapping[str, Any] | None 
         else wb.url or "wandb"
     log.info("wandb run %s %s: %s", wb.id, "resumed" if history else "started", where)
     return Tracker(wb, run, floor, pending)
+
+
+def _written_floor(run: RunDir, resumed_at: int, logged: int) -> int:
+    """_written_floor is the last step a killed start's wandb wrote (its transaction log),
+    between the step this start resumes from and the last one metrics.jsonl holds: wandb had
+    no chance to write what it still held, and this start redoes those steps, so it logs them
+    again. No log (wandb was off, or never started) reads as the resume step."""
+    path = run.wandb / RUN_ID_FILE
+    ident = path.read_text().strip() if path.is_file() else ""
+    found = wandb_log.newest_log(run.wandb, ident) if ident else None
+    written = wandb_log.last_history_step(found) if found is not None else None
+    return min(logged, max(resumed_at, written if written is not None else resumed_at))
 
 
 def _init_wandb(cfg: Config, run: RunDir, mode: str, system: Mapping[str, Any]) -> Any:
