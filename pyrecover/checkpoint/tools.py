@@ -103,9 +103,14 @@ def model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         return state["model"]
     if ckpt.mode == memory_mode.NAME:
         segments, meta = memory_mode.assemble(ckpt.path, list(ckpt.manifest["files"]))
-        model = memory_mode.unflatten(segments, meta["layout"])[0]
-        # Views of the model's segment: torch.save would write all of it for each one.
-        return {k: v.clone() for k, v in model.items()}
+        model = memory_mode.unflatten(segments, meta["layout"], meta.get("aliases"))[0]
+        # Views of the model's segment: torch.save would write all of it for each one. A tied
+        # head stays the embedding's tensor, as in a vanilla checkpoint's model.
+        clones: dict[int, torch.Tensor] = {}
+        for v in model.values():
+            if id(v) not in clones:
+                clones[id(v)] = v.clone()
+        return {k: clones[id(v)] for k, v in model.items()}
     raise CheckpointError(f"{ckpt.path}: mode {ckpt.mode!r} cannot be read here")
 
 

@@ -28,7 +28,7 @@ def state_of(parts) -> dict[str, torch.Tensor]:
 
 def restored(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
     flat, meta = memory.assemble(folder, [p.name for p in folder.iterdir()])
-    model, optim = memory.unflatten(flat, meta["layout"])
+    model, optim = memory.unflatten(flat, meta["layout"], meta.get("aliases"))
     out = {f"model/{k}": v for k, v in model.items()}
     for fqn, per_param in optim.items():
         out.update({f"optim/{fqn}/{k}": v for k, v in per_param.items()})

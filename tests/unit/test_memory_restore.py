@@ -49,6 +49,29 @@ def test_a_memory_checkpoint_restores_every_tensor_exactly(tmp_path, monkeypatch
     assert model_bytes > 0
 
 
+def test_the_tied_head_is_snapshotted_once_and_restored_and_exported_still_tied(tmp_path):
+    """The head is the token embedding's tensor: a snapshot used to copy (and a checkpoint
+    to store) it twice, and an export to untie it."""
+    from pyrecover.checkpoint import tools
+
+    src, dst = build_state(2_000_000, seed=0), build_state(2_000_000, seed=1)
+    assert src.parts.model.head.weight is src.parts.model.wte.weight
+    ckpt = saved_and_restored(tmp_path, "memory", src, dst)
+    unique = {t.data_ptr(): t.numel() * t.element_size()
+              for t in src.parts.model.state_dict().values()}
+    optim = [v for s in src.parts.optimizer.state.values() for v in s.values()]
+    state_bytes = sum(unique.values()) + sum(t.numel() * t.element_size() for t in optim)
+    parts = sum(f.stat().st_size for f in ckpt.path.glob("part-*.bin"))
+    assert parts == state_bytes  # the embedding once
+    model = dst.parts.model
+    assert model.head.weight is model.wte.weight
+    for key, value in src.parts.model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    exported = tools.model_state(ckpt)
+    assert exported["head.weight"] is exported["wte.weight"]  # tied, as vanilla's is
+    assert torch.equal(exported["wte.weight"], src.parts.model.wte.weight)
+
+
 def test_a_truncated_part_file_is_named_in_one_error(tmp_path):
     state = build_state(1_000_000)
     run = RunDir(tmp_path / "run")

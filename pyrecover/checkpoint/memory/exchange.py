@@ -21,6 +21,7 @@ from pyrecover.checkpoint import rng
 from pyrecover.checkpoint.memory.layout import (
     Snapshot,
     as_bytes,
+    drop_aliases,
     flat_tensors,
     holders,
     identity,
@@ -86,6 +87,7 @@ class Snapshots:
         # thread, and a main thread going on past a stall must not copy into what it writes.
         self.persisting = threading.Lock()
         self._inflight: _Exchange | None = None
+        self.aliases: dict[str, str] = {}  # keys left out of the layout: the tensor they name
         self._live: tuple[tuple[int, ...], list[tuple[str, torch.Tensor]], list[Any]] | None = None
         self._copies: list[tuple[int, int, torch.Tensor]] = []  # (lo, hi) in own slice <- bytes
         self._model_buffers: bool | None = None  # whether identity must walk the modules
@@ -131,6 +133,7 @@ class Snapshots:
         meta = {
             "train": train, "scheduler": parts.scheduler.state_dict(),
             "param_groups": param_groups(parts.optimizer, fqns), "config": parts.config,
+            "aliases": dict(self.aliases),
         }
         target = self.spare
         target.step, target.meta = -1, {}  # from here on its old contents are gone
@@ -230,7 +233,8 @@ class Snapshots:
         key = identity(parts.model, parts.optimizer, self._model_buffers)
         if self._live is None or self._live[0] != key:
             model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
-            tensors = flat_tensors({"model": model_sd, "optim": optim_sd})
+            tensors, self.aliases = drop_aliases(flat_tensors({"model": model_sd,
+                                                               "optim": optim_sd}))
             fqns = [list(g["params"]) for g in optim_sd["param_groups"]]
             if self.layout is None or self._planned != len(tensors):
                 self._plan(tensors)

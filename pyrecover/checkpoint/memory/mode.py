@@ -134,7 +134,7 @@ class MemoryMode(Snapshots):
 
     def restore(self, ckpt: Checkpoint, parts) -> Restored:
         segments, meta = assemble(ckpt.path, list(ckpt.manifest["files"]))
-        model_sd, optim_state = unflatten(segments, meta["layout"])
+        model_sd, optim_state = unflatten(segments, meta["layout"], meta.get("aliases"))
         del segments  # the model's segment goes once its bytes are in the parameters
         osd = {"state": optim_state, "param_groups": meta["param_groups"]}
         # Whole tensors (a DDP run's, or an FSDP run's shards put together) into a sharded
