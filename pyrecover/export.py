@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pyrecover.checkpoint import store
-from pyrecover.checkpoint.listing import outside_checkpoints
+from pyrecover.checkpoint.listing import outside_checkpoints, under_a_folder
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 from pyrecover.config_checks import short
 from pyrecover.rundir import RunDir
@@ -55,8 +55,6 @@ def export_model(run: RunDir, step: int | None, out: Path, fmt: str = "torch",
     save_file = _safetensors(fmt) if fmt != "torch" else None
     if step is not None:
         store.step_folder(run, step)  # a step the run lacks: said before torch's import
-    import torch
-
     from pyrecover import hf
     from pyrecover.checkpoint import tools
 
@@ -72,8 +70,7 @@ def export_model(run: RunDir, step: int | None, out: Path, fmt: str = "torch",
     out.parent.mkdir(parents=True, exist_ok=True)
     with tools.temporary(out) as tmp:
         if fmt == "torch":
-            with open(tmp, "wb") as f:  # a failed write is then an OSError, not torch's own
-                torch.save(state, f)
+            tools.save_to(state, tmp)  # a failed write keeps its OSError (one line)
         elif fmt == "safetensors":
             save_file(_once(state), tmp, metadata={"format": "pt", MODEL_META: json.dumps(model)})
             _fsync(tmp)
@@ -102,11 +99,7 @@ def _target(out: Path, run: RunDir, fmt: str, replace: bool) -> Path:
     out = Path(os.path.abspath(out))
     if not out.name:
         raise CheckpointError(f"--out {out}: name a file or folder to create")
-    above = next(p for p in out.parents if p.exists() or p.is_symlink())
-    if not above.is_dir():
-        what = "a file" if above.exists() else "a broken symbolic link"
-        raise CheckpointError(f"--out {out}: {above} is {what}, not a folder; choose a path "
-                              "under a folder")
+    under_a_folder(out, "--out")
     root, real = run.root.resolve(), out.resolve()
     outside_checkpoints(out, run, "--out")
     if root in real.parents and (out.exists() or out.is_symlink()):

@@ -89,8 +89,20 @@ def convert_target(to: str, out: Path, run: RunDir) -> None:
     if to not in CONVERT_TO:
         raise CheckpointError(f"--to {to!r}: expected {' or '.join(CONVERT_TO)}")
     outside_checkpoints(out, run, "OUT")
+    under_a_folder(out, "OUT")
     if out.exists() or out.is_symlink():
         raise CheckpointError(f"{out} already exists; choose a new path")
+
+
+def under_a_folder(out: Path, option: str) -> None:
+    """under_a_folder refuses an output path below a file or a broken symbolic link (the
+    folders it lacks are made)."""
+    out = Path(os.path.abspath(out))
+    above = next(p for p in out.parents if p.exists() or p.is_symlink())
+    if not above.is_dir():
+        what = "a file" if above.exists() else "a broken symbolic link"
+        raise CheckpointError(f"{option} {out}: {above} is {what}, not a folder; choose a path "
+                              "under a folder")
 
 
 def outside_checkpoints(out: Path, run: RunDir, option: str) -> None:

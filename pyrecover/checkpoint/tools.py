@@ -17,7 +17,7 @@ from pyrecover.checkpoint import dcp as dcp_mode
 from pyrecover.checkpoint import dcp_io, store, vanilla
 from pyrecover.checkpoint import memory as memory_mode
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
-from pyrecover.rundir import RunDir
+from pyrecover.rundir import RunDir, storage_error
 
 log = logging.getLogger("pyrecover")
 
@@ -132,7 +132,8 @@ def first_that_works(run: RunDir, step: int | None, use) -> tuple[Checkpoint, ob
 
 class temporary:
     """temporary yields a temporary path next to `out` and renames it to `out` on success;
-    on failure (the rename included) nothing is left behind."""
+    on failure (the rename included) nothing is left behind, and a failed write (a full disk)
+    is one StorageError line."""
 
     def __init__(self, out: Path) -> None:
         self.out, self.tmp = out, out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -151,8 +152,34 @@ class temporary:
                 shutil.rmtree(self.tmp, ignore_errors=True)
             elif self.tmp.exists() or self.tmp.is_symlink():
                 self.tmp.unlink()
-        if isinstance(exc, OSError):  # a full disk, an --out that is a folder: one line
-            raise CheckpointError(f"cannot write {self.out}: {exc.strerror or exc}") from None
+        err = _os_error(exc)
+        if err is not None:  # a full disk, a folder in the way of the rename: a fault, exit 1
+            raise storage_error("write", self.out, err) from None
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    """_os_error is the OSError behind `exc`: itself, or one that torch's writers turned into
+    their own error (torch.save to a file object reports a failed write as a RuntimeError
+    raised while the OSError is handled; DCP wraps each rank's)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        failures = getattr(exc, "failures", None)  # DCP's CheckpointException: rank -> error
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                found = _os_error(failure[0] if isinstance(failure, tuple) else failure)
+                if found is not None:
+                    return found
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def save_to(obj: object, path: Path) -> None:
+    """save_to is torch.save through a file object, so a failed write keeps its OSError."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def config_of(ckpt: Checkpoint) -> dict:
@@ -209,8 +236,9 @@ def convert(run: RunDir, step: int | None, to: str, out: Path) -> Checkpoint:
     ckpt, (parts, rngs) = first_that_works(run, step, _read_full)
     train = dict(ckpt.manifest["train_state"])
     with temporary(out) as tmp:
+        tmp.parent.mkdir(parents=True, exist_ok=True)  # (convert_target refused a file above)
         if to == "torch":
-            torch.save(vanilla.full_state(parts, train, rngs), tmp)
+            save_to(vanilla.full_state(parts, train, rngs), tmp)
         else:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -224,5 +252,5 @@ def convert(run: RunDir, step: int | None, to: str, out: Path) -> Checkpoint:
                      "train": train}
             (tmp / dcp_mode.EXTRA_FILE).write_text(json.dumps(extra))
             for rank, state in enumerate(rngs):
-                torch.save(state, tmp / dcp_mode.rng_file(rank))
+                save_to(state, tmp / dcp_mode.rng_file(rank))
     return ckpt

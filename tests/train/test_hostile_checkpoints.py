@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import pyrecover, tiny_args
 
-from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.checkpoint.tools import temporary
-from pyrecover.rundir import read_jsonl
+from pyrecover.rundir import StorageError, read_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +172,7 @@ def test_an_export_over_a_folder_or_whose_rename_fails_is_one_line_and_leaves_no
     assert "is a folder; --format torch writes a file" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
     # The folder appearing after that check: the rename fails, one line, no temporary left.
-    with pytest.raises(CheckpointError, match="cannot write .*/out: "):
+    with pytest.raises(StorageError, match="storage: cannot write .*/out: "):
         with temporary(out) as tmp:
             tmp.write_bytes(b"weights")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]

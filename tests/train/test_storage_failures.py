@@ -69,3 +69,29 @@ def test_at_two_ranks_storage_that_cannot_hold_the_run_is_one_line_from_rank_0(t
         f"error: storage: cannot create {storage / 'run'}: Not a directory")
     assert "error" not in said[1], said[1]  # rank 0 says it once
 
+
+
+def test_a_convert_on_a_full_disk_is_one_line_exit_1_and_leaves_nothing(tmp_path, corpus):
+    done = pyrecover("train", *tiny_args(tmp_path, corpus, "run", "train.max_steps=10"))
+    assert done.returncode == 0, done.stderr
+    run = str(tmp_path / "run")
+    out = tmp_path / "out"
+    out.mkdir()
+    # (export's formats on a full disk: tests/train/test_hf_export.py)
+    for args in (("ckpt", "convert", run, "--to", "torch", str(out / "state.pt")),
+                 ("ckpt", "convert", run, "--to", "dcp", str(out / "state-dcp"))):
+        full = pyrecover(*args, max_file_bytes=4096)  # every file past 4 KiB: EFBIG
+        assert full.returncode == 1, (args, full.stderr)
+        line = one_error_line(full.stderr)
+        assert line.startswith(f"error: storage: cannot write {out}/") and \
+            "File too large" in line, (args, line)
+        assert list(out.iterdir()) == [], args  # no temporary, no half-written file
+
+    # With room, convert makes the folders its output path lacks (as export does).
+    room = pyrecover("ckpt", "convert", run, "--to", "torch", str(out / "new" / "state.pt"))
+    assert room.returncode == 0, room.stderr
+    assert (out / "new" / "state.pt").is_file()
+    under_file = pyrecover("ckpt", "convert", run, "--to", "torch",
+                           str(out / "new" / "state.pt" / "x.pt"))
+    assert under_file.returncode == 2
+    assert "is a file, not a folder" in one_error_line(under_file.stderr)
