@@ -218,6 +218,13 @@ def _read_full(ckpt: Checkpoint):
         DcpMode(0, 1, torch.device("cpu"), async_save=False).restore(ckpt, parts)
         rngs = [torch.load(ckpt.path / dcp_mode.rng_file(r), weights_only=True)
                 for r in range(world)]
+    elif ckpt.mode == memory_mode.NAME:
+        reader = memory_mode.MemoryMode(0, 1, torch.device("cpu"))  # no peers: reads only
+        try:
+            reader.restore(ckpt, parts)
+        finally:
+            reader.close()
+        rngs = memory_mode.all_rngs(ckpt.path, list(ckpt.manifest["files"]))
     else:
         raise CheckpointError(f"{ckpt.path}: mode {ckpt.mode!r} cannot be converted here")
     return parts, rngs

@@ -150,3 +150,39 @@ def test_memory_mode_at_world_size_1_and_with_one_replica_still_checkpoints_and_
         ref_model, model = export(tmp_path / ref_name), export(tmp_path / name)
         for key in ref_model:
             assert torch.equal(ref_model[key], model[key]), (name, key)
+
+
+def same(a, b, where: str = "") -> None:
+    """same asserts two nested states are equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+def test_a_memory_checkpoint_converts_to_what_a_vanilla_run_writes(tmp_path, corpus):
+    """`ckpt convert` of a memory-mode checkpoint (world size 2, its slices in two ranks'
+    files) gives the vanilla file of the same run: weights, optimizer, schedule, train state
+    and every rank's generators."""
+    extra = ("checkpoint.interval=10", "train.max_steps=10")
+    for mode in ("memory", "vanilla"):
+        done = train(tmp_path, corpus, mode, 2, f"checkpoint.mode={mode}", *extra)
+        assert done.returncode == 0, done.stderr
+    out = tmp_path / "from-memory.pt"
+    done = pyrecover("ckpt", "convert", str(tmp_path / "memory"), "--to", "torch", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "converted step 10" in done.stdout and "invalid" not in done.stderr
+    got = torch.load(out, weights_only=True)
+    want = torch.load(tmp_path / "vanilla" / "checkpoints" / "step-10" / "state.pt",
+                      weights_only=True)
+    assert len(want["rng"]) == 2
+    for key in ("model", "optimizer", "scheduler", "train", "rng"):
+        same(got[key], want[key], key)

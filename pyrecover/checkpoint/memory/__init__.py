@@ -9,11 +9,13 @@ from pyrecover.checkpoint.memory.layout import NAME, SNAP_PREFIX, holders, slice
 from pyrecover.checkpoint.memory.mode import MemoryMode
 from pyrecover.checkpoint.memory.persist import (
     READ_PIECE,
+    all_rngs,
     assemble,
     coverage,
     finalize_snapshots,
     first_meta,
 )
 
-__all__ = ["NAME", "READ_PIECE", "SNAP_PREFIX", "MemoryMode", "assemble", "coverage",
-           "finalize_snapshots", "first_meta", "holders", "slice_bounds", "unflatten"]
+__all__ = ["NAME", "READ_PIECE", "SNAP_PREFIX", "MemoryMode", "all_rngs", "assemble",
+           "coverage", "finalize_snapshots", "first_meta", "holders", "slice_bounds",
+           "unflatten"]

@@ -56,6 +56,19 @@ def first_meta(folder: Path, names: list[str]) -> dict[str, Any]:
     return torch.load(folder / metas[0], weights_only=True)
 
 
+def all_rngs(folder: Path, names: list[str], meta: dict[str, Any] | None = None
+             ) -> list[dict[str, Any] | None]:
+    """all_rngs is every rank's RNG state: each writer knows those of the slices it held
+    (`meta`: first_meta's, when already read)."""
+    metas = sorted(n for n in names if n.startswith("meta-r"))
+    rngs = list((meta or first_meta(folder, names))["rngs"])
+    for name in metas[1:]:
+        other = torch.load(folder / name, weights_only=True)["rngs"]
+        rngs = [mine if mine is not None else theirs for mine, theirs in zip(rngs, other,
+                                                                             strict=True)]
+    return rngs
+
+
 def assemble(folder: Path, names: list[str]) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """assemble rebuilds the state's bytes from the part files named in `names`.
 
@@ -66,14 +79,7 @@ def assemble(folder: Path, names: list[str]) -> tuple[list[torch.Tensor], dict[s
     straight into place.
     """
     meta = first_meta(folder, names)
-    metas = sorted(n for n in names if n.startswith("meta-r"))
-    # Each writer knows the RNG states of the slices it held; together they know every rank's.
-    rngs = list(meta["rngs"])
-    for name in metas[1:]:
-        other = torch.load(folder / name, weights_only=True)["rngs"]
-        rngs = [mine if mine is not None else theirs for mine, theirs in zip(rngs, other,
-                                                                             strict=True)]
-    meta["rngs"] = rngs
+    meta["rngs"] = all_rngs(folder, names, meta)
     bounds = [tuple(b) for b in meta["bounds"]]
     copies = {s: sorted(n for n in names if n.startswith(f"part-s{s}-r"))
               for s in range(len(bounds))}
