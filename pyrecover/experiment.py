@@ -45,9 +45,12 @@ def recorded_global_batch(run: RunDir) -> int | None:
     return size if isinstance(size, int) else None
 
 
+RENAME = "a new run.exp_name (--set run.exp_name=NAME)"  # what a refused config can take
+
+
 def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
                     lock: RunLock | None = None, wait_s: float = 0.0,
-                    corpus: dict | None = None) -> None:
+                    corpus: dict | None = None, rename: str = RENAME) -> None:
     """prepare_run_dir creates the run directory and records or checks `run.yaml`.
 
     A restart whose config changes what the run computes (model, data, seed, global batch) is
@@ -62,7 +65,7 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
     keeps the old). `corpus` (data.fingerprint of what this start trains on) is recorded
     beside it, for check_corpus.
     """
-    old = check_run_dir(cfg, run)
+    old = check_run_dir(cfg, run, rename)
     run.create()
     if lock is not None:
         lock.acquire(wait_s)
@@ -96,7 +99,7 @@ def nesting_problem(run: RunDir) -> str | None:
     return None
 
 
-def check_run_dir(cfg: Config, run: RunDir) -> Config | None:
+def check_run_dir(cfg: Config, run: RunDir, rename: str = RENAME) -> Config | None:
     """check_run_dir refuses (ConfigError) what prepare_run_dir would refuse, writing nothing
     (`launch --dry-run` asks it too): a sweep's folder, or a recorded config whose identity
     keys this one changes. Returns the recorded config (None for a new run)."""
@@ -116,7 +119,7 @@ def check_run_dir(cfg: Config, run: RunDir) -> Config | None:
     if changed:
         raise ConfigError(
             f"{run.root} was started with another config ({'; '.join(changed)}); "
-            "use a new run.exp_name or --run-dir, or restore the old values")
+            f"use {rename}, or restore the old values")
     return old
 
 

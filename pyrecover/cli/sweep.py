@@ -115,7 +115,7 @@ def launch(
     if dry_run:  # what the launch itself would refuse
         record.check(Path(job.run_dir), rec)
         for trial_cfg in cfgs:
-            check_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()))
+            check_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()), trials.RENAME)
         typer.echo(script, nl=False)
         how = {"grid": "grid", "bayes": "bayes, through wandb"}.get(sweep.method,
                                                                       f"random, seed {sweep.seed}")
@@ -145,7 +145,7 @@ def launch(
             RunDir(sweep_dir / t["dir"]).create()  # its logs/ holds the task's output
     else:
         for trial_cfg in cfgs:
-            prepare_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()))
+            prepare_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()), rename=trials.RENAME)
     job.run.job_script.write_text(script)
     job_id = submit.submit(argv, cwd=job.run_dir)
     record.add_job(sweep_dir, job_id)

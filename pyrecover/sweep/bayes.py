@@ -150,7 +150,7 @@ def refresh(sweep_dir: Path, base: Config, world_size: int | None) -> None:
         if values is not None:
             cfg = trials.trial_config(rec.name, base, int(t["index"]), values, world_size,
                                       f"trial {t['index']}")
-            prepare_run_dir(_at(cfg, trial), RunDir(trial))
+            prepare_run_dir(_at(cfg, trial), RunDir(trial), rename=trials.RENAME)
 
 
 def _at(cfg: Config, trial: Path) -> Config:

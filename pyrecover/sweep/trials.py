@@ -24,6 +24,8 @@ from pyrecover.sweep.spec import Param, Scalar, Sweep
 
 TRIAL_PREFIX = "trial-"
 OWNED = ("run.exp_name", "run.storage")
+# What a trial whose recorded config a relaunch changes can take (its name is the sweep's).
+RENAME = "a new sweep name (name: in the sweep file, or another file name)"
 """Keys the sweep sets itself: each trial's folder is `<storage>/<sweep name>/trial-<i>`."""
 
 

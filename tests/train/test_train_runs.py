@@ -64,8 +64,8 @@ def test_a_refused_restart_of_local_workers_is_one_line_from_rank_0_and_every_ra
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: {tmp_path / 'run'} was started with another config "
-                      "(train.seed: 1337 -> 7); use a new run.exp_name or --run-dir, or "
-                      "restore the old values"], done.stderr
+                      "(train.seed: 1337 -> 7); use a new run.exp_name (--set run.exp_name=NAME), "
+                      "or restore the old values"], done.stderr
     assert "TCPStore" not in done.stderr and "frame #" not in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert (tmp_path / "run" / "run.yaml").read_text() == recorded

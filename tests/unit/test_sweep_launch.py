@@ -247,3 +247,23 @@ def test_a_bayes_sweep_refuses_a_relative_data_path_wandb_would_hand_on_as_writt
     assert done.stderr.splitlines() == [
         "error: parameters.data.path: 'data/a.parquet' is a relative path, and a bayes trial "
         "gets it from wandb as written, in its sweep's folder; give absolute paths"]
+
+
+def test_a_relaunch_that_changes_what_the_trials_compute_names_the_way_out(tmp_path, corpus):
+    """The trials' run.yaml refuse another model, as any run's does; the way out is a new
+    sweep name (the trials' own names are the sweep's), not `--run-dir`, which sweep lacks."""
+    env = stub_slurm(tmp_path)
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump({**GRID, "name": "lr"}, sort_keys=False))
+    args = ["sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
+            "--set", f"run.storage={tmp_path / 'st'}", "--set", f"data.path={corpus}"]
+    assert pyrecover(*args, env=env, cwd=tmp_path).returncode == 0
+    recorded = (tmp_path / "st" / "lr" / "trial-0" / "run.yaml").read_text()
+    for extra in ((), ("--dry-run",)):
+        done = pyrecover(*args, "--set", "model.n_embd=32", *extra, env=env, cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        (line,) = done.stderr.splitlines()
+        assert "was started with another config (model.n_embd: 64 -> 32)" in line
+        assert line.endswith("use a new sweep name (name: in the sweep file, or another file "
+                             "name), or restore the old values"), line
+    assert (tmp_path / "st" / "lr" / "trial-0" / "run.yaml").read_text() == recorded
