@@ -171,10 +171,11 @@ def status(
     """
     import json
 
-    from pyrecover.slurm.query import squeue_state
+    from pyrecover.slurm.query import array_states, slow_note
     from pyrecover.sweep import status as sweep_status
 
-    report = sweep_status.read(sweep_dir, squeue=squeue_state)
+    with slow_note("squeue"):
+        report = sweep_status.read(sweep_dir, slurm=array_states)
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else
                sweep_status.render(report))
 

@@ -53,6 +53,34 @@ def squeue_state(job_id: str) -> str | None:
     return None
 
 
+def array_states(array_id: str) -> dict[str, str]:
+    """array_states maps each task of job array `array_id` that SLURM knows (named
+    ARRAY_TASK, as `squeue -r` names it) to its state, in two calls whatever the number of
+    tasks: scontrol for every task the controller still holds (a finished one for MinJobAge),
+    then squeue for the queued and running ones, which it expands one per line. {} when SLURM
+    does not answer."""
+    states: dict[str, str] = {}
+    for line in _answer(["scontrol", "show", "job", "-o", array_id]).splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        task = fields.get("ArrayTaskId", "")
+        if fields.get("ArrayJobId") == array_id and task.isdigit() and fields.get("JobState"):
+            states[f"{array_id}_{task}"] = fields["JobState"]  # (pending ones: a range)
+    for line in _answer(["squeue", "-h", "-r", "-j", array_id, "-o", "%i %T"]).splitlines():
+        job, _, state = line.strip().partition(" ")
+        if job.startswith(f"{array_id}_") and state:
+            states[job] = state.strip()
+    return states
+
+
+def _answer(argv: list[str]) -> str:
+    """_answer is what a SLURM command printed, "" when it failed or did not answer."""
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout if out.returncode == 0 else ""
+
+
 def sinfo(fmt: str) -> str | None:
     """sinfo asks SLURM for its partitions in `fmt`; None when SLURM does not answer."""
     try:

@@ -53,17 +53,19 @@ class SweepStatus:
         return asdict(self)
 
 
-def read(sweep_dir: str | Path, squeue: Callable[[str], str | None] | None = None
+def read(sweep_dir: str | Path, slurm: Callable[[str], dict[str, str]] | None = None
          ) -> SweepStatus:
-    """read builds the SweepStatus; `squeue(job_id) -> state | None` is optional."""
+    """read builds the SweepStatus; `slurm(array_id)` (optional) maps the array's tasks,
+    ARRAYID_TASKID, to their SLURM states (query.array_states: two calls for the sweep)."""
     rec = record.read(sweep_dir)
     root = Path(sweep_dir)
     array = record.last_job(root)
     keys = list(rec.parameters or {})
+    # ARRAYID_TASKID: one task's SLURM_JOB_ID may be the whole array's id
+    states = slurm(array) if slurm and array else {}
     trials = [_trial(root / t["dir"], int(t["index"]), t["params"] if t["params"] is not None
                      else bayes.recorded(root / t["dir"], keys), rec,
-                     # ARRAYID_TASKID: one task's SLURM_JOB_ID may be the whole array's id
-                     squeue(f"{array}_{t['index']}") if squeue and array else None)
+                     states.get(f"{array}_{t['index']}"))
               for t in rec.trials]
     sign = 1.0 if rec.goal == "minimize" else -1.0
     # Those with a last value first (best first), then the diverged ones, then the rest.

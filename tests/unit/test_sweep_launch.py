@@ -4,6 +4,8 @@ second live array it refuses, and a trial that trains."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from helpers import TINY, default_cluster, pyrecover
@@ -267,3 +269,38 @@ def test_a_relaunch_that_changes_what_the_trials_compute_names_the_way_out(tmp_p
         assert line.endswith("use a new sweep name (name: in the sweep file, or another file "
                              "name), or restore the old values"), line
     assert (tmp_path / "st" / "lr" / "trial-0" / "run.yaml").read_text() == recorded
+
+
+def test_sweep_status_asks_slurm_twice_for_the_whole_array_and_names_each_task_s_state(
+        tmp_path, corpus):
+    """A 12-trial sweep: one scontrol (the tasks it still holds, finished ones too) and one
+    squeue -r (queued and running, one line per task), not two calls per trial."""
+    env = stub_slurm(tmp_path, job_id=79)
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump({"name": "lr", "method": "grid", "parameters": {
+        "train.lr": {"values": [1e-4 * (i + 1) for i in range(12)]}}}, sort_keys=False))
+    launched = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--launcher",
+                         "none", "--set", f"run.storage={tmp_path / 'st'}", "--set",
+                         f"data.path={corpus}", env=env, cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    (tmp_path / "scontrol.out").write_text("\n".join(
+        [f"JobId={100 + i} ArrayJobId=79 ArrayTaskId={i} JobState=COMPLETED" for i in range(4)]
+        + ["JobId=79 ArrayJobId=79 ArrayTaskId=6-11%2 JobState=PENDING",
+           "JobId=104 ArrayJobId=79 ArrayTaskId=4 JobState=RUNNING"]) + "\n")
+    (tmp_path / "squeue.out").write_text("\n".join(
+        ["79_4 RUNNING", "79_5 RUNNING"] + [f"79_{i} PENDING" for i in range(6, 12)]) + "\n")
+    for name in ("scontrol", "squeue"):
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n'
+                                    f'cat {tmp_path / (name + ".out")}\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    done = pyrecover("sweep", "status", str(tmp_path / "st" / "lr"), "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert calls.read_text().splitlines() == ["scontrol show job -o 79",
+                                              "squeue -h -r -j 79 -o %i %T"]
+    states = {t["run_dir"].rsplit("-", 1)[1]: t["slurm_state"]
+              for t in json.loads(done.stdout)["trials"]}
+    assert states == {**{str(i): "COMPLETED" for i in range(4)}, "4": "RUNNING",
+                      "5": "RUNNING", **{str(i): "PENDING" for i in range(6, 12)}}
