@@ -180,7 +180,6 @@ def _refuse_live(run: RunDir) -> None:
 def _notes(cfg: Config, spec: JobSpec) -> list[str]:
     """Things that may well be right but are worth a look: said, not refused."""
     from pyrecover.checkpoint.store import MANIFEST, committed_steps
-    from pyrecover.slurm import render
 
     notes = []
     reached = next((step for step, folder in committed_steps(spec.run.checkpoints)
@@ -189,18 +188,4 @@ def _notes(cfg: Config, spec: JobSpec) -> list[str]:
         notes.append(f"the run's newest checkpoint is at step {reached}, at or past "
                      f"train.max_steps={cfg.train.max_steps}: the job will end at once "
                      "(--set train.max_steps=N to train on)")
-    if not Path(cfg.data.path).is_file():
-        notes.append(f"data.path {cfg.data.path} does not exist here; the job will need it "
-                     "on the compute nodes")
-    if spec.image is not None and render.outside_binds(cfg.data.path, spec.binds):
-        notes.append(f"data.path {cfg.data.path} is outside every bind mount; add "
-                     "--bind for its folder unless the image has it")
-    from pyrecover.slurm import query, sinfo
-
-    with query.slow_note("sinfo"):
-        described = query.sinfo(sinfo.SINFO_FORMAT)
-    unfit = sinfo.fit_problem(sinfo.parse_sinfo(described or ""), spec.partition,
-                              spec.nodes + spec.spare_nodes, spec.gpus_per_node)
-    if unfit:
-        notes.append(unfit)
-    return notes
+    return notes + site.job_notes(spec, [cfg.data.path])

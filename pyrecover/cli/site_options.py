@@ -69,3 +69,27 @@ def resolve(cluster: Path | None, bind: list[str] | None, sbatch_extra: list[str
     return profile.resolve(cluster, os.environ, Path.home(), os.getcwd(),
                            binds=tuple(bind or ()), sbatch_extra=tuple(sbatch_extra or ()),
                            **overrides)
+
+
+def job_notes(spec, data_paths: list[str], spare: bool = True) -> list[str]:
+    """job_notes are what may well be right about a job (a run's or a sweep's array) but is
+    worth a look before it queues: said, not refused. `spec`: the rendered JobSpec;
+    `data_paths`: the data.path of each run it trains (a sweep may sweep it); `spare`: the
+    command has --spare-nodes."""
+    from pyrecover.slurm import query, render, sinfo
+
+    notes = []
+    for path in dict.fromkeys(data_paths):
+        if not Path(path).is_file():
+            notes.append(f"data.path {path} does not exist here; the job will need it on the "
+                         "compute nodes")
+        if spec.image is not None and render.outside_binds(path, spec.binds):
+            notes.append(f"data.path {path} is outside every bind mount; add --bind for its "
+                         "folder unless the image has it")
+    with query.slow_note("sinfo"):
+        described = query.sinfo(sinfo.SINFO_FORMAT)
+    unfit = sinfo.fit_problem(sinfo.parse_sinfo(described or ""), spec.partition,
+                              spec.nodes + spec.spare_nodes, spec.gpus_per_node, spare)
+    if unfit:
+        notes.append(unfit)
+    return notes

@@ -111,6 +111,9 @@ def launch(
                             max_parallel or sweep.max_parallel, is_bayes)
     script = render.script(job)
     argv = submit.sbatch_argv(job.run.job_script)
+    for note in site.job_notes(job, [c.data.path for c in cfgs] or [cfg.data.path],
+                               spare=False):
+        typer.echo(f"note: {note}", err=True)
 
     if dry_run:  # what the launch itself would refuse
         record.check(Path(job.run_dir), rec)

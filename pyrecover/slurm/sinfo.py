@@ -81,10 +81,11 @@ def pick(partitions: list[Partition]) -> Partition | None:
 
 
 def fit_problem(partitions: list[Partition], partition: str | None, nodes: int,
-                gpus_per_node: int) -> str | None:
+                gpus_per_node: int, spare: bool = True) -> str | None:
     """fit_problem says why a job of `nodes` nodes with `gpus_per_node` GPUs each can never
     start in `partition` (None: the default one), as sinfo described them; None where it can,
-    or where sinfo does not know the partition (a launch is never refused on a guess)."""
+    or where sinfo does not know the partition (a launch is never refused on a guess).
+    `spare`: the command has --spare-nodes (a sweep has not)."""
     part = next((p for p in partitions if p.name == partition), None) if partition else next(
         (p for p in partitions if p.default), None)
     if part is None:
@@ -94,7 +95,7 @@ def fit_problem(partitions: list[Partition], partition: str | None, nodes: int,
         return None
     return (f"partition {part.name} has {fit} node(s) with {gpus_per_node} or more GPUs "
             f"(sinfo), and this job asks for {nodes}: SLURM would keep it pending for good; "
-            "check --nodes, --gpus-per-node and --spare-nodes")
+            f"check --nodes, --gpus-per-node{' and --spare-nodes' if spare else ''}")
 
 
 def starting_profile(partitions: list[Partition] | None) -> str:

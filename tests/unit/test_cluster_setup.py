@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import default_cluster, pyrecover
+from helpers import TINY, default_cluster, pyrecover
 
 from pyrecover.slurm import LaunchError, profile, sinfo
 from pyrecover.slurm.profile import ClusterProfile
@@ -161,3 +161,30 @@ def test_launch_notes_a_job_that_could_never_start(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "note: partition debug has 2 node(s) with 4 or more GPUs (sinfo), and this job " \
         "asks for 3: SLURM would keep it pending for good" in done.stderr
+
+
+def test_sweep_launch_says_the_same_notes_for_its_array_and_each_swept_data_path(tmp_path,
+                                                                                 corpus):
+    """sweep launch said none of them: an array of trials that could never start, or whose
+    swept data file is not here, queued without a word."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sinfo").write_text(f"#!/bin/bash\nprintf '%s' {shlex.quote(LOCAL_SINFO)}\n")
+    (bin_dir / "sinfo").chmod(0o755)
+    missing = tmp_path / "elsewhere.parquet"
+    sweep = tmp_path / "data.yaml"
+    sweep.write_text(f"method: grid\nparameters:\n  data.path: {{values: [{corpus}, "
+                     f"{missing}]}}\n")
+    env = {"HOME": str(tmp_path), "PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin"}
+    done = pyrecover("sweep", "launch", str(sweep), "--config", str(TINY), "--nodes", "3",
+                     "--launcher", "none", "--dry-run", "--set", "train.global_batch_size=24",
+                     "--set", f"run.storage={tmp_path / 'st'}",
+                     env={**env, **default_cluster(tmp_path)}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    notes = [line for line in done.stderr.splitlines() if line.startswith("note: ")]
+    assert notes == [
+        f"note: data.path {missing} does not exist here; the job will need it on the compute "
+        "nodes",
+        "note: partition debug has 2 node(s) with 4 or more GPUs (sinfo), and this job asks "
+        "for 3: SLURM would keep it pending for good; check --nodes, --gpus-per-node"
+    ], done.stderr  # (no --spare-nodes, which sweep launch lacks)
