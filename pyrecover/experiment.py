@@ -85,6 +85,9 @@ def nesting_problem(run: RunDir) -> str | None:
     version allowed)."""
     if run.config.is_file():
         return None
+    if run.is_sweep():  # its trials are runs, but a run named like the sweep is no trial
+        return (f"{run.root} holds a sweep ({run.root.name}/sweep.yaml), not a run; use "
+                "another run.exp_name")
     real = Path(os.path.realpath(run.root))
     outer = next((p for p in real.parents if RunDir(p).is_recorded_run()), None)
     if outer is not None:

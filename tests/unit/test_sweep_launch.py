@@ -304,3 +304,18 @@ def test_sweep_status_asks_slurm_twice_for_the_whole_array_and_names_each_task_s
               for t in json.loads(done.stdout)["trials"]}
     assert states == {**{str(i): "COMPLETED" for i in range(4)}, "4": "RUNNING",
                       "5": "RUNNING", **{str(i): "PENDING" for i in range(6, 12)}}
+
+
+def test_train_with_a_sweep_s_name_is_told_it_names_a_sweep(tmp_path, corpus):
+    """It was told the folder 'holds other runs (trial-0, ...)' and to train in
+    <sweep>/NAME: a run among the trials, which the sweep's status and cancel would miss."""
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump({**GRID, "name": "lr"}, sort_keys=False))
+    args = ["--set", f"run.storage={tmp_path / 'st'}", "--set", f"data.path={corpus}"]
+    launched = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--launcher",
+                         "none", *args, env=stub_slurm(tmp_path), cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr
+    done = pyrecover("train", "--config", str(TINY), *args, "--set", "run.exp_name=lr")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"error: {tmp_path / 'st' / 'lr'} holds a sweep "
+                                        "(lr/sweep.yaml), not a run; use another run.exp_name"]
