@@ -91,7 +91,8 @@ def trial_config(name: str, base: Config, index: int, values: dict[str, Any],
     raw["run"].update(storage=str(base.run_dir().parent / name), exp_name=trial_name(index))
     tracking = raw["tracking"]
     tracking["group"] = tracking["group"] or name
-    tracking["name"] = tracking["name"] or f"{name}-{trial_name(index)}"
+    # Each trial's wandb run named apart: a --set tracking.name=X named every one X.
+    tracking["name"] = f"{tracking['name'] or name}-{trial_name(index)}"
     what = what or f"trial {index} ({describe(values)})"
     for key, value in values.items():
         section, _, leaf = key.partition(".")

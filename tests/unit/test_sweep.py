@@ -137,6 +137,12 @@ def test_each_trial_is_a_checked_config_in_its_own_folder_of_the_sweep():
                                                                 {"train.lr": 0.002}]
     assert {(c.tracking.group, c.tracking.name) for c in cfgs} == {
         ("lr", "lr-trial-0"), ("lr", "lr-trial-1")}
+    named = absolute_paths(config_mod.load(TINY, ["run.storage=/scratch/pyrecover",
+                                                  "tracking.name=try", "tracking.group=g"]),
+                           FIXED_CWD)
+    cfgs = trials.configs(sweep, trials.base_for(sweep, named), trials.choose(sweep))
+    assert [(c.tracking.group, c.tracking.name) for c in cfgs] == [
+        ("g", "try-trial-0"), ("g", "try-trial-1")]  # a name given: still one per trial
 
 
 @pytest.mark.parametrize("params, message", [
