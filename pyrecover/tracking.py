@@ -281,7 +281,10 @@ def start(cfg: Config, run: RunDir, rank: int, system: Mapping[str, Any] | None 
         wb.summary["restarts"] = len(history)
         wb.summary["interruptions"] = history
         wb.summary["ledger"] = ledger(events, metrics).to_dict()
-    where = f"{run.wandb} (offline; upload with: wandb sync {run.wandb})" if mode == "offline" \
+    offline = mode == "offline"
+    with contextlib.suppress(Exception):
+        offline = offline or bool(wb.offline)  # online that could not start fell back
+    where = f"{run.wandb} (offline; upload with: wandb sync {run.wandb})" if offline \
         else wb.url or "wandb"
     log.info("wandb run %s %s: %s", wb.id, "resumed" if history else "started", where)
     return Tracker(wb, run, floor, pending)

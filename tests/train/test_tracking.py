@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import socket
 import struct
 from pathlib import Path
 
@@ -144,6 +147,33 @@ def test_a_disabled_tracker_creates_nothing_even_with_wandb_mode_set(tmp_path, m
     with tracking.start(cfg, run, rank=0) as tracker:
         tracker.log(1, {"loss": 1.0})
     assert not tracker.enabled and not run.wandb.exists()
+
+
+def test_online_that_cannot_start_falls_back_offline_and_says_where_its_files_are(
+        tmp_path, monkeypatch, caplog):
+    """A server that answers but no API key: wandb's online start fails at once, the offline
+    try starts, and the line said 'started: wandb', naming no folder to sync."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        for name in list(os.environ):
+            if name.startswith("WANDB_"):
+                monkeypatch.delenv(name)
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+        monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+        cfg = config_mod.load(None, [f"run.storage={tmp_path}", "tracking.wandb=online"])
+        run = RunDir(cfg.run_dir())
+        run.create()
+        with caplog.at_level(logging.INFO, logger="pyrecover"):
+            with tracking.start(cfg, run, rank=0) as tracker:
+                assert tracker.enabled
+                tracker.log(1, {"loss": 1.0})
+    said = [r.getMessage() for r in caplog.records]
+    assert any("wandb online could not start" in m and "trying offline" in m for m in said)
+    where = f"started: {run.wandb} (offline; upload with: wandb sync {run.wandb})"
+    assert any(m.startswith("wandb run ") and m.endswith(where) for m in said), said
+    assert [row["_step"] for row in history(
+        next(offline_runs(run.root)[0].glob("run-*.wandb")))] == [1]
 
 
 FOREIGN = ['{"event": "resume", "step": "ten", "time": 5.0}', '{"step": "12", "loss": 1}',
