@@ -150,6 +150,11 @@ def write(run_dir: str | Path, out: str | Path, width: int = 960, height: int = 
     metrics = well_formed(read_jsonl(run.metrics), needs_time=False)[0]  # foreign lines out
     series = segments(metrics)
     if not series:
+        diverged = sum(isinstance(m.get("loss"), float) and not math.isfinite(m["loss"])
+                       for m in metrics)
+        if diverged:  # not "yet": every loss it logged is NaN or infinite
+            raise PlotError(f"{run.metrics}: none of its {diverged} logged losses is finite "
+                            "(the run diverged: a lower train.lr, or see pyrecover status)")
         raise PlotError(f"{run.metrics}: no logged losses to plot yet")
     found = marks(well_formed(read_jsonl(run.events), needs_time=True)[0], metrics)
     fig, layout = _draw(run.root.name, series, segments(metrics, "tokens_per_s"), found,

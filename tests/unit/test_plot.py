@@ -138,6 +138,17 @@ def test_a_run_with_no_logged_loss_is_one_clear_error(tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
+def test_a_run_whose_every_loss_is_nan_is_told_it_diverged_not_to_wait(tmp_path):
+    run = RunDir(tmp_path / "diverged")
+    run.create()
+    for step in (1, 2, 3):
+        run.metric(step=step, loss=float("nan") if step < 3 else float("inf"), lr=10.0)
+    result = CliRunner().invoke(app, ["plot", str(run.root), "--out", str(tmp_path / "x.png")])
+    assert result.exit_code == 2
+    assert "none of its 3 logged losses is finite (the run diverged" in result.output
+    assert "yet" not in result.output and not (tmp_path / "x.png").exists()
+
+
 def test_an_unknown_suffix_is_one_clear_error(interrupted_run, tmp_path):
     out = tmp_path / "run.gif"
     result = CliRunner().invoke(app, ["plot", str(interrupted_run.root), "--out", str(out)])
