@@ -198,9 +198,10 @@ def _draw(title: str, losses: list[Series], speed: list[Series], found: list[Mar
         elif m.kind == "resume" and m.lost:
             top.axvspan(m.step, m.step + m.lost, color=_rgb(LOST), zorder=0, linewidth=0)
     ticks = [m.step for m in found if m.kind == "checkpoint"]
-    top.plot(ticks, [0] * len(ticks), linestyle="none", marker="|", markersize=12,
-             markeredgewidth=2, color=_rgb(CHECKPOINT), label="checkpoint",
-             transform=top.get_xaxis_transform(), clip_on=False, zorder=4)
+    if ticks:  # (an empty line in axes coordinates collapsed the layout: both panels flat)
+        top.plot(ticks, [0] * len(ticks), linestyle="none", marker="|", markersize=12,
+                 markeredgewidth=2, color=_rgb(CHECKPOINT), label="checkpoint",
+                 transform=top.get_xaxis_transform(), clip_on=False, zorder=4)
     for i, ser in enumerate(losses):
         top.plot(ser.steps, ser.losses, color=_rgb(LOSS), linewidth=1.5, zorder=3,
                  marker="o" if len(ser.steps) == 1 else None, label="loss" if i == 0 else None)

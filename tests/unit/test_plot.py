@@ -129,6 +129,19 @@ def test_a_metrics_file_copied_off_the_cluster_alone_is_plotted(interrupted_run,
     assert read_png(out).size == (960, 540)
 
 
+@pytest.mark.filterwarnings("error")  # matplotlib's "constrained_layout not applied"
+def test_a_run_without_checkpoints_gets_full_size_panels(tmp_path):
+    """An empty checkpoint line (no checkpoint committed yet, or metrics.jsonl copied alone)
+    collapsed the layout: both panels drawn a few pixels high."""
+    run = RunDir(tmp_path / "young")
+    run.create()
+    for step in range(1, 20):
+        run.metric(step=step, loss=5.0 - step * 0.1, tokens_per_s=1000.0, time=1000.0 + step)
+    layout = plot.write(run.root, tmp_path / "young.png")
+    assert layout.bottom - layout.top > 0.4 * 540, layout
+    assert layout.y_min < 3.2 and layout.y_max > 4.8
+
+
 def test_a_run_with_no_logged_loss_is_one_clear_error(tmp_path):
     run = RunDir(tmp_path / "empty")
     run.create()
