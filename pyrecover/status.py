@@ -62,17 +62,20 @@ class Status:
     """The run's bad nodes (`node`, `time`, `reason`), which its jobs leave out."""
     profile: dict[str, Any] | None = None
     """The newest `profile` event (train.profile: per-step figures and rank 0's trace)."""
+    slurm_reason: str | None = None
+    """Why a PENDING job waits, as squeue says (Resources, Priority, JobHeldUser, ...)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
-         queued=None) -> Status:
+         queued=None, reason=None) -> Status:
     """read builds the Status of a run directory; `squeue(job_id) -> state | None`,
-    `sacct(job_id) -> [(submit, start, end)]` (each attempt's SLURM times) and
+    `sacct(job_id) -> [(submit, start, end)]` (each attempt's SLURM times),
     `queued(job_script) -> [(job_id, state)] | None` (jobs submitted for the run that have
-    not started it yet) are optional."""
+    not started it yet) and `reason(job_id) -> str | None` (why a pending one waits) are
+    optional."""
     run = RunDir(Path(path))
     problem = run.problem()
     if problem:
@@ -109,11 +112,12 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
         queued and ended) else []
     if waiting:  # launched again, not started yet: the job in the queue
         job_id, slurm_state = waiting[0]
+    slurm_reason = reason(job_id) if reason and job_id and slurm_state == "PENDING" else None
     book = ledger_mod.ledger(events, metrics, _job_times(events, sacct) if sacct else [])
     exp_name, max_steps = _recorded(run)
     return Status(
         run_dir=str(run.root), exp_name=exp_name, state=state,
-        slurm_state=slurm_state,
+        slurm_state=slurm_state, slurm_reason=slurm_reason,
         job_id=job_id,
         step=step, max_steps=max_steps, starts=len(runs),
         restarts_by_cause=dict(causes), last_checkpoint=last_ckpt, invalid_checkpoints=invalid,
@@ -278,9 +282,9 @@ def render(s: Status) -> str:
     ck = s.last_checkpoint
     lines = [
         f"run         {s.run_dir} ({s.exp_name})",
-        f"state       {s.state}" + (f"; SLURM job {s.job_id}: {s.slurm_state}"
-                                    if s.slurm_state else (f"; SLURM job {s.job_id}"
-                                                           if s.job_id else "")),
+        f"state       {s.state}" + (f"; SLURM job {s.job_id}: {s.slurm_state}" + (
+            f" ({s.slurm_reason})" if s.slurm_reason else "") if s.slurm_state else (
+            f"; SLURM job {s.job_id}" if s.job_id else "")),
         f"progress    step {s.step}" + (f" of {s.max_steps}" if s.max_steps else ""),
         f"starts      {s.starts}" + (": restarts " + ", ".join(
             f"{n} x {cause}" for cause, n in sorted(s.restarts_by_cause.items()))

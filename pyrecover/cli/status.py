@@ -43,7 +43,13 @@ def status(
     from pyrecover import status as status_mod
     from pyrecover.badnodes import clear_bad_nodes as clear
     from pyrecover.rundir import RunDir
-    from pyrecover.slurm.query import job_times, queued_jobs, slow_note, squeue_state
+    from pyrecover.slurm.query import (
+        job_times,
+        pending_reason,
+        queued_jobs,
+        slow_note,
+        squeue_state,
+    )
 
     if clear_bad_nodes:
         status_mod.read(run_dir)  # refuses what is not a run directory, before changing it
@@ -57,7 +63,7 @@ def status(
                 return ask(*args)
         return call
     report = status_mod.read(run_dir, squeue=slow(squeue_state), sacct=slow(job_times),
-                             queued=slow(queued_jobs))
+                             queued=slow(queued_jobs), reason=slow(pending_reason))
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_mod.render(report))
 
 

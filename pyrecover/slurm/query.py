@@ -53,6 +53,13 @@ def squeue_state(job_id: str) -> str | None:
     return None
 
 
+def pending_reason(job_id: str) -> str | None:
+    """pending_reason is squeue's reason a job waits (Resources, Priority, JobHeldUser,
+    QOSMaxJobsPerUserLimit, ...); None when it gives none or does not answer."""
+    reason = _answer(["squeue", "-h", "-j", job_id, "-o", "%r"]).strip()
+    return reason if reason and reason != "None" else None
+
+
 def array_states(array_id: str) -> dict[str, str]:
     """array_states maps each task of job array `array_id` that SLURM knows (named
     ARRAY_TASK, as `squeue -r` names it) to its state, in two calls whatever the number of

@@ -159,8 +159,8 @@ def test_a_run_with_a_job_in_the_queue_is_not_launched_again_until_it_is_cancell
     run_dir = storage / "queued"
     recorded = (run_dir / "run.yaml").read_text()
     said = status(local_slurm, run_dir)
-    assert (said["state"], said["job_id"], said["slurm_state"]) == (
-        "not started", str(job_id), "PENDING")
+    assert (said["state"], said["job_id"], said["slurm_state"], said["slurm_reason"]) == (
+        "not started", str(job_id), "PENDING", "JobHeldUser")  # why it waits, as squeue says
 
     again = launch(local_slurm, tmp_path, *args, "--time", "0:07:00")
     assert again.returncode == 2, again.stderr

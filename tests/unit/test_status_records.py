@@ -176,6 +176,10 @@ def test_the_ledger_takes_the_queue_times_of_the_jobs_that_ran_the_run_not_the_o
     s = status.read(run.root, now=200.0, squeue=lambda name: None, sacct=sacct,
                     queued=lambda script: [("57", "PENDING")])
     assert s.job_id == "57" and s.slurm_state == "PENDING"  # what is queued now
+    said = status.read(run.root, now=200.0, squeue=lambda name: None,
+                       queued=lambda script: [("57", "PENDING")],
+                       reason={"57": "QOSMaxJobsPerUserLimit"}.get)
+    assert "; SLURM job 57: PENDING (QOSMaxJobsPerUserLimit)\n" in status.render(said)
     assert asked == ["40_1"]
     assert s.ledger["causes"]["queue_wait"] == 899.0 + 8.0
     assert s.ledger["queue_from_slurm"]
