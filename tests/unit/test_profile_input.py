@@ -1,0 +1,81 @@
+"""Cluster profiles: the shipped ones load and validate, an unknown key is named, times and
+binds are checked as SLURM and apptainer read them, and command-line options override them."""
+
+from __future__ import annotations
+
+import pytest
+from sbatch_support import EXAMPLE, FIXED_CWD, LOCAL, spec_for
+
+from pyrecover.slurm import LaunchError, profile
+
+
+def test_the_shipped_profiles_load_and_validate():
+    for path in (LOCAL, EXAMPLE):
+        profile.validate(profile.load_profile(path, FIXED_CWD))
+    local = profile.load_profile(LOCAL, FIXED_CWD)
+    assert (local.partition, local.launcher, local.nodes) == ("debug", "none", 2)
+    example = profile.load_profile(EXAMPLE, FIXED_CWD)
+    assert example.gpus_per_node == 4 and example.image.endswith(".sif")
+    assert example.binds == (profile.Bind("/scratch/datasets", "/scratch/datasets"),)
+
+
+def test_an_unknown_profile_key_is_named_with_the_known_ones(tmp_path):
+    path = tmp_path / "site.yaml"
+    path.write_text("partition: gpu\ngpus: 4\n")
+    with pytest.raises(LaunchError) as info:
+        profile.load_profile(path, tmp_path)
+    message = str(info.value)
+    assert "unknown cluster profile key 'gpus'" in message
+    assert "gpus_per_node" in message and "signal_seconds" in message
+
+
+def test_profile_times_stay_strings_even_where_yaml_would_read_base_60(tmp_path):
+    path = tmp_path / "site.yaml"
+    path.write_text("time: 1:00:00\nnodes: 3\ncpus_per_task: ~\nbinds: data\n")
+    prof = profile.load_profile(path, tmp_path)
+    assert (prof.time, prof.nodes, prof.cpus_per_task) == ("1:00:00", 3, None)
+    assert prof.binds == (profile.Bind(str(tmp_path / "data"), str(tmp_path / "data")),)
+
+
+def test_command_line_options_override_the_profile_and_add_binds(tmp_path):
+    base = profile.load_profile(EXAMPLE, tmp_path)
+    prof = profile.with_overrides(base, tmp_path, binds=("rel:/in",), nodes=3, time="30",
+                                  partition=None, image="img.sif")
+    assert (prof.nodes, prof.time, prof.partition) == (3, "30", "gpu")
+    assert prof.image == str(tmp_path / "img.sif")
+    assert prof.binds[-1] == profile.Bind(str(tmp_path / "rel"), "/in")
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("30", 1800), ("90:30", 5430), ("2:00:00", 7200), ("1-0", 86400), ("1-2", 93600),
+    ("1-02:30", 95400), ("2-00:00:10", 172810), ("infinite", None), ("UNLIMITED", None),
+    ("-1", None), ("0", None),
+])
+def test_slurm_time_forms_are_accepted(text, seconds):
+    assert profile.time_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "1:2:3:4", "1h", "1-", "-1-2", "1-2:3:4:5", "1.5",
+                                  "1 day", "forever", "1-02:30\n"])
+def test_time_strings_slurm_rejects_are_refused(text):
+    with pytest.raises(LaunchError, match="time="):
+        profile.time_seconds(text)
+
+
+@pytest.mark.parametrize("bind", ["", ":/x", "a:", "a:rel", "a:/b:/c", "a,b", "a:/b:ro:x"])
+def test_malformed_binds_are_refused(bind):
+    with pytest.raises(LaunchError, match="bind"):
+        profile.parse_bind(bind, "/cwd")
+
+
+def test_binds_are_absolute_with_the_destination_spelled_out():
+    assert profile.parse_bind("data", "/cwd") == profile.Bind("/cwd/data", "/cwd/data")
+    assert profile.parse_bind("/d:/in:ro", "/cwd").spec() == "/d:/in:ro"
+
+
+def test_launcher_srun_without_an_image_says_what_to_do():
+    with pytest.raises(LaunchError, match="--image"):
+        spec_for("srun", image=None)
+
+
+# ----------------------------------------------------------------- the launch command
