@@ -1,5 +1,6 @@
-"""The Apptainer definition and the command lines around it: containers/pyrecover.def passes
-its checks, broken copies fail at the right line, and the `pyrecover image` commands behave.
+"""The Apptainer definition: containers/pyrecover.def passes its checks, broken copies fail
+at the right line, and the `pyrecover image` commands behave (the apptainer command lines
+themselves: test_command_lines.py).
 
 spython is the real parser throughout. Nothing here needs apptainer; building the image is
 tests/container/test_image.py, which skips where no real apptainer exists.
