@@ -111,14 +111,17 @@ def launch(
                             max_parallel or sweep.max_parallel, is_bayes)
     script = render.script(job)
     argv = submit.sbatch_argv(job.run.job_script)
-    for note in site.job_notes(job, [c.data.path for c in cfgs] or [cfg.data.path],
-                               spare=False):
-        typer.echo(f"note: {note}", err=True)
+
+    def notes() -> None:  # said once nothing refuses the launch: a refusal stays one line
+        for note in site.job_notes(job, [c.data.path for c in cfgs] or [cfg.data.path],
+                                   spare=False):
+            typer.echo(f"note: {note}", err=True)
 
     if dry_run:  # what the launch itself would refuse
         record.check(Path(job.run_dir), rec)
         for trial_cfg in cfgs:
             check_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()), trials.RENAME)
+        notes()
         typer.echo(script, nl=False)
         how = {"grid": "grid", "bayes": "bayes, through wandb"}.get(sweep.method,
                                                                       f"random, seed {sweep.seed}")
@@ -137,7 +140,10 @@ def launch(
     sweep_dir = Path(job.run_dir)
     _refuse_a_second_live_array(sweep_dir)
     record.check(sweep_dir, rec)  # before wandb is asked: a refused launch registers nothing
+    for trial_cfg in cfgs:  # (what prepare_run_dir would refuse, too)
+        check_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()), trials.RENAME)
     rec, cfgs = wandb_sweep.attach(sweep_file, sweep_dir, rec, cfgs or [cfg], os.environ)
+    notes()
     note = record.write(sweep_dir, rec)
     if note:
         typer.echo(note, err=True)
