@@ -95,3 +95,32 @@ def lr_factor(step: int, cfg: Config) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+
+
+def apply_changes(optimizer: torch.optim.Optimizer, scheduler, cfg: Config) -> list[str]:
+    """apply_changes makes a restored optimizer and schedule use the config's train.lr,
+    weight_decay and betas where a restart changed them, and returns what changed
+    (`train.lr: 0.001 -> 0.01`; [] leaves both untouched, so a resume stays bitwise).
+
+    Loading the state restores the saved values: the schedule kept the old base lr while its
+    factor used the new min_lr / lr, so a raised lr was ignored and the run ended below min_lr.
+    """
+    t = cfg.train
+    decay = optimizer.param_groups[0]  # build_optimizer's: matrices, with weight decay
+    was = {"train.lr": float(scheduler.base_lrs[0]),
+           "train.weight_decay": float(decay["weight_decay"]),
+           "train.beta1": float(decay["betas"][0]), "train.beta2": float(decay["betas"][1])}
+    now = {"train.lr": t.lr, "train.weight_decay": t.weight_decay, "train.beta1": t.beta1,
+           "train.beta2": t.beta2}
+    changed = [f"{k}: {was[k]:g} -> {now[k]:g}" for k in was if was[k] != now[k]]
+    if not changed:
+        return []
+    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
+    factor = lr_factor(scheduler.last_epoch, cfg)
+    for i, group in enumerate(optimizer.param_groups):
+        group["initial_lr"], group["lr"] = t.lr, t.lr * factor
+        group["betas"] = (t.beta1, t.beta2)
+        if i == 0:
+            group["weight_decay"] = t.weight_decay
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return changed

@@ -57,7 +57,7 @@ from pyrecover.experiment import (
 )
 from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig, empty_gpt, initialize
-from pyrecover.optim import build_optimizer, build_scheduler
+from pyrecover.optim import apply_changes, build_optimizer, build_scheduler
 from pyrecover.phases import Phases, process_start_time
 from pyrecover.preempt import StopRequested
 from pyrecover.rundir import HeldByThisJob, RunDir, RunLock, RunLocked, StorageError, read_jsonl
@@ -328,6 +328,10 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
             rng.restore(restored.rng)
         else:  # another world size: the old ranks' streams do not map onto the new ones
             rng.seed_rank(t.seed + state.step, env.rank)
+        changed = apply_changes(optimizer, scheduler, cfg)  # a new lr, weight decay or betas
+        if env.rank == 0 and changed:
+            log.info("from step %d on: %s (the config's, not the checkpoint's)", state.step,
+                     "; ".join(changed))
         if env.rank == 0:
             lost = ledger.steps_redone(run.read_events(), run.read_metrics(), state.step)
             log.info("resumed from %s (step %d, %d steps redone; restored in %.2fs)", ckpt.path,

@@ -80,6 +80,30 @@ def test_raising_max_steps_continues_the_finished_run(tmp_path, corpus):
     assert steps == list(range(1, 21))
 
 
+def test_a_restart_with_another_lr_weight_decay_or_betas_trains_with_them(tmp_path, corpus):
+    """Loading the checkpoint restored the old values: a raised lr was ignored (the schedule
+    kept the old base lr, with the new min_lr / lr floor: the run ended 10x below min_lr)."""
+    import torch
+
+    new = ("train.lr=1e-2", "train.min_lr=1e-3", "train.weight_decay=0.5", "train.beta2=0.9")
+    assert train(tmp_path, corpus, "train.max_steps=10").returncode == 0
+    done = train(tmp_path, corpus, "train.max_steps=20", *new)
+    assert done.returncode == 0, done.stderr
+    assert "from step 10 on: train.lr: 0.001 -> 0.01; train.weight_decay: 0.1 -> 0.5; " \
+        "train.beta2: 0.95 -> 0.9 (the config's, not the checkpoint's)" in done.stderr
+    fresh = train(tmp_path, corpus, "train.max_steps=20", *new, name="fresh")
+    assert fresh.returncode == 0, fresh.stderr
+    lrs = {m["step"]: m["lr"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    want = {m["step"]: m["lr"] for m in read_jsonl(tmp_path / "fresh" / "metrics.jsonl")}
+    assert [lrs[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]  # its schedule
+    groups = torch.load(tmp_path / "run" / "checkpoints" / "step-20" / "state.pt",
+                        weights_only=True)["optimizer"]["param_groups"]
+    assert [(g["weight_decay"], tuple(g["betas"])) for g in groups] == [
+        (0.5, (0.9, 0.9)), (0.0, (0.9, 0.9))]  # norms and biases stay without decay
+    again = train(tmp_path, corpus, "train.max_steps=25", *new)  # nothing changed now
+    assert again.returncode == 0 and "from step 20 on" not in again.stderr, again.stderr
+
+
 def test_a_start_refused_for_a_data_error_is_an_attempt_of_its_own(tmp_path, corpus):
     """The job script reads the error record to tell a config or data error from a crash;
     it comes after the start's own start-up phases, so status counts it as its own start
