@@ -68,6 +68,27 @@ def exit_status(code: int) -> int:
 
 
 STOPPED_FOR_S = 2.0  # workers stopped this long are not waited for (spawn_local)
+LAUNCHER_ENV = "PYRECOVER_LAUNCHER_PID"  # a spawn_local worker's launcher (follow_launcher)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def follow_launcher(environ: Mapping[str, str]) -> None:
+    """follow_launcher has a worker of spawn_local sent SIGTERM when its launcher dies (a
+    kill -9 of `train --nproc N`, the OOM killer): it then stops as on a preemption, saving
+    a checkpoint, where before it trained on alone, holding the run's lock. Linux only."""
+    pid = environ.get(LAUNCHER_ENV, "")
+    if not pid.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM),
+                                                   0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(pid):  # gone before the prctl: the signal would never come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
@@ -83,7 +104,8 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
     """
     if parent is None:
         parent = DistEnv("single", 0, 1, 0, 1, 0, "127.0.0.1", free_port())
-    procs = [subprocess.Popen(list(argv), env={**environ, **worker})
+    procs = [subprocess.Popen(list(argv), env={**environ, **worker,
+                                               LAUNCHER_ENV: str(os.getpid())})
              for worker in worker_envs(parent, nproc)]
 
     held: list[tuple[subprocess.Popen, int]] = []  # for workers not catching signals yet

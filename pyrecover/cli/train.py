@@ -55,6 +55,7 @@ def train(
     from pyrecover import config as config_mod
     from pyrecover.rundir import RunDir
 
+    spawn.follow_launcher(os.environ)  # a worker of `train --nproc N` ends with it
     if run_dir is not None and not run_dir.strip():  # an unset shell variable: not here
         raise user_error("--run-dir is empty; give the run's folder, e.g. --run-dir runs/NAME")
     cfg = config_mod.load(config, overrides or [])

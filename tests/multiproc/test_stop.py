@@ -262,3 +262,20 @@ def test_every_rank_stops_for_the_same_reason_whichever_rank_saw_it(reasons, exp
     for p in procs:
         p.join(timeout=60)
     assert got == {0: expected, 1: expected}
+
+
+def test_workers_whose_launcher_is_killed_stop_cleanly_instead_of_training_on(
+        tmp_path, corpus, reference):
+    """A kill -9 of `train --nproc 2` (or the OOM killer taking it) left both workers
+    training to the end, holding the run's lock, with nothing said. Each now gets SIGTERM
+    from the kernel when its launcher dies, and stops as on a preemption."""
+    run_dir = tmp_path / "run"
+    done = signal_after(args(tmp_path, corpus, "run"), run_dir, signal.SIGKILL, after_step=20,
+                        group=False)  # (returns once the workers closed their stderr)
+    assert done.returncode == -signal.SIGKILL
+    assert_one_clean_stop(run_dir, "SIGTERM")
+    resumed = pyrecover(*args(tmp_path, corpus, "run"))
+    assert resumed.returncode == 0, resumed.stderr
+    model = export(run_dir)
+    for key, value in reference.items():
+        assert torch.equal(model[key], value), key
