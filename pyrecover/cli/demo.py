@@ -8,13 +8,16 @@ committed checkpoint and that the loss kept going down across the kill.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from pyrecover import config as config_mod
@@ -48,12 +51,12 @@ def run(workdir: Path, nproc: int) -> int:
     argv = [sys.executable, "-m", "pyrecover", "train", "--nproc", str(nproc)]
     for item in overrides:
         argv += ["--set", item]
-    command = " ".join(argv[1:])
+    command = shlex.join(argv)  # as a shell takes it: copy it to run it by hand
     interval = cfg.checkpoint.interval
 
     say(f"training with {nproc} processes: {command}")
-    first = subprocess.Popen(argv, start_new_session=True)
-    killed_at = _kill_after_checkpoint(first, run_dir, 2 * interval + KILL_AFTER_STEPS)
+    with _ended_with_the_demo(subprocess.Popen(argv, start_new_session=True)) as first:
+        killed_at = _kill_after_checkpoint(first, run_dir, 2 * interval + KILL_AFTER_STEPS)
     if killed_at is None:
         print(f"error: the first run ended by itself with exit code {first.returncode} before "
               "it could be killed", file=sys.stderr)
@@ -64,11 +67,35 @@ def run(workdir: Path, nproc: int) -> int:
         f"checkpoint is step {last_ckpt}")
 
     say(f"running the same command again: {command}")
-    code = subprocess.call(argv, start_new_session=True)
+    with _ended_with_the_demo(subprocess.Popen(argv, start_new_session=True)) as second:
+        code = second.wait()
     if code != 0:
         print(f"error: the resumed run failed with exit code {code}", file=sys.stderr)
         return code
     return _summary(run_dir, killed_at)
+
+
+@contextlib.contextmanager
+def _ended_with_the_demo(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """_ended_with_the_demo stops the training `proc` (its own session, so that the demo can
+    kill all of it) when the demo itself is stopped: a Ctrl-C or a SIGTERM of the demo left
+    it training to the end. It gets SIGTERM, a clean stop, and is waited for."""
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        yield proc
+    except BaseException:
+        if proc.poll() is None:
+            print("\n=== the demo was stopped: stopping its run cleanly", flush=True)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _kill_after_checkpoint(proc: subprocess.Popen, run_dir: RunDir, kill_step: int) -> int | None:

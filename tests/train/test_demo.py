@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-from helpers import pyrecover
+from helpers import is_running, pyrecover
 
 from pyrecover.rundir import read_jsonl
 
@@ -29,3 +36,46 @@ def test_the_demo_kills_its_run_resumes_it_and_the_loss_keeps_falling(tmp_path):
     assert summary is not None, done.stdout[-3000:]
     first, before, last = map(float, summary.groups())
     assert last < before < first
+
+
+def descendants(pid: int) -> set[int]:
+    """descendants are the processes below `pid` now (/proc/PID/task/TID/children)."""
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = {int(c) for c in (task / "children").read_text().split()}
+                todo += sorted(kids - found)
+                found |= kids
+    return found
+
+
+def test_a_demo_stopped_by_sigterm_stops_its_run_cleanly_and_leaves_no_process(tmp_path):
+    """Its run is in a session of its own (so that the demo can kill all of it): a Ctrl-C
+    or SIGTERM of the demo left the trainer and its workers training to the end."""
+    demo = subprocess.Popen([sys.executable, "-m", "pyrecover", "demo", "--workdir",
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True,
+                            env={k: v for k, v in os.environ.items()
+                                 if not k.startswith(("PYRECOVER_", "SLURM_"))})
+    metrics = tmp_path / "local-demo" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 600
+        while demo.poll() is None and time.monotonic() < deadline:
+            if any(m["step"] >= 3 for m in read_jsonl(metrics)):
+                break
+            time.sleep(0.1)
+        below = descendants(demo.pid)
+        assert len(below) >= 3  # the launcher and its two workers
+        demo.send_signal(signal.SIGTERM)
+        out, _ = demo.communicate(timeout=300)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+    assert demo.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "the demo was stopped: stopping its run cleanly" in out
+    assert not [p for p in below if is_running(p)], out[-3000:]
+    stops = [e for e in read_jsonl(tmp_path / "local-demo" / "events.jsonl")
+             if e["event"] == "stop"]
+    assert [s["reason"] for s in stops] == ["SIGTERM"]  # a clean stop, saved
