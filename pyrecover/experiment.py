@@ -70,7 +70,7 @@ def prepare_run_dir(cfg: Config, run: RunDir, note: str | None = None,
     if lock is not None:
         lock.acquire(wait_s)
     if old is None:
-        write_config(cfg, run, note)
+        write_config(_first_record(cfg, run), run, note)
     else:
         _update_config(cfg, old, run, note)
     if corpus is not None:  # after run.yaml, the run's first record
@@ -124,6 +124,17 @@ def check_run_dir(cfg: Config, run: RunDir, rename: str = RENAME) -> Config | No
             f"{run.root} was started with another config ({'; '.join(changed)}); "
             f"use {rename}, or restore the old values")
     return old
+
+
+def _first_record(cfg: Config, run: RunDir) -> Config:
+    """_first_record is `cfg` as a new run's run.yaml records it: run.storage and
+    run.exp_name where the run is (with --run-dir too: it recorded the config's), data.path
+    absolute, so that `--config run.yaml` restarts it from any folder (a relative data.path
+    was taken from wherever the restart ran)."""
+    return dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, path=os.path.abspath(cfg.data.path)),
+        run=dataclasses.replace(cfg.run, storage=os.path.abspath(run.root.parent),
+                                exp_name=run.root.name))
 
 
 def _update_config(cfg: Config, old: Config, run: RunDir, note: str | None) -> None:

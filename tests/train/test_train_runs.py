@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import pyrecover, tiny_args
+import yaml
+from helpers import TINY, pyrecover, tiny_args
 
 from pyrecover.rundir import read_jsonl
 
@@ -161,3 +162,28 @@ def test_other_data_at_the_same_path_is_refused_until_the_user_says_to_go_on(tmp
     assert resumed.returncode == 0, resumed.stderr
     assert "checkpoints/step-6 (step 6, 0 steps redone" in resumed.stderr, resumed.stderr
     assert (tmp_path / "run" / "corpus.json").is_file()
+
+
+def test_run_yaml_restarts_the_run_from_any_folder_and_names_where_it_lives(tmp_path, corpus):
+    """run.yaml recorded data.path as typed (relative), so `--config run.yaml` from another
+    folder looked for the data there; and a first start with --run-dir recorded the config's
+    run.exp_name and run.storage, not the folder it ran in."""
+    import shutil
+
+    here = tmp_path / "here"
+    (here / "data").mkdir(parents=True)
+    shutil.copy(corpus, here / "data" / "c.parquet")
+    first = pyrecover("train", "--config", str(TINY), "--run-dir", str(tmp_path / "runs" / "a"),
+                      "--set", "data.path=data/c.parquet", "--set", "train.max_steps=3",
+                      cwd=here)
+    assert first.returncode == 0, first.stderr
+    recorded = yaml.safe_load((tmp_path / "runs" / "a" / "run.yaml").read_text())
+    assert recorded["run"] == {**recorded["run"], "storage": str(tmp_path / "runs"),
+                               "exp_name": "a"}
+    assert recorded["data"]["path"] == str(here / "data" / "c.parquet")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    again = pyrecover("train", "--config", str(tmp_path / "runs" / "a" / "run.yaml"), "--set",
+                      "train.max_steps=6", cwd=elsewhere)
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stderr and not list(elsewhere.iterdir())

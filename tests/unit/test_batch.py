@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -86,8 +87,10 @@ def test_a_restart_with_new_limits_records_them_and_keeps_the_rest_as_recorded(t
     first = run.config.read_text()
     prepare_run_dir(resolved, run, None)  # the same again: run.yaml untouched
     assert run.config.read_text() == first
+    data = os.path.abspath(cfg.data.path)  # recorded absolute; from here, relative is another
     monkeypatch.chdir(tmp_path)
-    more, _ = resolve_for_run(config.load(None, ["run.storage=.", "train.max_steps=70"]), 8)
+    more, _ = resolve_for_run(config.load(None, ["run.storage=.", "train.max_steps=70",
+                                                 f"data.path={data}"]), 8)
     prepare_run_dir(more, run, None)
     text = run.config.read_text()
     recorded = config.load(run.config)
@@ -97,7 +100,8 @@ def test_a_restart_with_new_limits_records_them_and_keeps_the_rest_as_recorded(t
     # A restart with --run-dir and another config's run.storage and run.exp_name: the job
     # script restarts with `--config run.yaml` alone, which must still point here.
     elsewhere, _ = resolve_for_run(config.load(None, [
-        "run.storage=/elsewhere", "run.exp_name=other", "train.max_steps=80"]), 8)
+        "run.storage=/elsewhere", "run.exp_name=other", "train.max_steps=80",
+        f"data.path={data}"]), 8)
     prepare_run_dir(elsewhere, run, None)
     recorded = config.load(run.config)
     assert recorded.train.max_steps == 80 and recorded.run_dir() == run.root

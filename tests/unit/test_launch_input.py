@@ -171,8 +171,10 @@ def test_relative_paths_become_absolute_for_the_job(tmp_path):
 
 
 def test_a_launch_over_a_run_a_local_train_made_records_absolute_paths(tmp_path, monkeypatch):
-    """A local `train` records run.storage and data.path as typed (relative); the job a later
-    `launch` submits starts in the run directory, where those would point nowhere."""
+    """A local `train` recorded run.storage and data.path as typed (relative); the job a later
+    `launch` submits starts in the run directory, where those would point nowhere. They are
+    recorded absolute from the first start on (a `--config run.yaml` restart from another
+    folder took a relative data.path from there)."""
     from pyrecover.experiment import prepare_run_dir
     from pyrecover.rundir import RunDir
 
@@ -180,7 +182,9 @@ def test_a_launch_over_a_run_a_local_train_made_records_absolute_paths(tmp_path,
     local = config_mod.load(TINY, ["run.storage=runs", "data.path=data/c.parquet"])
     run = RunDir(local.run_dir())
     prepare_run_dir(local, run)
-    assert config_mod.load(run.config).data.path == "data/c.parquet"
+    first = config_mod.load(run.config)
+    assert (first.data.path, first.run.storage) == (str(tmp_path / "data" / "c.parquet"),
+                                                    str(tmp_path / "runs"))
     prepare_run_dir(config_mod.from_dict(config_mod.to_dict(
         render.absolute_paths(local, tmp_path))), run)
     recorded = config_mod.load(run.config)
