@@ -36,6 +36,20 @@ HF_CONFIG, HF_WEIGHTS = "config.json", "model.safetensors"
 MODEL_META = "pyrecover_model"  # the safetensors metadata key holding the model config (JSON)
 
 
+def format_for(out: Path, fmt: str | None) -> str:
+    """format_for is the --format to write `out` in: as given, else safetensors for a name
+    ending in .safetensors and torch otherwise. A torch file named .safetensors (a pickle
+    that safetensors cannot open) is refused."""
+    named = out.suffix.lower() == ".safetensors"
+    if fmt is None:
+        return "safetensors" if named else "torch"
+    if fmt == "torch" and named:
+        raise CheckpointError(f"--out {out} names a safetensors file, but --format torch "
+                              "writes a torch pickle; use --format safetensors, or another "
+                              "name (model.pt)")
+    return fmt
+
+
 @dataclass(frozen=True)
 class Exported:
     ckpt: Checkpoint

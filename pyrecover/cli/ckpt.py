@@ -80,10 +80,11 @@ def export(
     out: Annotated[Path, typer.Option(
         help="What to create: a file (torch, safetensors) or a new or empty folder (hf).")],
     step: StepOpt = None,
-    fmt: Annotated[str, typer.Option(
+    fmt: Annotated[str | None, typer.Option(
         "--format", help="torch: a plain state_dict file; safetensors: the same as a "
         "safetensors file; hf: a Hugging Face GPT-2 folder (config.json, model.safetensors) "
-        "that transformers.GPT2LMHeadModel.from_pretrained(OUT) loads.")] = "torch",
+        "that transformers.GPT2LMHeadModel.from_pretrained(OUT) loads. Default: safetensors "
+        "for an --out ending in .safetensors, else torch.")] = None,
     force: Annotated[bool, typer.Option(
         "--force", help="Replace an existing --out file (never one of the run's files, never "
         "a non-empty folder).")] = False,
@@ -104,6 +105,7 @@ def export(
     from pyrecover import export as export_mod
     from pyrecover.checkpoint import listing
 
+    fmt = export_mod.format_for(out, fmt)
     done = export_mod.export_model(listing.open_run(run_dir), step, out, fmt, replace=force)
     how = {"torch": "", "safetensors": " as safetensors",
            "hf": " as a Hugging Face GPT-2 folder"}[fmt]

@@ -143,6 +143,14 @@ def test_each_modes_export_loads_in_transformers_without_pyrecover_and_gives_its
     assert not missing and not unexpected
     want = torch.load(tmp_path / "m.pt", weights_only=True)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
+    # The name says the format where --format does not: a torch pickle named .safetensors
+    # (what the default used to write) is refused.
+    plain = pyrecover("ckpt", "export", str(run), "--out", str(tmp_path / "n.safetensors"))
+    assert plain.returncode == 0 and " as safetensors to " in plain.stdout, plain.stderr
+    assert (tmp_path / "n.safetensors").read_bytes() == (tmp_path / "m.safetensors").read_bytes()
+    mixed = export(run, tmp_path / "p.safetensors", "torch")
+    assert mixed.returncode == 2 and not (tmp_path / "p.safetensors").exists()
+    assert "names a safetensors file, but --format torch writes a torch pickle" in mixed.stderr
 
 
 def replace_config(run: Path, step: int, change) -> None:
