@@ -33,7 +33,7 @@ def launch(
         "--config", "-c", help="Experiment YAML (e.g. launch/experiments/gpt-125m.yaml); "
         "without it the demo defaults.")] = None,
     cluster: site.Cluster = None,
-    init_cluster: Annotated[Path | None, typer.Option(
+    init_cluster: Annotated[str | None, typer.Option(
         metavar="PATH", help="Write a commented starting cluster profile to PATH (from sinfo "
         "where SLURM answers) and exit.")] = None,
     nodes: site.Nodes = None,
@@ -98,6 +98,9 @@ def launch(
             raise user_error(f"--init-cluster writes a starting profile from sinfo and launches "
                              f"nothing, so {', '.join(ignored)} would be ignored: run it alone, "
                              "then set them in the profile or give them to the launch")
+        if not init_cluster.strip():  # an unset shell variable: not "." here
+            raise user_error("--init-cluster is empty; name the file to write, e.g. "
+                             "--init-cluster ~/.config/pyrecover/cluster.yaml")
         found = profile_mod.find_profile(None, os.environ, Path.home(), exists=lambda _: True)
         typer.echo(sinfo.init_profile(init_cluster, query.sinfo(sinfo.SINFO_FORMAT), found))
         return

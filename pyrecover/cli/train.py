@@ -98,8 +98,8 @@ def train(
 
 
 def demo(
-    workdir: Annotated[Path, typer.Option(help="Where the corpus and the run directory go.")] =
-    Path("runs"),
+    workdir: Annotated[str, typer.Option(help="Where the corpus and the run directory go.")] =
+    "runs",
     nproc: Annotated[int, typer.Option(min=1, help="Local worker processes.")] = 2,
 ) -> None:
     """Build a corpus from Python's own sources, train, kill -9 part-way, resume, finish.
@@ -108,4 +108,9 @@ def demo(
     """
     from pyrecover.cli import demo as demo_mod
 
-    raise typer.Exit(demo_mod.run(workdir, nproc))
+    if not workdir.strip():  # an unset shell variable: not the current folder
+        raise user_error("--workdir is empty; give a folder, e.g. --workdir runs")
+    if Path(workdir).exists() and not Path(workdir).is_dir():
+        raise user_error(f"--workdir {workdir} is a file, not a folder; give a folder, e.g. "
+                         "--workdir runs")
+    raise typer.Exit(demo_mod.run(Path(workdir), nproc))

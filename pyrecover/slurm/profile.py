@@ -103,7 +103,12 @@ def find_profile(option: str | Path | None, environ: Mapping[str, str], home: st
     if option is not None:
         return Path(option)
     if environ.get(PROFILE_ENV):
-        return Path(environ[PROFILE_ENV])
+        named = Path(environ[PROFILE_ENV])
+        if not exists(named):  # the variable, not an option, is what to fix
+            what = "a folder" if named.is_dir() else "no file"
+            raise LaunchError(f"{PROFILE_ENV}={str(named)!r} names {what}: point it at a "
+                              "cluster profile YAML, unset it, or pass --cluster FILE")
+        return named
     user = Path(home) / USER_PROFILE
     if exists(user):
         return user

@@ -167,6 +167,9 @@ def init_profile(path: str | Path, sinfo_text: str | None,
     checks that it loads, and returns the line to print: the launch to run next, with
     `--cluster PATH` unless `path` is `found`, the profile launch finds without it."""
     target = Path(path).expanduser()
+    if target.is_dir():
+        raise LaunchError(f"{target} is a folder; --init-cluster writes a file: name one, e.g. "
+                          f"{target / 'cluster.yaml'}")
     if target.exists():
         raise LaunchError(f"{target} already exists: edit it, or pass another path to "
                           "--init-cluster")

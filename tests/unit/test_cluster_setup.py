@@ -21,9 +21,13 @@ SITE_SINFO = ("gpu|gpu:a100:4(S:0-1),tmpdisk:100|2-00:00:00|64|10\n"
 
 def test_the_profile_is_the_option_else_the_environment_else_the_users_file(tmp_path):
     user = tmp_path / ".config" / "pyrecover" / "cluster.yaml"
-    env = {"PYRECOVER_CLUSTER": "/env.yaml"}
+    env = {"PYRECOVER_CLUSTER": str(tmp_path / "env.yaml")}
     assert profile.find_profile("/opt.yaml", env, tmp_path) == Path("/opt.yaml")
-    assert profile.find_profile(None, env, tmp_path) == Path("/env.yaml")
+    with pytest.raises(LaunchError, match=r"^PYRECOVER_CLUSTER='.*/env.yaml' names no file: "
+                       "point it at a cluster profile YAML, unset it, or pass --cluster FILE$"):
+        profile.find_profile(None, env, tmp_path)  # the variable is what to fix, not --cluster
+    (tmp_path / "env.yaml").write_text("")
+    assert profile.find_profile(None, env, tmp_path) == tmp_path / "env.yaml"
     with pytest.raises(LaunchError, match=r"--init-cluster ~/.config/pyrecover/cluster.yaml`$"):
         profile.find_profile(None, {}, tmp_path)
     user.parent.mkdir(parents=True)

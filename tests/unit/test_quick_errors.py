@@ -87,6 +87,12 @@ def committed_run(root):
      "data file 'run' is a folder"),
     (["train", "--config", str(TINY), "--set", "data.path=run/run.yaml"],
      "not a readable parquet file"),
+    (["demo", "--workdir", ""], "--workdir is empty"),  # was the current folder
+    (["demo", "--workdir", "run/run.yaml"], "--workdir run/run.yaml is a file, not a folder"),
+    (["launch", "--init-cluster", ""], "--init-cluster is empty"),
+    (["launch", "--init-cluster", "run"], "is a folder; --init-cluster writes a file"),
+    (["ckpt", "export", "run", "--out", "m.safetensors", "--format", "torch"],
+     "names a safetensors file, but --format torch writes a torch pickle"),
 ])
 def test_a_mistake_is_one_line_exit_2_before_torch_is_imported(tmp_path, args, message):
     committed_run(tmp_path / "run")
