@@ -142,6 +142,14 @@ def test_a_run_without_checkpoints_gets_full_size_panels(tmp_path):
     assert layout.y_min < 3.2 and layout.y_max > 4.8
 
 
+def test_a_plot_is_never_written_into_the_runs_checkpoints(interrupted_run, tmp_path):
+    for out in (interrupted_run.checkpoints / "step-10" / "x.png",
+                interrupted_run.checkpoints / "x.png"):
+        result = CliRunner().invoke(app, ["plot", str(interrupted_run.root), "--out", str(out)])
+        assert result.exit_code == 2 and "inside the run's checkpoints folder" in result.output
+        assert not out.exists()
+
+
 def test_a_run_with_no_logged_loss_is_one_clear_error(tmp_path):
     run = RunDir(tmp_path / "empty")
     run.create()
