@@ -37,5 +37,6 @@ def kind_name(device: torch.device) -> str:
     """kind_name names the device in the start's log line."""
     if device.type == "cuda":
         return f"CUDA {torch.cuda.get_device_name(device)}"
-    return f"CPU ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"CPU ({n} thread{'s' if n != 1 else ''})"
 

@@ -90,7 +90,8 @@ def describe(system: Mapping[str, Any], cfg: Config) -> list[str]:
 def _device_name(torch: Any, device: Any) -> str:
     if getattr(device, "type", None) == "cuda":
         return f"CUDA {torch.cuda.get_device_name(device)}"
-    return f"CPU ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"CPU ({n} thread{'s' if n != 1 else ''})"
 
 
 def _hms(seconds: int) -> str:

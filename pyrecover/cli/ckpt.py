@@ -122,7 +122,7 @@ def convert(
     out: Annotated[Path, typer.Argument(help="File (torch) or folder (dcp) to create.")],
     step: StepOpt = None,
 ) -> None:
-    """Convert a checkpoint of any mode (vanilla, dcp, memory) to the vanilla or dcp format.
+    """Convert a checkpoint of any mode (vanilla, dcp, memory) to one torch file or a dcp folder.
 
     `--to torch` gives one file with model, optimizer, scheduler, train state and RNG states
     (`torch.load(OUT, weights_only=True)`); `--to dcp` gives a folder that plain
