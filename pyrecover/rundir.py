@@ -134,6 +134,9 @@ class RunDir:
         if not self.root.is_dir():
             what = "is a file, not a folder" if self.root.exists() else "does not exist"
             return f"run directory {str(self.root)!r} {what}"
+        if self.is_sweep() and not self.config.is_file():
+            return (f"{self.root} holds a sweep, not a run: `pyrecover sweep status "
+                    f"{self.root}` shows its trials, each a run ({self.root}/trial-0, ...)")
         if not self.is_run():
             return (f"{self.root} is not a pyrecover run directory (no run.yaml, events.jsonl, "
                     "metrics.jsonl or checkpoints/)")

@@ -72,6 +72,10 @@ def read(sweep_dir: str | Path) -> Record:
         what = "is a file, not a folder" if Path(sweep_dir).exists() else "does not exist"
         raise SweepError(f"sweep directory {str(sweep_dir)!r} {what}")
     if not path.is_file():
+        if (Path(sweep_dir).parent / RECORD).is_file():  # a trial: one run of the sweep
+            raise SweepError(f"{sweep_dir} is a trial of sweep {Path(sweep_dir).parent}, a run: "
+                             f"`pyrecover status {sweep_dir}` shows it, `pyrecover sweep "
+                             f"status {Path(sweep_dir).parent}` the sweep")
         raise SweepError(f"{sweep_dir} is not a sweep directory (no {RECORD}); it is "
                          "<run.storage>/<sweep name> of a `pyrecover sweep launch`")
     try:

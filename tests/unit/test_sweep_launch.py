@@ -319,3 +319,23 @@ def test_train_with_a_sweep_s_name_is_told_it_names_a_sweep(tmp_path, corpus):
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"error: {tmp_path / 'st' / 'lr'} holds a sweep "
                                         "(lr/sweep.yaml), not a run; use another run.exp_name"]
+
+
+def test_status_of_a_sweep_and_sweep_status_of_a_trial_point_at_each_other(tmp_path, corpus):
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump({**GRID, "name": "lr"}, sort_keys=False))
+    launched = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--launcher",
+                         "none", "--set", f"run.storage={tmp_path / 'st'}", "--set",
+                         f"data.path={corpus}", env=stub_slurm(tmp_path), cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr
+    sweep, trial = tmp_path / "st" / "lr", tmp_path / "st" / "lr" / "trial-0"
+    run_status = pyrecover("status", str(sweep))
+    assert run_status.returncode == 2
+    assert run_status.stderr.splitlines() == [
+        f"error: {sweep} holds a sweep, not a run: `pyrecover sweep status {sweep}` shows its "
+        f"trials, each a run ({sweep}/trial-0, ...)"]
+    of_trial = pyrecover("sweep", "status", str(trial))
+    assert of_trial.returncode == 2
+    assert of_trial.stderr.splitlines() == [
+        f"error: {trial} is a trial of sweep {sweep}, a run: `pyrecover status {trial}` shows "
+        f"it, `pyrecover sweep status {sweep}` the sweep"]
