@@ -278,8 +278,11 @@ def render(spec: JobSpec) -> str:
     step = f" \\\n{INDENT * 2}".join(_join(line) for line in step_lines(spec))
     return "\n".join([
         "#!/bin/bash",
-        "# Rendered by `pyrecover launch`. Submitting this file again runs the same job; the",
-        "# trainer resumes from the newest checkpoint in the run directory by itself.",
+        *(["# Rendered by `pyrecover launch`. Submitting this file again runs the same job; the",
+           "# trainer resumes from the newest checkpoint in the run directory by itself."]
+          if spec.array is None else
+          ["# Rendered by `pyrecover sweep launch`: one array task per trial. Submitting this",
+           "# file again runs the same trials; each resumes from its newest checkpoint."]),
         *sbatch,
         "",
         "set -uo pipefail",
