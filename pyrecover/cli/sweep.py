@@ -158,7 +158,8 @@ def launch(
     job.run.job_script.write_text(script)
     job_id = submit.submit(argv, cwd=job.run_dir)
     record.add_job(sweep_dir, job_id)
-    typer.echo(f"submitted job array {job_id} ({count} trials):\n{table}")
+    listed = "\n".join(line.replace("#   ", "  ", 1) for line in table.splitlines())
+    typer.echo(f"submitted job array {job_id} ({count} trials):\n{listed}")  # (no script)
     if rec.wandb:
         typer.echo(f"wandb sweep {rec.wandb['sweep_id']}: {rec.wandb['url'] or '(no URL)'}")
     typer.echo(f"sweep directory: {sweep_dir}")

@@ -325,7 +325,7 @@ def test_launch_registers_the_sweep_and_each_trial_asks_wandbs_agent_protocol_on
         assert not (tmp_path / "st").exists() and not requests.exists()
         done = pyrecover(*argv, cwd=tmp_path, env=env)
         assert done.returncode == 0, done.stderr
-        assert "submitted job array 77 (2 trials):\n#   trial-0 .. trial-1: values from " \
+        assert "submitted job array 77 (2 trials):\n  trial-0 .. trial-1: values from " \
                "wandb's bayes controller at each trial's first start" in done.stdout
         sweep_dir = tmp_path / "st" / "bo"
         script = (sweep_dir / "job.sbatch").read_text()

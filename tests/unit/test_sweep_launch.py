@@ -119,7 +119,8 @@ def test_launch_writes_the_sweep_and_every_trial_then_refuses_a_second_live_arra
 
     done = pyrecover(*args, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "submitted job array 77 (6 trials)" in done.stdout
+    assert "submitted job array 77 (6 trials):\n  trial-0: train.lr=0.001" in done.stdout
+    assert "#" not in done.stdout  # the dry run's table is script comments; this is not
     sweep_dir = tmp_path / "st" / "lr"
     assert record.read(sweep_dir).trials[5] == {
         "index": 5, "dir": "trial-5",
