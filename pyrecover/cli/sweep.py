@@ -73,7 +73,7 @@ def launch(
     from pyrecover.rundir import RunDir
     from pyrecover.slurm import LaunchError, submit
     from pyrecover.slurm.render import absolute_paths
-    from pyrecover.sweep import bayes, record, render, spec, trials, wandb_sweep
+    from pyrecover.sweep import SweepError, bayes, record, render, spec, trials, wandb_sweep
 
     cwd = os.getcwd()
     sweep = trials.absolute_values(spec.load(sweep_file), cwd)
@@ -101,7 +101,12 @@ def launch(
         rec = record.make(sweep, [None] * count)
         table = f"#   trial-0 .. trial-{count - 1}: {FROM_WANDB}"
     else:
-        cfgs = trials.configs(sweep, cfg, trials.choose(sweep), world)
+        try:
+            cfgs = trials.configs(sweep, cfg, trials.choose(sweep), world)
+        except SweepError as exc:  # a key of the file: named with the file, as spec's are
+            if not str(exc).startswith("parameters."):
+                raise
+            raise SweepError(f"{sweep_file}: {exc}") from None
         keys = [p.key for p in sweep.params]
         rec = record.make(sweep, [trials.resolved(c, keys) for c in cfgs])
         count = len(cfgs)

@@ -73,7 +73,8 @@ def test_the_profile_and_the_image_are_found_as_launch_finds_them(tmp_path):
 
 
 @pytest.mark.parametrize("body, message", [
-    ("method: grid\nparameters:\n  train.nope: {values: [1]}\n", "parameters.train.nope"),
+    ("method: grid\nparameters:\n  train.nope: {values: [1]}\n",
+     "bad.yaml: parameters.train.nope: unknown config key"),  # the file named, as below
     ("method: random\nparameters:\n  train.lr: {values: [1]}\n", "needs run_cap"),
     ("method: [grid\n", "not valid YAML"),
     ("method: grid\xff\n", "not UTF-8 text (byte 0xff"),
