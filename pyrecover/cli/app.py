@@ -60,17 +60,20 @@ def _options(version: bool = typer.Option(
     """Train PyTorch models on SLURM clusters through time limits, preemption and crashes."""
 
 
-app.command()(train)
-app.add_typer(data_app, name="data")
-app.add_typer(ckpt_app, name="ckpt")
-app.add_typer(image_app, name="image")
-app.add_typer(bench_app, name="bench")
-app.add_typer(sweep_app, name="sweep")
-app.command()(demo)
-app.command()(launch)
-app.command()(plot)
-app.command()(status)
-app.command()(cancel)
+# Each command's line in `pyrecover --help`, whole (typer cut the docstrings' first lines).
+app.command(short_help="Train (alone, under srun or torchrun), resuming from a checkpoint.")(train)
+app.add_typer(data_app, name="data", short_help="Build a parquet corpus from files of text.")
+app.add_typer(ckpt_app, name="ckpt", short_help="List, verify, export and convert checkpoints.")
+app.add_typer(image_app, name="image", short_help="Check and build the Apptainer image.")
+app.add_typer(bench_app, name="bench",
+              short_help="Measure checkpoints, training, restarts and storage.")
+app.add_typer(sweep_app, name="sweep",
+              short_help="Grid, random and bayes searches as one SLURM job array.")
+app.command(short_help="Train, kill -9 and resume on this machine: the whole promise.")(demo)
+app.command(short_help="Render the job script from YAML and submit it to SLURM.")(launch)
+app.command(short_help="Plot loss and throughput with checkpoints and restarts.")(plot)
+app.command(short_help="Show a run's state, restarts, checkpoints and goodput.")(status)
+app.command(short_help="End a run's SLURM job for good, saving a checkpoint.")(cancel)
 
 
 # What a command may raise that is no bug here, by the module and name of its class. They

@@ -30,7 +30,8 @@ def _note(text: str) -> None:
     typer.echo(f"bench: {text}", err=True)
 
 
-@bench_app.command("ckpt")
+@bench_app.command("ckpt", short_help="Save and load speed of every mode against raw I/O "
+                   "and torch.save.")
 def ckpt(
     directory: Annotated[Path, typer.Option(
         "--dir", help="Storage to measure, e.g. /scratch/$USER; a temporary folder inside "
@@ -59,7 +60,7 @@ def ckpt(
     typer.echo(common.to_json(report) if as_json else ckpt.format_ckpt(report))
 
 
-@bench_app.command("train")
+@bench_app.command("train", short_help="Training tokens/s with each checkpoint mode, against none.")
 def train(
     config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="Experiment YAML; default: the embedded CPU demo.")] = None,
@@ -121,7 +122,7 @@ def train(
         raise typer.Exit(1)
 
 
-@bench_app.command("memory")
+@bench_app.command("memory", short_help="Memory mode's snapshot cost to the loop, at world size 2.")
 def memory(
     directory: Annotated[Path, typer.Option(
         "--dir", help="Storage for the persist figures and the training runs; a temporary "
@@ -157,7 +158,7 @@ def memory(
     typer.echo(common.to_json(report) if as_json else memory.format_memory(report))
 
 
-@bench_app.command("restart")
+@bench_app.command("restart", short_help="Time from a signal or crash to the first resumed step.")
 def restart(
     directory: Annotated[Path, typer.Option(
         "--dir", help="run.storage of the benchmark's job (shared with the compute nodes); "
@@ -247,7 +248,8 @@ def restart(
     typer.echo(common.to_json(report) if as_json else text(report))
 
 
-@bench_app.command("compile")
+@bench_app.command("compile", short_help="torch.compile's cost to a restart, with and "
+                   "without its cache.")
 def compile_(
     directory: Annotated[Path, typer.Option(
         "--dir", help="Storage for the run (as run.storage would be); a temporary folder "
@@ -279,7 +281,7 @@ def compile_(
     typer.echo(common.to_json(report) if as_json else bench_compile.format_compile(report))
 
 
-@bench_app.command("gpu-check")
+@bench_app.command("gpu-check", short_help="Every GPU path on this machine in one report.")
 def gpu_check(
     out: Annotated[Path, typer.Option(help="Folder for report.txt, report.json and the logs.")]
     = Path("runs/gpu-check"),

@@ -14,7 +14,7 @@ RunArg = Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_
 StepOpt = Annotated[int | None, typer.Option(help="Checkpoint step; default: the newest valid.")]
 
 
-@ckpt_app.command("ls")
+@ckpt_app.command("ls", short_help="List every checkpoint: step, mode, world size, size, age.")
 def ls(
     run_dir: RunArg,
     fast: Annotated[bool, typer.Option(help="Check sizes only, not checksums.")] = False,
@@ -47,7 +47,7 @@ def ls(
         typer.echo(f"{r.step:>8}  {r.mode:<8} {r.world_size!s:>5} {size:>10} {age:>7}  {status}")
 
 
-@ckpt_app.command("verify")
+@ckpt_app.command("verify", short_help="Check every checkpoint's sizes, checksums and model.")
 def verify(run_dir: RunArg, step: Annotated[int | None, typer.Option(
         help="Check only this step; default: every checkpoint.")] = None) -> None:
     """Check sizes and checksums of every file; exit 0 only if the checkpoint(s) verify.
@@ -74,7 +74,7 @@ def verify(run_dir: RunArg, step: Annotated[int | None, typer.Option(
         raise typer.Exit(1)
 
 
-@ckpt_app.command("export")
+@ckpt_app.command("export", short_help="Write the model for inference: torch, safetensors or hf.")
 def export(
     run_dir: RunArg,
     out: Annotated[Path, typer.Option(
@@ -115,7 +115,7 @@ def export(
         typer.echo(f"load it: transformers.GPT2LMHeadModel.from_pretrained({str(done.out)!r})")
 
 
-@ckpt_app.command("convert")
+@ckpt_app.command("convert", short_help="Convert a checkpoint to one torch file or a dcp folder.")
 def convert(
     run_dir: RunArg,
     to: Annotated[str, typer.Option(help="Target format: torch (one file) or dcp (a folder).")],

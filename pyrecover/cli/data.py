@@ -13,7 +13,7 @@ data_app = typer.Typer(help="Build training corpora (parquet files of text) from
                        no_args_is_help=True)
 
 
-@data_app.command("prepare")
+@data_app.command("prepare", short_help="Build a parquet corpus from a folder of text files.")
 def prepare(
     src_dir: Annotated[Path, typer.Argument(help="Folder of text files, searched recursively.")],
     out: Annotated[Path, typer.Argument(

@@ -21,7 +21,7 @@ DefArg = Annotated[Path, typer.Argument(
 SifArg = Annotated[Path, typer.Argument(help="The image file to write.")]
 
 
-@image_app.command("check")
+@image_app.command("check", short_help="Check a definition file without building it.")
 def check(definition: DefArg = Path("containers/pyrecover.def")) -> None:
     """Check a definition file without building it: one `DEF:LINE: message` per problem.
 
@@ -38,7 +38,7 @@ def check(definition: DefArg = Path("containers/pyrecover.def")) -> None:
     typer.echo(f"{definition}: OK")
 
 
-@image_app.command("build")
+@image_app.command("build", short_help="Build the SIF image with apptainer.")
 def build(
     definition: DefArg = Path("containers/pyrecover.def"),
     sif: SifArg = Path("pyrecover.sif"),

@@ -22,7 +22,7 @@ sweep_app = typer.Typer(help="Grid, random and bayes searches: one SLURM job arr
 FROM_WANDB = "values from wandb's bayes controller at each trial's first start"
 
 
-@sweep_app.command("launch")
+@sweep_app.command("launch", short_help="Write the sweep and its trials and submit one job array.")
 def launch(
     sweep_file: Annotated[Path, typer.Argument(
         metavar="SWEEP.yaml", help="wandb's sweep format; parameters are config keys.")],
@@ -171,7 +171,7 @@ def launch(
     typer.echo(f"follow it: pyrecover sweep status {shlex.quote(str(sweep_dir))}")
 
 
-@sweep_app.command("status")
+@sweep_app.command("status", short_help="Show every trial, ranked by the metric.")
 def status(
     sweep_dir: Annotated[Path, typer.Argument(help="<run.storage>/<sweep name>.")],
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object, for scripts.")] =
@@ -195,7 +195,7 @@ def status(
                sweep_status.render(report))
 
 
-@sweep_app.command("values")
+@sweep_app.command("values", short_help="A bayes trial's values (run by the job array).")
 def values(
     trial_dir: Annotated[Path, typer.Argument(help="<run.storage>/<sweep name>/trial-<i>.")],
     world_size: Annotated[int | None, typer.Option(

@@ -45,3 +45,15 @@ def test_gpu_check_help_names_every_step_it_has():
     listed = text.split("--only", 1)[1].split("The report keeps", 1)[0]
     names = set(re.findall(r"[a-z0-9-]+", listed))
     assert [s for s in STEPS if s not in names] == []
+
+
+@pytest.mark.parametrize("group", [[], ["ckpt"], ["bench"], ["sweep"], ["data"], ["image"]],
+                         ids=lambda g: " ".join(["pyrecover", *g]))
+def test_every_command_listed_in_a_help_says_what_it_does_whole(group):
+    """typer cut each command's docstring at the width ('Train, resuming from the newest
+    valid checkpoint in the run...'); each has a short_help that fits."""
+    result = CliRunner().invoke(app, [*group, "--help"], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    listed = result.output.split("Commands:", 1)[1].strip().splitlines()
+    assert listed and all(line.rstrip().endswith(".") and not line.endswith("...")
+                          for line in listed), listed
