@@ -62,6 +62,9 @@ def train(
     target = Path(run_dir) if run_dir is not None else cfg.run_dir()
     env = dist.detect(os.environ)
     run = RunDir(target)
+    if run.root.exists() and not run.root.is_dir():  # before torch; said as status says it
+        raise user_error(f"run directory {str(run.root)!r} is a file, not a folder; give "
+                         "the run a folder of its own")
     nested = experiment.nesting_problem(run)  # (the trainer checks it again, after torch)
     if nested is not None:
         raise user_error(nested)

@@ -87,6 +87,8 @@ def committed_run(root):
      "data file 'run' is a folder"),
     (["train", "--config", str(TINY), "--set", "data.path=run/run.yaml"],
      "not a readable parquet file"),
+    (["train", "--config", str(TINY), "--run-dir", "run/run.yaml"],
+     "run directory 'run/run.yaml' is a file, not a folder"),  # was 'File exists', exit 1
     (["demo", "--workdir", ""], "--workdir is empty"),  # was the current folder
     (["demo", "--workdir", "run/run.yaml"], "--workdir run/run.yaml is a file, not a folder"),
     (["launch", "--init-cluster", ""], "--init-cluster is empty"),
