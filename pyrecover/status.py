@@ -207,8 +207,9 @@ def _state(events: list[dict[str, Any]]) -> str:
         kind = e.get("event")
         if kind == "finish":
             return "finished"
-        if kind == "stop":
-            return "stopped (will resume)"
+        if kind == "stop":  # a job requeues itself; a run started by hand waits for its user
+            return "stopped (will resume)" if e.get("job_id") else \
+                "stopped (resumes when started again)"
         if kind == "error":
             return "error"
         if kind == "crash":

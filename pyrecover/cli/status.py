@@ -20,18 +20,18 @@ def status(
     """Show what happened to a run: state, restarts by cause, last checkpoint, goodput,
     excluded nodes.
 
-    State: finished, stopped (will resume), crashed, error, cancelled, ended (the job gave
-    up: why), running (who holds the run's lock), killed (no end recorded, and the lock is
-    free and was last held by a process on this host that is gone), or "running or killed"
-    (the lock's last holder was on another host, whose lock may be invisible here, or the
-    storage has no locks to ask). Starts: one per process start; each one after the first is
-    a restart, by why the one before ended (stop and its signal, time limit, crash, hang,
-    error, ended during start-up, killed with no record). Lost: steps computed after the
-    last checkpoint and computed again. Goodput: the share of the wall time (first record to
-    last, across every requeue) spent in productive training; the ledger below it splits
-    that wall time by cause (queue wait, start up, restore, checkpoint stall, lost work,
-    productive, remainder), adding up to it. Last interruption: each phase of the newest
-    stop and start, with the seconds between them.
+    State: finished, stopped (will resume; a run started by hand: resumes when started again),
+    crashed, error, cancelled, ended (the job gave up: why), running (who holds the run's lock),
+    killed (no end recorded, and the lock is free and was last held by a process on this host
+    that is gone), or "running or killed" (the lock's last holder was on another host, whose
+    lock may be invisible here, or the storage has no locks to ask). Starts: one per process
+    start; each one after the first is a restart, by why the one before ended (stop and its
+    signal, time limit, crash, hang, error, ended during start-up, killed with no record). Lost:
+    steps computed after the last checkpoint and computed again. Goodput: the share of the wall
+    time (first record to last, across every requeue) spent in productive training; the ledger
+    below it splits that wall time by cause (queue wait, start up, restore, checkpoint stall,
+    lost work, productive, remainder), adding up to it. Last interruption: each phase of the
+    newest stop and start, with the seconds between them.
 
     \b
     Examples:

@@ -219,7 +219,7 @@ def test_a_run_stops_on_its_own_before_the_job_ends_when_no_signal_comes(tmp_pat
     (agreed,) = [e for e in records if e["event"] == "phase" and e["phase"] == "stop_agreed"]
     assert stop["reason"] == agreed["reason"] == "deadline" and agreed["time"] < end
     report = json.loads(pyrecover("status", str(tmp_path / "run"), "--json").stdout)
-    assert report["state"] == "stopped (will resume)"
+    assert report["state"] == "stopped (resumes when started again)"  # no job to requeue it
     assert report["last_checkpoint"]["step"] == stop["step"]
 
 
