@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -142,4 +143,4 @@ def convert(
     from pyrecover.checkpoint import tools
 
     ckpt = tools.convert(run, step, to, out)
-    typer.echo(f"converted step {ckpt.step} ({ckpt.mode}) to {to}: {out}")
+    typer.echo(f"converted step {ckpt.step} ({ckpt.mode}) to {to}: {Path(os.path.abspath(out))}")

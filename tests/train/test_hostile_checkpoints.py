@@ -91,8 +91,9 @@ def test_a_metadata_pickle_that_runs_code_is_refused_by_resume_and_export(run, f
     assert "exported step 10" in exported.stdout
     only = pyrecover("ckpt", "export", str(run), "--step", "20", "--out", str(tmp_path / "x.pt"))
     assert only.returncode == 2 and only.stderr.count("\n") == 1, only.stderr
-    converted = pyrecover("ckpt", "convert", str(run), "--to", "torch", str(tmp_path / "c.pt"))
+    converted = pyrecover("ckpt", "convert", str(run), "--to", "torch", "c.pt", cwd=tmp_path)
     assert converted.returncode == 0 and "converted step 10" in converted.stdout
+    assert converted.stdout.rstrip().endswith(f": {tmp_path / 'c.pt'}")  # whole, as export
     listed = pyrecover("ckpt", "ls", str(run))
     assert [line for line in listed.stdout.splitlines() if "INVALID" in line][0].split()[0] == "20"
     assert_fell_back(resume(run, corpus), run, "posix.system")
