@@ -18,12 +18,13 @@ suffix picks the format: `.png`, `.svg` or `.pdf`.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pyrecover.checkpoint.listing import outside_checkpoints
+from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.records import well_formed
 from pyrecover.rundir import RunDir, read_jsonl
 
@@ -145,11 +146,10 @@ def write(run_dir: str | Path, out: str | Path, width: int = 960, height: int = 
         raise PlotError(f"{width}x{height} is too small; use at least 320x200")
     if width > MAX_SIDE or height > MAX_SIDE:  # Agg allocates width x height x 4 bytes at once
         raise PlotError(f"{width}x{height} is too large; use at most {MAX_SIDE}x{MAX_SIDE}")
-    checkpoints = run.checkpoints.resolve()  # a file there would change a committed step
-    real = Path(os.path.abspath(out)).resolve()
-    if real == checkpoints or checkpoints in real.parents:
-        raise PlotError(f"--out {out} is inside the run's checkpoints folder, which holds "
-                        "checkpoints only; choose a path outside it")
+    try:  # a file there would change a committed step (export and convert refuse it too)
+        outside_checkpoints(out, run, "--out")
+    except CheckpointError as exc:
+        raise PlotError(str(exc)) from None
     if out.suffix.lower() not in FORMATS:
         raise PlotError(f"{out}: unknown format {out.suffix or '(no suffix)'!r}; "
                         f"use {', '.join(FORMATS)}")
