@@ -9,12 +9,14 @@ This module imports nothing else from the project (torch is imported only where 
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib
 import os
 import re
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -245,6 +247,10 @@ def setup(env: DistEnv, device_kind: str, timeout_s: float = 600.0):
     global _set_up
     _set_up = True
     if env.is_distributed:
+        # Before the group: its functions' `group=group.WORLD` defaults, bound at import
+        # (torch._dynamo imports it, for DDP), held the group for good, so that leaving it
+        # (teardown) closed no connection: a peer blocked on rank 0 waited for its exit.
+        importlib.import_module("torch.distributed.nn")
         tdist.init_process_group(
             # CPU tensors (stop flags, checkpoint agreement, object gathers) go over gloo
             # even on GPUs, so they never queue behind NCCL kernels.
@@ -343,8 +349,13 @@ def exit_now(code: object) -> None:
     os._exit(status)
 
 
-def teardown() -> None:
+def teardown(then: Callable[[], None] | None = None) -> None:
     """teardown leaves the process group if one was joined; safe to call more than once.
+
+    `then` runs once the group is gone, while this process still serves its store (rank 0's
+    does, under srun and `train --nproc`): a peer blocked in a collective on a rank 0 that
+    failed alone gets out only when rank 0 leaves, and then writes its heartbeat's `exit`
+    there. Destroying the group frees the store, so it is held until `then` returns.
 
     Garbage is collected first: an object no longer reachable but not yet freed (in a
     reference cycle; a trainer runs with the collector off) may still hold gloo work or a
@@ -353,9 +364,17 @@ def teardown() -> None:
     """
     import torch.distributed as tdist
 
-    if tdist.is_available() and tdist.is_initialized():
-        gc.collect()
-        tdist.destroy_process_group()
+    store = None
+    try:
+        if tdist.is_available() and tdist.is_initialized():
+            gc.collect()
+            with contextlib.suppress(Exception):  # torch keeps it private
+                store = tdist.distributed_c10d._get_default_store()
+            tdist.destroy_process_group()
+    finally:
+        if then is not None:
+            then()
+        del store
 
 
 def gather_objects(obj: Any, world_size: int) -> list[Any]:

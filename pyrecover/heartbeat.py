@@ -88,6 +88,7 @@ class Heartbeat:
                  every_s: float = BEAT_S) -> None:
         self.store, self.rank, self.world_size, self.node = store, rank, world_size, node
         self._left = False  # stop() ran
+        self._said_exit = True  # stop() wrote `exit`
         self.every_s = every_s
         self._count = 0
         self._stop = threading.Event()
@@ -123,7 +124,11 @@ class Heartbeat:
     def stop(self, wait: bool = True) -> None:
         """stop ends the beats and writes `exit`, so peers never take this rank for silent;
         rank 0 then waits for the others' (`wait`; not on a hang, where the peers are stuck
-        and its persist comes first). A second call does nothing."""
+        and its persist comes first). A second call does nothing.
+
+        A trainer leaving its group stops with wait=False and waits after the group is gone
+        (`wait_for_the_others`, through dist.teardown): a peer blocked in a collective on
+        rank 0 gets out only then."""
         if self._left:
             return
         self._left = True
@@ -134,15 +139,19 @@ class Heartbeat:
             self.store.set(key(self.rank), EXITED)
         except Exception as exc:
             log.debug("rank %d: could not write its heartbeat's exit: %s", self.rank, exc)
+            self._said_exit = False
             return
-        if self.rank == 0 and wait:
-            self._wait_for_the_others()
+        if wait:
+            self.wait_for_the_others()
 
-    def _wait_for_the_others(self, wait_s: float | None = None) -> None:
+    def wait_for_the_others(self, wait_s: float | None = None) -> None:
         """Rank 0's process holds the store (srun, train --nproc): leaving first, it cut off
         the others' own `exit` writes, and torch printed a C++ warning per write under their
-        one error line. It waits for them, `wait_s` at most: a rank that died or hangs never
-        writes it."""
+        one error line. Rank 0 waits for them, `wait_s` at most (a rank that died or hangs
+        never writes it); the other ranks, and a rank 0 whose store no longer answered, go
+        at once. Call it after `stop`."""
+        if self.rank != 0 or not self._left or not self._said_exit:
+            return
         others = [r for r in range(self.world_size) if r != self.rank]
         deadline = time.monotonic() + (LEAVE_WAIT_S if wait_s is None else wait_s)
         while others and time.monotonic() < deadline:

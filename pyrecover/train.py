@@ -193,10 +193,10 @@ def main(cfg: Config, run_dir: Path) -> None:
         # exception", about 1 job in 7 on the local SLURM cluster; 0 in 36 with this).
         # teardown collects the garbage first.
         managers.clear()
-        if beats is not None:
-            beats.stop()
+        if beats is not None:  # rank 0 waits for the others' `exit` once the group is gone
+            beats.stop(wait=False)
         try:
-            dist.teardown()
+            dist.teardown(then=beats and beats.wait_for_the_others)
         except Exception as exc:  # a group with a dead member may not shut down cleanly
             log.debug("process group teardown failed: %s", exc)
         lock.release()
