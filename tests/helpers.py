@@ -146,7 +146,8 @@ def saved_and_restored(root: Path, mode: str, src, dst):
     return ckpt
 
 
-def _gloo_rank(rank: int, world_size: int, port: int, errors, scenario, args) -> None:
+def _gloo_rank(rank: int, world_size: int, port: int, errors, scenario, args,
+               group: bool) -> None:
     import traceback
     from datetime import timedelta
 
@@ -155,9 +156,12 @@ def _gloo_rank(rank: int, world_size: int, port: int, errors, scenario, args) ->
     from pyrecover import dist
 
     try:
-        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                 world_size=world_size, timeout=timedelta(seconds=60))
-        scenario(rank, *args)
+        if group:
+            tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                     world_size=world_size, timeout=timedelta(seconds=60))
+            scenario(rank, *args)
+        else:
+            scenario(rank, port, *args)
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
         raise
@@ -165,10 +169,12 @@ def _gloo_rank(rank: int, world_size: int, port: int, errors, scenario, args) ->
         dist.teardown()
 
 
-def run_ranks(scenario, *args, world_size: int = 2, timeout: float = 300) -> None:
+def run_ranks(scenario, *args, world_size: int = 2, timeout: float = 300,
+              group: bool = True) -> None:
     """run_ranks runs `scenario(rank, *args)` in `world_size` spawned processes joined in one
     gloo process group, and fails with every rank's traceback, or the exit codes, unless each
-    returned. `scenario` must be a module-level function (the processes import it)."""
+    returned. `scenario` must be a module-level function (the processes import it). With
+    `group=False` no group is joined for it: it runs as `scenario(rank, port, *args)`."""
     import torch.multiprocessing as mp
 
     from pyrecover import spawn
@@ -176,7 +182,8 @@ def run_ranks(scenario, *args, world_size: int = 2, timeout: float = 300) -> Non
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = spawn.free_port()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, world_size, port, errors, scenario, args))
+    procs = [ctx.Process(target=_gloo_rank, args=(r, world_size, port, errors, scenario, args,
+                                                   group))
              for r in range(world_size)]
     for p in procs:
         p.start()
