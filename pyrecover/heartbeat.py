@@ -148,15 +148,16 @@ class Heartbeat:
         """Rank 0's process holds the store (srun, train --nproc): leaving first, it cut off
         the others' own `exit` writes, and torch printed a C++ warning per write under their
         one error line. Rank 0 waits for them, `wait_s` at most (a rank that died or hangs
-        never writes it); the other ranks, and a rank 0 whose store no longer answered, go
-        at once. Call it after `stop`."""
+        never writes it), and for a rank that has not beaten yet (it may be just starting:
+        rank 0 failed at once); the other ranks, and a rank 0 whose store no longer
+        answered, go at once. Call it after `stop`."""
         if self.rank != 0 or not self._left or not self._said_exit:
             return
         others = [r for r in range(self.world_size) if r != self.rank]
         deadline = time.monotonic() + (LEAVE_WAIT_S if wait_s is None else wait_s)
         while others and time.monotonic() < deadline:
             try:
-                if all(v == EXITED for v in self._read(others).values()):
+                if all(v == EXITED for v in self._read(others, absent=b"").values()):
                     return
             except Exception:  # the store went (torchrun's agent hosts it): nothing to wait for
                 return
@@ -186,10 +187,11 @@ class Heartbeat:
             return None
         return Silence(quiet, nodes)
 
-    def _read(self, ranks: list[int]) -> dict[int, bytes]:
-        # A rank without a heartbeat (its store client failed) has no key: a get would block.
+    def _read(self, ranks: list[int], absent: bytes = EXITED) -> dict[int, bytes]:
+        # A rank without a heartbeat (its store client failed, or it has not started one
+        # yet) has no key: a get would block. It reads as `absent`.
         keys = [key(r) for r in ranks if self.store.check([key(r)])]
         values = self.store.multi_get(keys) if hasattr(self.store, "multi_get") else [
             self.store.get(k) for k in keys]
         found = {int(k.rsplit("/", 1)[1]): bytes(v) for k, v in zip(keys, values, strict=True)}
-        return {r: found.get(r, EXITED) for r in ranks}
+        return {r: found.get(r, absent) for r in ranks}

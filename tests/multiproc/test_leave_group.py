@@ -25,9 +25,6 @@ def _rank(rank: int, port: int) -> None:
     importlib.import_module("torch._dynamo")  # as the trainer does, after the group
     beats = heartbeat.start(env.master_addr, env.master_port, rank, 2, "n")
     assert beats is not None
-    # Both beat before rank 0 leaves: a rank without a heartbeat yet counts as gone (its
-    # store client may have failed), and rank 0 would not wait for it.
-    assert dist.gather_objects(rank, 2) == [0, 1]
     if rank == 1:
         with pytest.raises(Exception):  # noqa: B017 (gloo's error class varies by version)
             dist.gather_objects("rank 1", 2)  # rank 0 never joins: freed when it leaves

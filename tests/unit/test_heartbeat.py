@@ -123,3 +123,47 @@ def test_rank_0_which_holds_the_store_leaves_after_the_others_have_said_exit(mon
     assert 0.2 <= time.monotonic() - began < 60
     alone[0].stop()  # a second call does nothing: no second wait
     del server
+
+
+
+class LookedStore:
+    """The real store's client, which says (`looked`) when rank 0 first looked for a peer."""
+
+    def __init__(self, store) -> None:
+        self.store, self.looked = store, threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+    def check(self, keys: list[str]) -> bool:
+        found = self.store.check(keys)
+        self.looked.set()
+        return found
+
+
+def test_rank_0_waits_for_a_peer_that_has_not_beaten_yet(monkeypatch):
+    """Rank 0 may fail the moment its heartbeat starts, before a peer has started its own: it
+    waits for that peer's `exit` as well, instead of taking the missing key for a rank gone."""
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),
+                      wait_for_workers=False)
+    monkeypatch.setattr(heartbeat, "LEAVE_WAIT_S", 120.0)  # far past any busy machine's lag
+    store = LookedStore(heartbeat.connect("127.0.0.1", port))
+    first = heartbeat.Heartbeat(store, 0, 2, "n", every_s=0.05).start()
+    late = heartbeat.Heartbeat(heartbeat.connect("127.0.0.1", port), 1, 2, "n", every_s=0.05)
+    first.stop(wait=False)  # as the trainer leaves: `exit`, then the wait
+    seen: list[bool] = []
+
+    def wait() -> None:
+        first.wait_for_the_others()
+        seen.append(late.store.check([heartbeat.key(1)]))  # rank 1 had said `exit` by then
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    assert store.looked.wait(60)  # rank 0 found no key for rank 1 ...
+    late.start()  # ... which begins only now ...
+    late.stop()  # ... and leaves (its next collective failed: rank 0 is gone)
+    waiting.join(60)
+    assert not waiting.is_alive() and seen == [True]
+    assert bytes(late.store.get(heartbeat.key(1))) == heartbeat.EXITED
+    del server
