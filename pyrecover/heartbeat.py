@@ -13,6 +13,9 @@ Counters rather than times, so clocks that differ between nodes do not matter. A
 exits (a hang report, an error) first writes `exit`, so a peer that checks after it left
 does not take it for silent. Where the store does not answer (its host, rank 0 or the
 torchrun agent, is itself stopped or gone) nothing is named.
+A rank that stops on a user error (a run directory it may not read, a tracker that does not
+start) says so under `pyrecover/error` before it leaves, so that the peers its leaving frees
+say that rank stopped, not that it died (train.py).
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ def key(rank: int) -> str:
 
 def node_key(rank: int) -> str:
     return f"pyrecover/node/{rank}"
+
+
+ERROR_KEY = "pyrecover/error"  # the rank that stopped on a user error (Heartbeat.say_error)
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,21 @@ class Heartbeat:
             except Exception:  # the store went (torchrun's agent hosts it): nothing to wait for
                 return
             time.sleep(0.05)
+
+    def say_error(self) -> None:
+        """Record that this rank stops on a user error, before it leaves the group."""
+        try:
+            self.store.set(ERROR_KEY, str(self.rank))
+        except Exception as exc:
+            log.debug("rank %d: could not say it stops on an error: %s", self.rank, exc)
+
+    def stopped_on_error(self) -> int | None:
+        """The rank that said it stops on a user error (`say_error`); None where none did
+        or the store does not answer."""
+        try:
+            return int(self.store.get(ERROR_KEY)) if self.store.check([ERROR_KEY]) else None
+        except Exception:
+            return None
 
     def silent(self, beats: int = WINDOW_BEATS, max_wait_s: float = 30.0,
                sleep: Callable[[float], None] = time.sleep) -> Silence | None:

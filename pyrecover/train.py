@@ -27,6 +27,7 @@ from pyrecover import (
     heartbeat,
     ledger,
     parallel,
+    peers,
     preempt,
     profiling,
     progress,
@@ -58,6 +59,7 @@ from pyrecover.experiment import (
 from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig, empty_gpt, initialize
 from pyrecover.optim import apply_changes, build_optimizer, build_scheduler
+from pyrecover.peers import first_line
 from pyrecover.phases import Phases, process_start_time
 from pyrecover.preempt import StopRequested
 from pyrecover.rundir import HeldByThisJob, RunDir, RunLock, RunLocked, StorageError, read_jsonl
@@ -178,13 +180,15 @@ def main(cfg: Config, run_dir: Path) -> None:
                                 ) or _permission_in(exc, run.root)
         if not user_error:
             watchdog.persist_once(persist)  # once, whether this thread or the watchdog is first
-        lost = peer_lost(exc)
-        if env.rank == 0 or lost:
-            run.event("error" if user_error else "crash", rank=env.rank,
-                      error=f"{type(exc).__name__}: {_first_line(exc)}")
-        if lost:
-            raise PeerLost(f"rank {env.rank}: another rank of the job died ({_first_line(exc)}); "
-                           "run the same command again to resume") from exc
+        if user_error and beats is not None:  # the peers its leaving frees name this rank
+            beats.say_error()
+        gone = peers.lost(env.rank, exc, beats) if peers.peer_lost(exc) else None
+        stopped = isinstance(gone, peers.PeerStopped)  # the rank that stopped recorded it
+        if env.rank == 0 or (gone and not stopped):
+            run.event("error" if user_error or stopped else "crash", rank=env.rank,
+                      error=str(gone) if stopped else f"{type(exc).__name__}: {first_line(exc)}")
+        if gone is not None:
+            raise gone from exc
         raise
     finally:
         dog.stop()
@@ -204,20 +208,6 @@ def main(cfg: Config, run_dir: Path) -> None:
         gc.enable()
 
 
-class PeerLost(RuntimeError):
-    """A collective failed because another rank of the job died (exit code 1, resumable)."""
-
-
-def peer_lost(exc: BaseException) -> bool:
-    """peer_lost tells whether `exc` is a collective failing because a peer process died."""
-    import torch.distributed as tdist
-
-    text = str(exc)
-    return isinstance(exc, tdist.DistError) or any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer",
-                            "Broken pipe", "NCCL communicator was aborted"))
-
-
 def _permission_in(exc: BaseException, root: Path) -> bool:
     """_permission_in: `exc` is a permission refused on the run directory's own files, which
     no requeue gives (a node's /tmp or /dev/shm refusing one is that node's: it requeues)."""
@@ -225,10 +215,6 @@ def _permission_in(exc: BaseException, root: Path) -> bool:
         return False
     path = os.path.realpath(os.fsdecode(exc.filename))
     return os.path.commonpath([path, os.path.realpath(root)]) == os.path.realpath(root)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,

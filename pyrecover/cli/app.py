@@ -85,9 +85,9 @@ USER_ERRORS = (("pyrecover.config_schema", "ConfigError"), ("pyrecover.datasourc
                ("pyrecover.dist", "DistError"), ("pyrecover.checkpoint.store", "CheckpointError"),
                ("pyrecover.loop", "TrainingError"), ("pyrecover.status", "StatusError"),
                ("pyrecover.slurm", "LaunchError"), ("pyrecover.sweep", "SweepError"),
-               ("pyrecover.rundir", "RunLocked"))
+               ("pyrecover.rundir", "RunLocked"), ("pyrecover.peers", "PeerStopped"))
 # Faults, not bugs: exit 1 with one line, no traceback.
-FAULTS = (("pyrecover.train", "PeerLost"), ("pyrecover.checkpoint.manager", "SaveFailed"),
+FAULTS = (("pyrecover.peers", "PeerLost"), ("pyrecover.checkpoint.manager", "SaveFailed"),
           ("pyrecover.checkpoint.resume", "ResumeFailed"), ("pyrecover.rundir", "StorageError"),
           ("pyrecover.sweep.agent", "AgentUnavailable"), ("pyrecover.rundir", "HeldByThisJob"))
 

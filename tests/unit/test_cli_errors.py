@@ -195,7 +195,8 @@ def test_a_run_this_user_may_not_read_is_one_line_and_exit_2_never_a_traceback(t
                                                                               corpus):
     """A colleague's run, or one chmod'ed by accident: status, plot, ckpt and a resume each
     say which path and exit 2 (the job script does not requeue what no retry fixes); with
-    --nproc 2 every rank ends at once, none waiting for a rank 0 that is gone."""
+    --nproc 2 every rank ends at once, none waiting for a rank 0 that is gone, and none
+    saying rank 0 died."""
     run = tmp_path / "theirs"
     done = pyrecover("train", *tiny_args(tmp_path, corpus, "theirs", "train.max_steps=2"))
     assert done.returncode == 0, done.stderr
@@ -215,6 +216,9 @@ def test_a_run_this_user_may_not_read_is_one_line_and_exit_2_never_a_traceback(t
                     done.stderr, (args, done.stderr)
                 assert "Traceback" not in done.stderr and "TCPStore" not in done.stderr, \
                     done.stderr
+                if args is resume and locked.name == "events.jsonl":  # rank 1 was in the loop
+                    assert "rank 1: stopped because rank 0 stopped on an error" in done.stderr
+                    assert "died" not in done.stderr, done.stderr  # (no resume helps)
         finally:
             locked.chmod(mode)
 

@@ -167,3 +167,25 @@ def test_rank_0_waits_for_a_peer_that_has_not_beaten_yet(monkeypatch):
     assert not waiting.is_alive() and seen == [True]
     assert bytes(late.store.get(heartbeat.key(1))) == heartbeat.EXITED
     del server
+
+
+def test_a_peer_freed_by_a_rank_that_stopped_on_an_error_names_it_and_does_not_say_died():
+    from pyrecover import peers
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),
+                      wait_for_workers=False)
+    beats = [heartbeat.Heartbeat(heartbeat.connect("127.0.0.1", port), rank, 3, "n")
+             for rank in range(3)]
+    reset = RuntimeError("[pair.cc:537] Read error: Connection reset by peer")
+    assert peers.peer_lost(reset)
+    died = peers.lost(0, reset, beats[0])  # nobody said anything: a peer died
+    assert isinstance(died, peers.PeerLost) and "another rank of the job died" in str(died)
+    beats[2].say_error()  # rank 2 may not read the run directory, say
+    named = peers.lost(0, reset, beats[0])
+    assert isinstance(named, peers.PeerStopped)
+    assert str(named) == "rank 0: stopped because rank 2 stopped on an error (its own line " \
+        "says which)"
+    assert isinstance(peers.lost(2, reset, beats[2]), peers.PeerLost)  # not itself
+    assert isinstance(peers.lost(1, reset, None), peers.PeerLost)  # no heartbeat: no name
+    del server
