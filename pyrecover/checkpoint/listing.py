@@ -9,6 +9,7 @@ after torch's import (seconds; far more on a cluster's login node).
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,14 +85,31 @@ def _recorded_model(run: RunDir) -> dict | None:
 CONVERT_TO = ("torch", "dcp")
 
 
-def convert_target(to: str, out: Path, run: RunDir) -> None:
-    """convert_target refuses a `--to` or an `out` that `ckpt convert` cannot write."""
+def convert_target(to: str, out: Path, run: RunDir, replace: bool = False) -> None:
+    """convert_target refuses a `--to` or an `out` that `ckpt convert` cannot write: an
+    existing `out` is replaced only with `replace` (--force), and only where it is what the
+    conversion writes (a file for torch, an empty folder for dcp) and not the run's own."""
     if to not in CONVERT_TO:
         raise CheckpointError(f"--to {to!r}: expected {' or '.join(CONVERT_TO)}")
     outside_checkpoints(out, run, "OUT")
     under_a_folder(out, "OUT")
-    if out.exists() or out.is_symlink():
-        raise CheckpointError(f"{out} already exists; choose a new path")
+    if not (out.exists() or out.is_symlink()):
+        return
+    real, root = Path(os.path.abspath(out)).resolve(), run.root.resolve()
+    if root in real.parents:
+        raise CheckpointError(f"{out} would replace {real.relative_to(root)} of the run "
+                              "directory; choose a new path")
+    if to == "torch":
+        fits = not out.is_symlink() and stat.S_ISREG(out.stat().st_mode)
+        what = "not a regular file; --force replaces only a file"
+    else:
+        fits = not out.is_symlink() and out.is_dir() and not any(out.iterdir())
+        what = "not an empty folder; --force replaces only an empty one"
+    if not fits:
+        raise CheckpointError(f"{out} already exists and is {what}: choose a new path")
+    if not replace:
+        raise CheckpointError(f"{out} already exists; choose a new path, or --force to "
+                              "replace it")
 
 
 def under_a_folder(out: Path, option: str) -> None:

@@ -122,6 +122,9 @@ def convert(
     to: Annotated[str, typer.Option(help="Target format: torch (one file) or dcp (a folder).")],
     out: Annotated[Path, typer.Argument(help="File (torch) or folder (dcp) to create.")],
     step: StepOpt = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace an existing OUT file (torch) or empty folder (dcp); never "
+        "one of the run's files, never a non-empty folder.")] = False,
 ) -> None:
     """Convert a checkpoint of any mode (vanilla, dcp, memory) to one torch file or a dcp folder.
 
@@ -133,11 +136,12 @@ def convert(
     Examples:
       pyrecover ckpt convert runs/tiny --to torch state.pt
       pyrecover ckpt convert runs/tiny --step 100 --to dcp state-dcp/
+      pyrecover ckpt convert runs/tiny --to torch state.pt --force   # replace state.pt
     """
     from pyrecover.checkpoint import listing, store
 
     run = listing.open_run(run_dir)  # what it refuses is said before torch's import
-    listing.convert_target(to, out, run)
+    listing.convert_target(to, out, run, replace=force)
     if step is not None:
         store.step_folder(run, step)
     from pyrecover.checkpoint import tools

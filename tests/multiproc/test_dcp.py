@@ -162,5 +162,24 @@ def test_checkpoints_convert_between_the_two_formats_without_losing_a_bit(tmp_pa
     for key, value in load_export(tmp_path / "vanilla.pt").items():
         assert torch.equal(target["model"][key], value), key
 
-    again = pyrecover("ckpt", "convert", str(tmp_path / "vanilla"), "--to", "dcp", str(folder))
-    assert again.returncode == 2 and "already exists" in again.stderr
+    again = pyrecover("ckpt", "convert", str(tmp_path / "vanilla"), "--to", "dcp", str(folder),
+                      "--force")  # a folder with a checkpoint in it is never replaced
+    assert again.returncode == 2 and "not an empty folder" in again.stderr, again.stderr
+    assert (folder / "extra.json").exists()
+
+    # An existing file is kept unless --force, which replaces it with the converted state.
+    out.write_bytes(b"an older state")
+    again = pyrecover("ckpt", "convert", str(tmp_path / "dcp"), "--to", "torch", str(out))
+    assert again.returncode == 2 and "or --force to replace it" in again.stderr
+    assert out.read_bytes() == b"an older state"
+    again = pyrecover("ckpt", "convert", str(tmp_path / "dcp"), "--to", "torch", str(out),
+                      "--force")
+    assert again.returncode == 0, again.stderr
+    assert torch.equal(torch.load(out, weights_only=True)["model"]["wte.weight"],
+                       state["model"]["wte.weight"])
+    inside = tmp_path / "dcp" / "run.yaml"  # the run's own files are never replaced
+    before = inside.read_bytes()
+    again = pyrecover("ckpt", "convert", str(tmp_path / "dcp"), "--to", "torch", str(inside),
+                      "--force")
+    assert again.returncode == 2 and "of the run directory" in again.stderr
+    assert inside.read_bytes() == before

@@ -60,7 +60,7 @@ def committed_run(root):
     (["ckpt", "export", "run", "--step", "7", "--out", "m.pt"], "has no checkpoint step 7"),
     (["ckpt", "convert", "run", "--step", "7", "--to", "dcp", "d"], "has no checkpoint step 7"),
     (["ckpt", "convert", "run", "--to", "onnx", "m.onnx"], "--to 'onnx': expected torch or dcp"),
-    (["ckpt", "convert", "run", "--to", "torch", "run/run.yaml"], "already exists"),
+    (["ckpt", "convert", "run", "--to", "torch", "run/run.yaml"], "would replace run.yaml"),
     (["ckpt", "convert", "run", "--to", "torch", "run/checkpoints/step-10/extra.pt"],
      "is inside the run's checkpoints folder"),
     (["ckpt", "convert", "run", "--to", "dcp", "run/checkpoints/step-500"],
