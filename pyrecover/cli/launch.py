@@ -126,6 +126,10 @@ def launch(
 
     if dry_run:
         check_run_dir(cfg, spec.run)  # what the launch itself would refuse
+        if spec.image is not None and not Path(spec.image).is_file():  # (it may be elsewhere)
+            typer.echo(f"note: image {spec.image!r} does not exist here: a launch from this "
+                       "machine would refuse it (build it with `make image`, or fix "
+                       "image/--image)", err=True)
         typer.echo(script, nl=False)
         typer.echo("# --dry-run: nothing written or submitted. pyrecover would write this "
                    "script (and run.yaml) to")

@@ -145,6 +145,22 @@ def test_dry_run_prints_script_and_sbatch_command_and_writes_nothing(tmp_path):
     assert files_under(tmp_path) == []
 
 
+def test_an_image_that_is_not_there_is_refused_and_a_dry_run_says_so(tmp_path):
+    missing = tmp_path / "pyrecover.sif"
+    done = launch(tmp_path, "--image", str(missing))  # the built-in profile: srun apptainer
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1].startswith(
+        f"error: image '{missing}' does not exist: build it with `make image`"), done.stderr
+    assert files_under(tmp_path) == []
+    dry = launch(tmp_path, "--image", str(missing), "--dry-run")
+    assert dry.returncode == 0 and dry.stdout.startswith("#!/bin/bash\n"), dry.stderr
+    assert f"note: image '{missing}' does not exist here: a launch from this machine would " \
+        "refuse it" in dry.stderr
+    missing.write_bytes(b"")  # there: no note
+    dry = launch(tmp_path, "--image", str(missing), "--dry-run")
+    assert dry.returncode == 0 and "note: image" not in dry.stderr, dry.stderr
+
+
 def test_dry_run_output_is_itself_a_valid_script(tmp_path):
     done = launch(tmp_path, "--cluster", str(LOCAL), "--dry-run")
     shellcheck(done.stdout, tmp_path)
