@@ -87,8 +87,8 @@ CONVERT_TO = ("torch", "dcp")
 
 def convert_target(to: str, out: Path, run: RunDir, replace: bool = False) -> None:
     """convert_target refuses a `--to` or an `out` that `ckpt convert` cannot write: an
-    existing `out` is replaced only with `replace` (--force), and only where it is what the
-    conversion writes (a file for torch, an empty folder for dcp) and not the run's own."""
+    existing file `out` is replaced only with `replace` (--force) and a folder only where it
+    is empty (as `export --format hf`); never the run's own files."""
     if to not in CONVERT_TO:
         raise CheckpointError(f"--to {to!r}: expected {' or '.join(CONVERT_TO)}")
     outside_checkpoints(out, run, "OUT")
@@ -99,15 +99,14 @@ def convert_target(to: str, out: Path, run: RunDir, replace: bool = False) -> No
     if root in real.parents:
         raise CheckpointError(f"{out} would replace {real.relative_to(root)} of the run "
                               "directory; choose a new path")
-    if to == "torch":
-        fits = not out.is_symlink() and stat.S_ISREG(out.stat().st_mode)
-        what = "not a regular file; --force replaces only a file"
-    else:
-        fits = not out.is_symlink() and out.is_dir() and not any(out.iterdir())
-        what = "not an empty folder; --force replaces only an empty one"
-    if not fits:
-        raise CheckpointError(f"{out} already exists and is {what}: choose a new path")
-    if not replace:
+    if to == "dcp":
+        if out.is_symlink() or not out.is_dir() or any(out.iterdir()):
+            raise CheckpointError(f"{out} already exists and is not an empty folder; --to dcp "
+                                  "writes a folder: choose a new path (nothing was written)")
+    elif out.is_symlink() or not stat.S_ISREG(out.stat().st_mode):
+        raise CheckpointError(f"{out} already exists and is not a regular file; --force "
+                              "replaces only a file: choose a new path")
+    elif not replace:
         raise CheckpointError(f"{out} already exists; choose a new path, or --force to "
                               "replace it")
 

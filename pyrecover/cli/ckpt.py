@@ -123,8 +123,8 @@ def convert(
     out: Annotated[Path, typer.Argument(help="File (torch) or folder (dcp) to create.")],
     step: StepOpt = None,
     force: Annotated[bool, typer.Option(
-        "--force", help="Replace an existing OUT file (torch) or empty folder (dcp); never "
-        "one of the run's files, never a non-empty folder.")] = False,
+        "--force", help="Replace an existing OUT file (--to torch; never one of the run's "
+        "files). --to dcp writes into an empty folder, never over files.")] = False,
 ) -> None:
     """Convert a checkpoint of any mode (vanilla, dcp, memory) to one torch file or a dcp folder.
 

@@ -166,6 +166,10 @@ def test_checkpoints_convert_between_the_two_formats_without_losing_a_bit(tmp_pa
                       "--force")  # a folder with a checkpoint in it is never replaced
     assert again.returncode == 2 and "not an empty folder" in again.stderr, again.stderr
     assert (folder / "extra.json").exists()
+    empty = tmp_path / "made-for-it"  # an empty folder is written into, as export hf does
+    empty.mkdir()
+    into = pyrecover("ckpt", "convert", str(tmp_path / "vanilla"), "--to", "dcp", str(empty))
+    assert into.returncode == 0 and (empty / "extra.json").exists(), into.stderr
 
     # An existing file is kept unless --force, which replaces it with the converted state.
     out.write_bytes(b"an older state")
