@@ -34,6 +34,10 @@ BEAT_S = 0.5
 WINDOW_BEATS = 4  # a peer whose counter did not move while ours moved this often is silent
 EXITED = b"exit"
 LEAVE_WAIT_S = 3.0  # rank 0 waits this long at most for the others' `exit` (Heartbeat.stop)
+# ... and this long once a rank said it stops on an error: a peer not in a collective yet
+# (compiling, saving) reads that error only while rank 0 still serves the store.
+LEAVE_AFTER_ERROR_WAIT_S = 30.0
+START_S = 10.0  # a peer without a heartbeat this long after rank 0's began never starts one
 GIVE_UP_FAILURES = 3  # beats in a row the store did not take (each up to its 5 s timeout)
 
 
@@ -95,6 +99,7 @@ class Heartbeat:
         self.store, self.rank, self.world_size, self.node = store, rank, world_size, node
         self._left = False  # stop() ran
         self._said_exit = True  # stop() wrote `exit`
+        self._started = time.monotonic()
         self.every_s = every_s
         self._count = 0
         self._stop = threading.Event()
@@ -102,6 +107,7 @@ class Heartbeat:
 
     def start(self) -> Heartbeat:
         self.store.set(node_key(self.rank), self.node)
+        self._started = time.monotonic()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="pyrecover-heartbeat",
                                         daemon=True)
@@ -153,34 +159,44 @@ class Heartbeat:
     def wait_for_the_others(self, wait_s: float | None = None) -> None:
         """Rank 0's process holds the store (srun, train --nproc): leaving first, it cut off
         the others' own `exit` writes, and torch printed a C++ warning per write under their
-        one error line. Rank 0 waits for them, `wait_s` at most (a rank that died or hangs
-        never writes it), and for a rank that has not beaten yet (it may be just starting:
-        rank 0 failed at once); the other ranks, and a rank 0 whose store no longer
+        one error line. Rank 0 waits for them, `wait_s` at most (LEAVE_WAIT_S, or
+        LEAVE_AFTER_ERROR_WAIT_S once a rank said its error: a rank that died or hangs never
+        writes it), and for a rank that has not beaten yet (it may be just starting: rank 0
+        failed at once) until START_S; the other ranks, and a rank 0 whose store no longer
         answered, go at once. Call it after `stop`."""
         if self.rank != 0 or not self._left or not self._said_exit:
             return
         others = [r for r in range(self.world_size) if r != self.rank]
-        deadline = time.monotonic() + (LEAVE_WAIT_S if wait_s is None else wait_s)
+        said = self.stopped_on_error() is not None  # by any rank
+        bound = LEAVE_AFTER_ERROR_WAIT_S if said else LEAVE_WAIT_S
+        deadline = time.monotonic() + (bound if wait_s is None else wait_s)
         while others and time.monotonic() < deadline:
+            # A peer whose store client failed never beats: not waited for once START_S is past
+            absent = b"" if time.monotonic() - self._started < START_S else EXITED
             try:
-                if all(v == EXITED for v in self._read(others, absent=b"").values()):
+                if all(v == EXITED for v in self._read(others, absent).values()):
                     return
             except Exception:  # the store went (torchrun's agent hosts it): nothing to wait for
                 return
             time.sleep(0.05)
 
-    def say_error(self) -> None:
-        """Record that this rank stops on a user error, before it leaves the group."""
+    def say_error(self, reason: str) -> None:
+        """Record that this rank stops on a user error (`reason`, one line), before it leaves
+        the group; rank 0 then waits longer for the others' `exit`."""
         try:
-            self.store.set(ERROR_KEY, str(self.rank))
+            self.store.set(ERROR_KEY, f"{self.rank}\n{reason}")
         except Exception as exc:
             log.debug("rank %d: could not say it stops on an error: %s", self.rank, exc)
 
-    def stopped_on_error(self) -> int | None:
-        """The rank that said it stops on a user error (`say_error`); None where none did
-        or the store does not answer."""
+    def stopped_on_error(self) -> tuple[int, str] | None:
+        """The rank that said it stops on a user error (`say_error`) and its reason; None
+        where none did or the store does not answer."""
         try:
-            return int(self.store.get(ERROR_KEY)) if self.store.check([ERROR_KEY]) else None
+            if not self.store.check([ERROR_KEY]):
+                return None
+            rank, _, reason = bytes(self.store.get(ERROR_KEY)).decode(errors="replace"
+                                                                      ).partition("\n")
+            return int(rank), reason
         except Exception:
             return None
 

@@ -11,9 +11,14 @@ class PeerLost(RuntimeError):
     """A collective failed because another rank of the job died (exit code 1, resumable)."""
 
 
-class PeerStopped(RuntimeError):
-    """A collective failed because another rank stopped on a user error (exit code 2: no
-    retry helps until that is fixed): that rank is named."""
+class PeerStopped(PeerLost):
+    """A collective failed because rank `rank` stopped on a user error (`reason`, its own
+    line): that rank is named. Exit code 1 like PeerLost: the rank that stopped exits 2, the
+    code srun and `train --nproc` report, and stays the only rank named as the cause."""
+
+    def __init__(self, line: str, rank: int, reason: str) -> None:
+        super().__init__(line)
+        self.rank, self.reason = rank, reason
 
 
 def peer_lost(exc: BaseException) -> bool:
@@ -26,13 +31,13 @@ def peer_lost(exc: BaseException) -> bool:
                             "Broken pipe", "NCCL communicator was aborted"))
 
 
-def lost(rank: int, exc: BaseException, beats: Heartbeat | None) -> PeerLost | PeerStopped:
+def lost(rank: int, exc: BaseException, beats: Heartbeat | None) -> PeerLost:
     """lost is the one line rank `rank` ends with when `exc` is a peer leaving: the rank that
     said it stops on an error (its heartbeat's `say_error`) by name, else a peer that died."""
     stopped = beats.stopped_on_error() if beats is not None else None
-    if stopped is not None and stopped != rank:
-        return PeerStopped(f"rank {rank}: stopped because rank {stopped} stopped on an error "
-                           "(its own line says which)")
+    if stopped is not None and stopped[0] != rank:
+        return PeerStopped(f"rank {rank}: stopped because rank {stopped[0]} stopped on an "
+                           "error (its own line says which)", *stopped)
     return PeerLost(f"rank {rank}: another rank of the job died ({first_line(exc)}); run the "
                     "same command again to resume")
 

@@ -178,15 +178,17 @@ def main(cfg: Config, run_dir: Path) -> None:
         # (a permission no requeue gives: the CLI ends it as a user error, exit 2)
         user_error = isinstance(exc, (ConfigError, DataError, CheckpointError, TrainingError)
                                 ) or _permission_in(exc, run.root)
+        error = f"{type(exc).__name__}: {first_line(exc)}"
+        if user_error and beats is not None:  # the peers its leaving frees name this rank
+            beats.say_error(error)
+        # (read before a persist, which may outlast the store of a rank 0 that stopped)
+        gone = peers.lost(env.rank, exc, beats) if peers.peer_lost(exc) else None
         if not user_error:
             watchdog.persist_once(persist)  # once, whether this thread or the watchdog is first
-        if user_error and beats is not None:  # the peers its leaving frees name this rank
-            beats.say_error()
-        gone = peers.lost(env.rank, exc, beats) if peers.peer_lost(exc) else None
-        stopped = isinstance(gone, peers.PeerStopped)  # the rank that stopped recorded it
+        stopped = isinstance(gone, peers.PeerStopped)  # rank 0 records whose error it was
         if env.rank == 0 or (gone and not stopped):
             run.event("error" if user_error or stopped else "crash", rank=env.rank,
-                      error=str(gone) if stopped else f"{type(exc).__name__}: {first_line(exc)}")
+                      error=f"rank {gone.rank}: {gone.reason}" if stopped else error)
         if gone is not None:
             raise gone from exc
         raise

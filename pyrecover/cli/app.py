@@ -85,7 +85,7 @@ USER_ERRORS = (("pyrecover.config_schema", "ConfigError"), ("pyrecover.datasourc
                ("pyrecover.dist", "DistError"), ("pyrecover.checkpoint.store", "CheckpointError"),
                ("pyrecover.loop", "TrainingError"), ("pyrecover.status", "StatusError"),
                ("pyrecover.slurm", "LaunchError"), ("pyrecover.sweep", "SweepError"),
-               ("pyrecover.rundir", "RunLocked"), ("pyrecover.peers", "PeerStopped"))
+               ("pyrecover.rundir", "RunLocked"))
 # Faults, not bugs: exit 1 with one line, no traceback.
 FAULTS = (("pyrecover.peers", "PeerLost"), ("pyrecover.checkpoint.manager", "SaveFailed"),
           ("pyrecover.checkpoint.resume", "ResumeFailed"), ("pyrecover.rundir", "StorageError"),

@@ -219,6 +219,7 @@ def test_a_run_this_user_may_not_read_is_one_line_and_exit_2_never_a_traceback(t
                 if args is resume and locked.name == "events.jsonl":  # rank 1 was in the loop
                     assert "rank 1: stopped because rank 0 stopped on an error" in done.stderr
                     assert "died" not in done.stderr, done.stderr  # (no resume helps)
+                    assert "pyrecover: rank 1 " not in done.stderr  # not named as a cause
         finally:
             locked.chmod(mode)
 

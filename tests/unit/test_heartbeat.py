@@ -181,11 +181,46 @@ def test_a_peer_freed_by_a_rank_that_stopped_on_an_error_names_it_and_does_not_s
     assert peers.peer_lost(reset)
     died = peers.lost(0, reset, beats[0])  # nobody said anything: a peer died
     assert isinstance(died, peers.PeerLost) and "another rank of the job died" in str(died)
-    beats[2].say_error()  # rank 2 may not read the run directory, say
+    beats[2].say_error("PermissionError: [Errno 13] Permission denied: 'events.jsonl'")
     named = peers.lost(0, reset, beats[0])
-    assert isinstance(named, peers.PeerStopped)
+    assert isinstance(named, peers.PeerStopped) and isinstance(named, peers.PeerLost)  # exit 1
     assert str(named) == "rank 0: stopped because rank 2 stopped on an error (its own line " \
         "says which)"
+    assert (named.rank, named.reason) == (2, "PermissionError: [Errno 13] Permission denied: "
+                                             "'events.jsonl'")  # what rank 0 records
     assert isinstance(peers.lost(2, reset, beats[2]), peers.PeerLost)  # not itself
     assert isinstance(peers.lost(1, reset, None), peers.PeerLost)  # no heartbeat: no name
     del server
+
+
+def test_rank_0_waits_longer_once_a_rank_said_its_error_and_not_for_a_peer_that_never_beat(
+        monkeypatch):
+    """A peer not in a collective yet when a rank stops on an error reads that error only
+    while rank 0 serves the store: rank 0 waits LEAVE_AFTER_ERROR_WAIT_S for it, not
+    LEAVE_WAIT_S. A peer that never started a heartbeat is not waited for past START_S."""
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),
+                      wait_for_workers=False)
+    monkeypatch.setattr(heartbeat, "LEAVE_WAIT_S", 0.0)
+    monkeypatch.setattr(heartbeat, "LEAVE_AFTER_ERROR_WAIT_S", 120.0)
+    beats = [heartbeat.Heartbeat(heartbeat.connect("127.0.0.1", port), rank, 2, "n",
+                                 every_s=0.05).start() for rank in range(2)]
+    beats[0].say_error("ConfigError: bad")
+    done = threading.Event()
+    leaving = threading.Thread(target=lambda: (beats[0].stop(), done.set()))
+    leaving.start()
+    assert not done.wait(0.5)  # LEAVE_WAIT_S is past: it waits for rank 1 all the same
+    beats[1].stop()
+    assert done.wait(60)
+    leaving.join()
+
+    other = TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=10))
+    monkeypatch.setattr(heartbeat, "LEAVE_WAIT_S", 120.0)
+    monkeypatch.setattr(heartbeat, "START_S", 0.0)  # rank 1's heartbeat never came
+    alone = heartbeat.Heartbeat(heartbeat.connect("127.0.0.1", other.port), 0, 2, "n",
+                                every_s=0.05).start()
+    began = time.monotonic()
+    alone.stop()
+    assert time.monotonic() - began < 60  # not LEAVE_WAIT_S
+    del server, other
