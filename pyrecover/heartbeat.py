@@ -4,7 +4,7 @@ ranks that find a job hung can name the rank that stopped living.
 A rank that hangs inside its own work reports itself (watchdog.py). A rank that stops
 altogether (SIGSTOP, a node that freezes, a thread holding the GIL for good) cannot: its
 peers only see their collective never finish, which blames no one. So a thread on every
-rank bumps a counter under `pyrecover/beat/<rank>` in the TCP store that the process group's
+rank bumps a counter under `beat/<rank>` in the TCP store that the process group's
 rendezvous already runs (`MASTER_ADDR:MASTER_PORT`, a second client connection) every
 `BEAT_S`; a stopped process's thread stops with it. When a rank's watchdog fires, `silent`
 reads every counter twice, `WINDOW_BEATS` of its own beats apart (2 s): the ranks whose
@@ -14,16 +14,20 @@ exits (a hang report, an error) first writes `exit`, so a peer that checks after
 does not take it for silent. Where the store does not answer (its host, rank 0 or the
 torchrun agent, is itself stopped or gone) nothing is named.
 A rank that stops on a user error (a run directory it may not read, a tracker that does not
-start) says so under `pyrecover/error` before it leaves, so that the peers its leaving frees
+start) says so under `error` before it leaves, so that the peers its leaving frees
 say that rank stopped, not that it died (train.py).
+Every key lies under `pyrecover/attempt_<n>/`, n being torchrun's restart count: under
+`torchrun --max-restarts` the agent's store outlives its workers, and an attempt must not read
+the last one's `exit` or `error`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -42,14 +46,22 @@ GIVE_UP_FAILURES = 3  # beats in a row the store did not take (each up to its 5 
 
 
 def key(rank: int) -> str:
-    return f"pyrecover/beat/{rank}"
+    return f"beat/{rank}"
 
 
 def node_key(rank: int) -> str:
-    return f"pyrecover/node/{rank}"
+    return f"node/{rank}"
 
 
-ERROR_KEY = "pyrecover/error"  # the rank that stopped on a user error (Heartbeat.say_error)
+ERROR_KEY = "error"  # the rank that stopped on a user error (Heartbeat.say_error)
+
+
+def attempt(environ: Mapping[str, str]) -> int:
+    """attempt is torchrun's restart count of these workers (0 outside torchrun)."""
+    try:
+        return int(environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    except ValueError:
+        return 0
 
 
 @dataclass(frozen=True)
@@ -65,14 +77,16 @@ class Silence:
         return self.nodes[0] if self.nodes and len(set(self.nodes)) == 1 else None
 
 
-def connect(addr: str, port: int, timeout_s: float = 5.0) -> Any | None:
+def connect(addr: str, port: int, timeout_s: float = 5.0, attempt: int = 0) -> Any | None:
     """connect opens a client of the rendezvous store at addr:port (after the process group
-    is up); None where it cannot, and then the rank simply has no heartbeat."""
+    is up), its keys under this attempt's prefix; None where it cannot, and then the rank
+    simply has no heartbeat."""
     try:
-        from torch.distributed import TCPStore
+        from torch.distributed import PrefixStore, TCPStore
 
-        return TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s),
-                        wait_for_workers=False)
+        return PrefixStore(f"pyrecover/attempt_{attempt}", TCPStore(
+            addr, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False))
     except Exception as exc:  # no heartbeat is no reason to stop training
         log.warning("no heartbeat: the store at %s:%d did not answer (%s)", addr, port, exc)
         return None
@@ -81,7 +95,7 @@ def connect(addr: str, port: int, timeout_s: float = 5.0) -> Any | None:
 def start(addr: str, port: int, rank: int, world_size: int, node: str) -> Heartbeat | None:
     """start beats for this rank of a distributed job (None where the store cannot be
     reached: the job trains on without)."""
-    store = connect(addr, port)
+    store = connect(addr, port, attempt=attempt(os.environ))
     if store is None:
         return None
     try:
