@@ -18,7 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from pyrecover.datasource import DataError, check_source, first_line
+from pyrecover.datasource import DataError, check_source
+from pyrecover.oneline import first_line
 
 EOD = 256  # end-of-document token for byte-level text
 

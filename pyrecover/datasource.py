@@ -14,6 +14,8 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pyrecover.oneline import first_line
+
 
 class DataError(ValueError):
     """The corpus cannot be used: missing, unreadable, empty or without the configured column."""
@@ -37,10 +39,6 @@ def check_source(path: str | Path, column: str) -> pa.Schema:
         raise DataError(f"{p}: no column {column!r} (data.column); it has: "
                         + ", ".join(schema.names))
     return schema
-
-
-def first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 # What `prepare` may name its output: a parquet file, said so by its name.

@@ -5,6 +5,7 @@ which; running again changes nothing until that is fixed)."""
 from __future__ import annotations
 
 from pyrecover.heartbeat import Heartbeat
+from pyrecover.oneline import first_line
 
 
 class PeerLost(RuntimeError):
@@ -40,7 +41,3 @@ def lost(rank: int, exc: BaseException, beats: Heartbeat | None) -> PeerLost:
                            "error (its own line says which)", *stopped)
     return PeerLost(f"rank {rank}: another rank of the job died ({first_line(exc)}); run the "
                     "same command again to resume")
-
-
-def first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]

@@ -58,8 +58,8 @@ from pyrecover.experiment import (
 )
 from pyrecover.loop import Loop, TrainingError, TrainState
 from pyrecover.model import GPT, GPTConfig, empty_gpt, initialize
+from pyrecover.oneline import first_line
 from pyrecover.optim import apply_changes, build_optimizer, build_scheduler
-from pyrecover.peers import first_line
 from pyrecover.phases import Phases, process_start_time
 from pyrecover.preempt import StopRequested
 from pyrecover.rundir import HeldByThisJob, RunDir, RunLock, RunLocked, StorageError, read_jsonl

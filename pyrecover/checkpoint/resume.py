@@ -36,6 +36,7 @@ import torch.distributed as tdist
 from pyrecover.checkpoint import checksum, entries, store
 from pyrecover.checkpoint.mode import Parts, Restored
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
+from pyrecover.oneline import first_line
 from pyrecover.readahead import read_through
 
 log = logging.getLogger("pyrecover")
@@ -315,7 +316,7 @@ def resume_newest(manager: Any, accept: Callable[[Restored], Any],
                 restored = manager.restore(ckpt)
                 accept(restored)
             except (Exception, _dcp_exception()) as exc:  # DCP's is a BaseException
-                error = f"{type(exc).__name__}: {_first_line(exc)}"
+                error = f"{type(exc).__name__}: {first_line(exc)}"
             errors = every_rank(error)
         failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
         if not failed:
@@ -344,17 +345,6 @@ def _dcp_exception() -> type[BaseException]:
     importing it here would cost every start a second (pyrecover imports DCP lazily)."""
     api = sys.modules.get("torch.distributed.checkpoint.api")
     return getattr(api, "CheckpointException", CheckpointError)
-
-
-def _first_line(exc: BaseException) -> str:
-    failures = getattr(exc, "failures", None)  # DCP's wrapper: the ranks' own errors matter
-    if isinstance(failures, dict) and failures:
-        return "; ".join(sorted({f"{type(e).__name__}: {_first_line(e)}"
-                                 for e, _ in failures.values()}))
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    if len(lines) > 1 and lines[0].endswith(":"):  # torch's "Error(s) in loading ...:" + why
-        return f"{lines[0]} {lines[1]}"[:300]
-    return (lines or [type(exc).__name__])[0][:300]
 
 
 def _copy_state(parts: Parts, weights: bool) -> dict[str, Any]:

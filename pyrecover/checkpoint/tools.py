@@ -17,6 +17,7 @@ from pyrecover.checkpoint import dcp as dcp_mode
 from pyrecover.checkpoint import dcp_io, store, vanilla
 from pyrecover.checkpoint import memory as memory_mode
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
+from pyrecover.oneline import first_line
 from pyrecover.rundir import RunDir, storage_error
 
 log = logging.getLogger("pyrecover")
@@ -37,7 +38,7 @@ def load_problem(ckpt: Checkpoint) -> str:
         else:
             return f"mode {ckpt.mode!r} is not one this version knows"
     except Exception as exc:
-        return f"cannot be read: {type(exc).__name__}: {_first_line(exc)}"
+        return f"cannot be read: {type(exc).__name__}: {first_line(exc)}"
     return ""
 
 
@@ -50,16 +51,12 @@ def model_problem(ckpt: Checkpoint, recorded: dict | None) -> str:
     try:
         made = config_of(ckpt)["model"]
     except Exception as exc:
-        return f"cannot be read: {type(exc).__name__}: {_first_line(exc)}"
+        return f"cannot be read: {type(exc).__name__}: {first_line(exc)}"
     differ = [f"model.{k} {made.get(k)!r}, run.yaml {v!r}" for k, v in sorted(recorded.items())
               if k in made and made[k] != v]
     if not differ:
         return ""
     return f"made for another model ({'; '.join(differ[:3])}): this run cannot restore it"
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def pick(run: RunDir, step: int | None) -> Checkpoint:
@@ -121,7 +118,7 @@ def first_that_works(run: RunDir, step: int | None, use) -> tuple[Checkpoint, ob
         try:
             return ckpt, use(ckpt)
         except Exception as exc:
-            problem = f"cannot be read: {type(exc).__name__}: {_first_line(exc)}"
+            problem = f"cannot be read: {type(exc).__name__}: {first_line(exc)}"
             if step is not None:
                 raise CheckpointError(f"checkpoint step {ckpt.step} is invalid: {problem}"
                                       ) from None

@@ -1,0 +1,20 @@
+"""How an exception reads in a one-line message: its first line, and for a DCP failure the
+ranks' own errors, which say more than the wrapper's "CheckpointException ranks:...". Pure.
+"""
+
+from __future__ import annotations
+
+LIMIT = 300  # characters: an error line stays one line on a terminal's few widths
+
+
+def first_line(exc: BaseException) -> str:
+    """first_line is what `exc` says on its first non-empty line (its type's name where it
+    says nothing); for torch's "Error(s) in loading ...:" the line after it as well."""
+    failures = getattr(exc, "failures", None)  # DCP's wrapper: the ranks' own errors matter
+    if isinstance(failures, dict) and failures:
+        return "; ".join(sorted({f"{type(e).__name__}: {first_line(e)}"
+                                 for e, _ in failures.values()}))
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[1]}"[:LIMIT]
+    return (lines or [type(exc).__name__])[0][:LIMIT]
