@@ -4,7 +4,8 @@
 pyrecover's own `--nproc`, an `srun` task, or nothing) and what rank we are. Setting up the
 process group, binding a device and spawning local workers are separate functions, so tests
 can check detection over a table of environments without starting anything.
-This module imports nothing else from the project (torch is imported only where needed).
+This module imports nothing else from the project but the pure `hostlist` (torch is imported
+only where needed).
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-
-class DistError(ValueError):
-    """The environment describes an impossible layout (bad nodelist, rank >= world size, ...)."""
+from pyrecover.hostlist import DistError, expand_hostlist, expand_tasks_per_node
 
 
 @dataclass(frozen=True)
@@ -36,6 +35,10 @@ class DistEnv:
     node_rank: int
     master_addr: str
     master_port: int
+    # torchrun's: which restart of the workers this is, and whether MASTER_PORT is its
+    # agent's store, which outlives each attempt's workers and so holds the last one's keys
+    attempt: int = 0
+    agent_store: bool = False
 
     @property
     def is_distributed(self) -> bool:
@@ -74,6 +77,8 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
         node_rank=_int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0)),
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_int(env, "MASTER_PORT", 29500),
+        attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     ))
 
 
@@ -107,66 +112,6 @@ def port_for_job(job_id: int, step: int = 0, steps: int = 1) -> int:
     trials) share a port; two concurrent jobs whose ids differ by about PORT_SPAN / steps can.
     The job script computes the same in shell (slurm/render.py)."""
     return PORT_BASE + (job_id * steps + step) % PORT_SPAN
-
-
-def expand_hostlist(hostlist: str) -> list[str]:
-    """expand_hostlist turns `gpu[001-003,010],login1` into its host names, in order.
-
-    Zero padding follows the lower bound (`[001-010]` gives `001` ... `010`), as SLURM does.
-    """
-    hosts: list[str] = []
-    for item in _split_top_level(hostlist.strip()):
-        hosts.extend(_expand_one(item))
-    if not hosts:
-        raise DistError(f"empty SLURM nodelist {hostlist!r}")
-    return hosts
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, ""
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise DistError(f"unbalanced ']' in SLURM nodelist {text!r}")
-        if ch == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += ch
-    if depth:
-        raise DistError(f"unbalanced '[' in SLURM nodelist {text!r}")
-    parts.append(current)
-    return [p for p in parts if p]
-
-
-def _expand_one(item: str) -> list[str]:
-    match = re.search(r"\[([^\[\]]*)\]", item)
-    if not match:
-        return [item]
-    head, tail = item[: match.start()], item[match.end():]
-    out = []
-    for rng in match.group(1).split(","):
-        lo, sep, hi = rng.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise DistError(f"bad range {rng!r} in SLURM nodelist {item!r}")
-        width = len(lo)
-        for n in range(int(lo), int(hi if sep else lo) + 1):
-            out.extend(_expand_one(f"{head}{n:0{width}d}{tail}"))
-    return out
-
-
-def expand_tasks_per_node(spec: str) -> list[int]:
-    """expand_tasks_per_node turns SLURM's `4(x2),3` into `[4, 4, 3]`."""
-    counts: list[int] = []
-    for part in spec.split(","):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if not m:
-            raise DistError(f"bad SLURM tasks-per-node value {spec!r}")
-        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
-    return counts
 
 
 def visible_gpus(dev: str = "/dev") -> int:
@@ -255,7 +200,7 @@ def setup(env: DistEnv, device_kind: str, timeout_s: float = 600.0):
             # CPU tensors (stop flags, checkpoint agreement, object gathers) go over gloo
             # even on GPUs, so they never queue behind NCCL kernels.
             backend="cpu:gloo,cuda:nccl" if device_kind == "cuda" else "gloo",
-            init_method=f"tcp://{_bracket(env.master_addr)}:{env.master_port}",
+            **rendezvous(env, timedelta(seconds=timeout_s)),
             rank=env.rank,
             world_size=env.world_size,
             timeout=timedelta(seconds=timeout_s),
@@ -264,6 +209,20 @@ def setup(env: DistEnv, device_kind: str, timeout_s: float = 600.0):
         if one_each:
             check_own_gpus(env, str(torch.cuda.get_device_properties(device).uuid))
     return device
+
+
+def rendezvous(env: DistEnv, timeout: timedelta) -> dict[str, Any]:
+    """rendezvous is how init_process_group meets the other ranks: at MASTER_ADDR:PORT, and
+    under torchrun's agent store in a store of this attempt's own. That store outlives the
+    workers (torch >= 2.5 shares it, without a prefix per restart), and after `torchrun
+    --max-restarts` restarted them a rank read the last attempt's gloo addresses (NCCL ids
+    on GPUs) and waited to connect to a rank long dead (pytorch/pytorch#135712)."""
+    if not env.agent_store:
+        return {"init_method": f"tcp://{_bracket(env.master_addr)}:{env.master_port}"}
+    from torch.distributed import PrefixStore, TCPStore
+
+    return {"store": PrefixStore(f"pyrecover/attempt_{env.attempt}/pg", TCPStore(
+        env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout))}
 
 
 def node_name() -> str:

@@ -24,10 +24,9 @@ the last one's `exit` or `error`.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -54,14 +53,6 @@ def node_key(rank: int) -> str:
 
 
 ERROR_KEY = "error"  # the rank that stopped on a user error (Heartbeat.say_error)
-
-
-def attempt(environ: Mapping[str, str]) -> int:
-    """attempt is torchrun's restart count of these workers (0 outside torchrun)."""
-    try:
-        return int(environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    except ValueError:
-        return 0
 
 
 @dataclass(frozen=True)
@@ -92,10 +83,11 @@ def connect(addr: str, port: int, timeout_s: float = 5.0, attempt: int = 0) -> A
         return None
 
 
-def start(addr: str, port: int, rank: int, world_size: int, node: str) -> Heartbeat | None:
+def start(addr: str, port: int, rank: int, world_size: int, node: str, attempt: int = 0
+          ) -> Heartbeat | None:
     """start beats for this rank of a distributed job (None where the store cannot be
-    reached: the job trains on without)."""
-    store = connect(addr, port, attempt=attempt(os.environ))
+    reached: the job trains on without); `attempt` is torchrun's restart count."""
+    store = connect(addr, port, attempt=attempt)
     if store is None:
         return None
     try:

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import tiny_args
+import torch
+from helpers import events, load_export, pyrecover, tiny_args
 
 from pyrecover import elastic_agent
 from pyrecover.preempt import EXIT_STOPPED
@@ -24,12 +25,13 @@ from pyrecover.rundir import read_jsonl
 pytestmark = pytest.mark.multiproc
 
 
-def agent(storage: Path, corpus: Path, name: str, env: dict[str, str] | None = None
-          ) -> subprocess.Popen:
+def agent(storage: Path, corpus: Path, name: str, env: dict[str, str] | None = None,
+          restarts: int = 0, steps: int = 200) -> subprocess.Popen:
     argv = [sys.executable, "-m", "pyrecover.elastic_agent", "--stop-signal", "USR2",
-            "--standalone", "--nproc-per-node", "2", "-m", "pyrecover", "train",
-            *tiny_args(storage, corpus, name, "train.max_steps=200", "train.log_interval=1",
-                       "checkpoint.interval=50")]
+            "--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts),
+            "-m", "pyrecover", "train",
+            *tiny_args(storage, corpus, name, f"train.max_steps={steps}", "train.log_interval=1",
+                       "checkpoint.interval=50" if steps > 50 else "checkpoint.interval=5")]
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("PYRECOVER_", "SLURM_", "TORCHELASTIC_"))}
     return subprocess.Popen(argv, env={**clean, "WANDB_MODE": "disabled", **(env or {})},
@@ -79,6 +81,35 @@ def test_a_crashed_worker_is_a_crash_code_not_a_stop(tmp_path, corpus):
     _, stderr = proc.communicate(timeout=240)
     assert proc.returncode not in (0, 2, EXIT_STOPPED), stderr[-3000:]
     assert "stop" not in [e["event"] for e in read_jsonl(tmp_path / "crash" / "events.jsonl")]
+
+
+def test_torchruns_own_restart_resumes_the_killed_workers_to_the_unbroken_model(tmp_path,
+                                                                             corpus):
+    """`torchrun --max-restarts 1`: a worker killed mid-run, the agent starts both again in
+    the same job, against the same store; they resume from the last checkpoint and end on the
+    model of a run never interrupted, and the restarted attempt blames no one."""
+    once = tmp_path / "kill-once"
+    proc = agent(tmp_path, corpus, "again", restarts=1, steps=20, env={
+        "PYRECOVER_KILL_AT_STEP": "13", "PYRECOVER_KILL_RANK": "1",
+        "PYRECOVER_KILL_TARGET": "self", "PYRECOVER_KILL_ONCE": str(once)})
+    _, stderr = proc.communicate(timeout=400)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert once.exists()  # the kill happened
+    run_dir = tmp_path / "again"
+    [resume] = events(run_dir, "resume")
+    assert resume["step"] == 10
+    assert "stopped because rank" not in stderr
+    ref = pyrecover("train", "--nproc", "2", *tiny_args(tmp_path, corpus, "ref",
+                                                        "train.max_steps=20"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    models = []
+    for name in ("again", "ref"):
+        done = pyrecover("ckpt", "export", str(tmp_path / name), "--out",
+                         str(tmp_path / f"{name}.pt"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        models.append(load_export(tmp_path / f"{name}.pt"))
+    assert models[0].keys() == models[1].keys()
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
 
 
 @pytest.mark.parametrize("codes, expected", [

@@ -14,11 +14,10 @@ from pyrecover.dist import (
     cpu_threads,
     detect,
     device_index,
-    expand_hostlist,
-    expand_tasks_per_node,
     port_for_job,
     shared_gpus,
 )
+from pyrecover.hostlist import expand_hostlist, expand_tasks_per_node
 from pyrecover.spawn import exit_status, worker_envs
 
 

@@ -226,7 +226,7 @@ def test_rank_0_waits_longer_once_a_rank_said_its_error_and_not_for_a_peer_that_
     del server, other
 
 
-def test_a_restarted_attempt_reads_neither_the_last_attempts_error_nor_its_exits(monkeypatch):
+def test_a_restarted_attempt_reads_neither_the_last_attempts_error_nor_its_exits():
     """Under `torchrun --max-restarts` the agent's store outlives its workers. Attempt 1 must
     not take attempt 0's `error` for a rank of its own that stopped (rank 0 would wait
     LEAVE_AFTER_ERROR_WAIT_S, peers would blame a rank that is fine), nor a peer that has not
@@ -236,19 +236,16 @@ def test_a_restarted_attempt_reads_neither_the_last_attempts_error_nor_its_exits
     port = free_port()
     server = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),
                       wait_for_workers=False)
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    old = [heartbeat.start("127.0.0.1", port, rank, 2, "n") for rank in range(2)]
+    old = [heartbeat.start("127.0.0.1", port, rank, 2, "n", attempt=0) for rank in range(2)]
     old[1].say_error("ConfigError: bad")
     old[1].stop()
     assert old[0].stopped_on_error() == (1, "ConfigError: bad")
 
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    new = heartbeat.start("127.0.0.1", port, 0, 2, "n")
+    new = heartbeat.start("127.0.0.1", port, 0, 2, "n", attempt=1)
     assert new.stopped_on_error() is None
     reset = RuntimeError("[pair.cc:537] Read error: Connection reset by peer")
     assert type(peers.lost(0, reset, new)) is peers.PeerLost  # not "rank 1 stopped"
     assert new._read([1], absent=b"") == {1: b""}  # rank 1 of attempt 1 has not beaten yet
-    assert heartbeat.attempt({"TORCHELASTIC_RESTART_COUNT": "x"}) == 0
     for beats in (*old, new):
         beats.stop(wait=False)
     del server
