@@ -237,6 +237,14 @@ class Tracker:
             wb.finish(exit_code=exit_code)
         except Exception as exc:  # tracking must not turn a finished run into a failed one
             log.warning("wandb did not close cleanly: %s", exc)
+        # finish() returns before wandb's service has written the run's last records (its
+        # stream closes after an asynchronous `inform_finish`), and a trainer ends with
+        # os._exit, which skips wandb's atexit teardown: stop the service here, so the
+        # transaction log is whole when the run's process ends (`wandb sync` right after).
+        with contextlib.suppress(Exception):
+            import wandb
+
+            wandb.teardown()
 
     def __enter__(self) -> Tracker:
         return self
