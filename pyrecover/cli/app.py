@@ -82,7 +82,8 @@ app.command(short_help="End a run's SLURM job for good, saving a checkpoint.")(c
 # the data, the loop, the trainer) only to name one cost every mistake seconds, 4-6 s on the
 # 2-core VM and far more on a cluster's login node, before its one line.
 USER_ERRORS = (("pyrecover.config_schema", "ConfigError"), ("pyrecover.datasource", "DataError"),
-               ("pyrecover.dist", "DistError"), ("pyrecover.checkpoint.store", "CheckpointError"),
+               ("pyrecover.hostlist", "DistError"),
+               ("pyrecover.checkpoint.store", "CheckpointError"),
                ("pyrecover.loop", "TrainingError"), ("pyrecover.status", "StatusError"),
                ("pyrecover.slurm", "LaunchError"), ("pyrecover.sweep", "SweepError"),
                ("pyrecover.rundir", "RunLocked"))
