@@ -35,10 +35,12 @@ class DistEnv:
     node_rank: int
     master_addr: str
     master_port: int
-    # torchrun's: which restart of the workers this is, and whether MASTER_PORT is its
-    # agent's store, which outlives each attempt's workers and so holds the last one's keys
+    # torchrun's: which restart of the workers this is (this node's agent's count), how many
+    # it allows, and whether MASTER_PORT is its agent's store, which outlives each attempt's
+    # workers and so holds the last one's keys
     attempt: int = 0
     agent_store: bool = False
+    max_restarts: int = 0
 
     @property
     def is_distributed(self) -> bool:
@@ -47,6 +49,15 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def store_attempt(self) -> int:
+        """store_attempt names this attempt's keys in the rendezvous store: the restart count
+        where that store is torchrun's agent's, kept across restarts; 0 where every start
+        has a store of its own (pyrecover's launchers, `pyrecover.elastic_agent`), since
+        there a node's count need not be another's (a restart for a membership change
+        counts on no node, one for a failure only on the failed one's)."""
+        return self.attempt if self.agent_store else 0
 
 
 SPAWNED = "PYRECOVER_SPAWNED"  # set for workers of `pyrecover train --nproc N` (spawn.py)
@@ -79,6 +90,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
         master_port=_int(env, "MASTER_PORT", 29500),
         attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
     ))
 
 
@@ -221,7 +233,17 @@ def rendezvous(env: DistEnv, timeout: timedelta) -> dict[str, Any]:
         return {"init_method": f"tcp://{_bracket(env.master_addr)}:{env.master_port}"}
     from torch.distributed import PrefixStore, TCPStore
 
-    return {"store": PrefixStore(f"pyrecover/attempt_{env.attempt}/pg", TCPStore(
+    if env.max_restarts and env.world_size > env.local_world_size and env.is_main:
+        import logging  # (a warning only: the first attempt meets whatever the counts)
+
+        logging.getLogger("pyrecover").warning(
+            "torchrun --max-restarts %d over several nodes shares its agent's store with "
+            "the workers, and the nodes' restart counts can differ after a restart (a "
+            "membership change counts on no node): run torchrun as `python -m "
+            "pyrecover.elastic_agent --stop-signal USR2 ...`, or set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so each restart meets in a new store",
+            env.max_restarts)
+    return {"store": PrefixStore(f"pyrecover/attempt_{env.store_attempt}/pg", TCPStore(
         env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout))}
 
 

@@ -103,6 +103,12 @@ def main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     keep_workers_on_sigterm(api)
+    # torch >= 2.5 shares the agent's store with the workers, across restarts and without a
+    # prefix per restart (pytorch/pytorch#135712); the workers key theirs by the restart
+    # count, but over several nodes a membership change restarts a healthy node's workers
+    # without counting, so the nodes' counts part and their ranks meet under different
+    # keys. Each rendezvous round gets a new store instead, on worker rank 0.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if stop not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(stop, forward_to_children)  # torch's agent forwards those four itself
     try:

@@ -16,9 +16,10 @@ torchrun agent, is itself stopped or gone) nothing is named.
 A rank that stops on a user error (a run directory it may not read, a tracker that does not
 start) says so under `error` before it leaves, so that the peers its leaving frees
 say that rank stopped, not that it died (train.py).
-Every key lies under `pyrecover/attempt_<n>/`, n being torchrun's restart count: under
-`torchrun --max-restarts` the agent's store outlives its workers, and an attempt must not read
-the last one's `exit` or `error`.
+Every key lies under `pyrecover/attempt_<n>/`, n being torchrun's restart count where the
+store is torchrun's agent's (`DistEnv.store_attempt`, 0 elsewhere): under `torchrun
+--max-restarts` that store outlives its workers, and an attempt must not read the last one's
+`exit` or `error`.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def main(cfg: Config, run_dir: Path) -> None:
 
     # A rank that stops altogether cannot report its hang: its heartbeat names it instead.
     beats = heartbeat.start(env.master_addr, env.master_port, env.rank, env.world_size,
-                            dist.node_name(), env.attempt) if env.is_distributed else None
+                            dist.node_name(), env.store_attempt) if env.is_distributed else None
     def progress() -> int:  # and rank 0's beats while it chooses a checkpoint (resume.py)
         return (watchdog.io_bytes() + watchdog.saving_bytes(run.checkpoints)
                 + resume_beats(run.checkpoints))

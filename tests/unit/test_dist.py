@@ -73,6 +73,34 @@ def test_detect_reads_the_layout_from_each_launchers_variables(environ, expected
             env.node_rank, env.master_addr) == expected
 
 
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu007",
+            "MASTER_PORT": "29400", "TORCHELASTIC_RESTART_COUNT": "2",
+            "TORCHELASTIC_MAX_RESTARTS": "3"}
+
+
+@pytest.mark.parametrize("environ, attempt, prefix, rendezvous", [
+    # The agent's store outlives the workers: this restart's keys lie under its count.
+    ({**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "True"}, 2, 2, "store"),
+    # A store per round (pyrecover.elastic_agent): the counts of two nodes may differ.
+    ({**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "False"}, 2, 0, "init_method"),
+    ({k: v for k, v in TORCHRUN.items() if not k.startswith("TORCHELASTIC")}, 0, 0,
+     "init_method"),
+])
+def test_under_torchrun_only_the_agents_own_store_keys_the_restart(environ, attempt, prefix,
+                                                                     rendezvous):
+    from datetime import timedelta
+
+    from pyrecover import dist
+
+    env = detect(environ)
+    assert (env.attempt, env.store_attempt) == (attempt, prefix)
+    if rendezvous == "init_method":  # no store is reached for: rank 0 serves it at start
+        assert dist.rendezvous(env, timedelta(seconds=1)) == {
+            "init_method": "tcp://gpu007:29400"}
+    else:
+        assert env.agent_store and env.max_restarts == 3
+
+
 def test_under_srun_the_port_comes_from_the_job_id_unless_master_port_is_set():
     assert detect(SRUN_TASK).master_port == port_for_job(4242)
     assert detect({**SRUN_TASK, "MASTER_PORT": "23456"}).master_port == 23456

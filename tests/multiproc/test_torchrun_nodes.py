@@ -1,0 +1,79 @@
+"""Two torchrun agents, one per "node" on this host, with `--max-restarts`: a worker that
+fails on one node restarts its node's workers with a restart count of 1, while the other
+node's workers, still alive, are restarted for the membership change with a count of 0.
+Under torch's shared agent store the ranks then met under different keys, and the group
+never formed. `pyrecover.elastic_agent` gives each rendezvous round a store of its own.
+Real agents (c10d rendezvous), real gloo, a small worker written here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyrecover import spawn
+
+pytestmark = pytest.mark.multiproc
+
+WORKER = '''
+import os, sys, threading
+import torch
+from pyrecover import dist
+
+marks = sys.argv[1]
+first = not os.path.exists(os.path.join(marks, "failed"))  # read before the group forms
+env = dist.detect(os.environ)
+dist.setup(env, "cpu", timeout_s=30)
+torch.distributed.barrier()
+with open(os.path.join(marks, f"seen-{os.getpid()}"), "w") as f:
+    f.write(f"{first} {env.rank} {env.attempt}")
+if first and env.rank == 1:
+    open(os.path.join(marks, "failed"), "w").close()
+    os._exit(1)  # rank 1's node counts a failure and restarts
+if first:
+    threading.Event().wait()  # healthy: restarted for the membership change, uncounted
+total = torch.tensor([env.rank + 1.0])
+torch.distributed.all_reduce(total)
+assert total.item() == 3.0, total
+dist.teardown()
+'''
+
+
+def _agent(module: str, port: int, worker: Path, marks: Path) -> subprocess.Popen:
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("PYRECOVER_", "SLURM_", "TORCHELASTIC_", "TORCH_"))}
+    prefix = ["-m", module] + (["--stop-signal", "USR2"] if module != "torch.distributed.run"
+                               else [])
+    return subprocess.Popen(
+        [sys.executable, *prefix, "--nnodes", "2", "--nproc-per-node", "1",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--rdzv-id", "nodes", "--max-restarts", "1", "--monitor-interval", "0.2",
+         str(worker), str(marks)],
+        env={**clean, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+
+
+def test_nodes_whose_restart_counts_differ_still_meet_after_a_restart(tmp_path):
+    worker, marks = tmp_path / "worker.py", tmp_path / "marks"
+    worker.write_text(WORKER)
+    marks.mkdir()
+    port = spawn.free_port()
+    agents = [_agent("pyrecover.elastic_agent", port, worker, marks) for _ in range(2)]
+    try:
+        errs = [proc.communicate(timeout=300)[1] for proc in agents]
+    finally:
+        for proc in agents:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [p.returncode for p in agents] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    seen = sorted(tuple(f.read_text().split()) for f in marks.glob("seen-*"))
+    first = [s for s in seen if s[0] == "True"]
+    again = [s for s in seen if s[0] == "False"]
+    assert len(first) == 2 and len(again) == 2, seen
+    # The case itself: after the restart, the two nodes' counts differ (0 and 1).
+    assert sorted(s[2] for s in again) == ["0", "1"], seen
