@@ -241,7 +241,9 @@ class Tracker:
         # stream closes after an asynchronous `inform_finish`), and a trainer ends with
         # os._exit, which skips wandb's atexit teardown: stop the service here, so the
         # transaction log is whole when the run's process ends (`wandb sync` right after).
-        with contextlib.suppress(Exception):
+        # A service that ended badly (killed with the job step) makes teardown sys.exit:
+        # that must not turn a saved stop (75) or a finished run into its exit code.
+        with contextlib.suppress(Exception, SystemExit):
             import wandb
 
             wandb.teardown()

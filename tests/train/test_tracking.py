@@ -160,6 +160,26 @@ def test_a_finished_tracker_leaves_its_log_whole_and_no_wandb_service_behind(tmp
     assert records[-1].WhichOneof("record_type") == "exit"
 
 
+def test_a_wandb_service_killed_with_the_job_step_never_changes_how_a_stop_ends(tmp_path):
+    """SLURM signals every process of a step at preemption, wandb's service too; its teardown
+    then calls sys.exit with the service's code, which replaced the stop in flight (75, to
+    be requeued) with a crash code."""
+    import signal
+
+    from pyrecover.preempt import StopRequested
+
+    cfg = config_mod.load(None, [f"run.storage={tmp_path}", "tracking.wandb=offline"])
+    run = RunDir(cfg.run_dir())
+    run.create()
+    with pytest.raises(StopRequested):
+        with tracking.start(cfg, run, rank=0) as tracker:
+            tracker.log(1, {"loss": 1.0})
+            for pid in _wandb_services():
+                os.kill(pid, signal.SIGKILL)
+            raise StopRequested(1, "USR2")
+    assert _wandb_services() == []
+
+
 def test_other_ranks_get_a_disabled_tracker_and_create_nothing(tmp_path):
     cfg = config_mod.load(None, [f"run.storage={tmp_path}", "tracking.wandb=offline"])
     run = RunDir(cfg.run_dir())
