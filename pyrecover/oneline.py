@@ -11,9 +11,11 @@ def first_line(exc: BaseException) -> str:
     """first_line is what `exc` says on its first non-empty line (its type's name where it
     says nothing); for torch's "Error(s) in loading ...:" the line after it as well."""
     failures = getattr(exc, "failures", None)  # DCP's wrapper: the ranks' own errors matter
-    if isinstance(failures, dict) and failures:
-        return "; ".join(sorted({f"{type(e).__name__}: {first_line(e)}"
-                                 for e, _ in failures.values()}))
+    if isinstance(failures, dict):  # rank: (exception, traceback); others' (torchelastic's
+        errors = [f[0] for f in failures.values()  # ProcessFailure) say nothing of that kind
+                  if isinstance(f, tuple) and f and isinstance(f[0], BaseException)]
+        if errors:
+            return "; ".join(sorted({f"{type(e).__name__}: {first_line(e)}" for e in errors}))
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     if len(lines) > 1 and lines[0].endswith(":"):
         return f"{lines[0]} {lines[1]}"[:LIMIT]
