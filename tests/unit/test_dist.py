@@ -101,6 +101,31 @@ def test_under_torchrun_only_the_agents_own_store_keys_the_restart(environ, atte
         assert env.agent_store and env.max_restarts == 3
 
 
+@pytest.mark.parametrize("local_world, warned", [(1, True), (2, False)])
+def test_a_plain_torchrun_over_several_nodes_with_restarts_is_told_what_to_do(
+        local_world, warned, caplog):
+    """Over several nodes the restart counts can part (test_torchrun_nodes); on one they
+    cannot, and nothing is said."""
+    import logging
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from pyrecover import dist, spawn
+
+    port = spawn.free_port()
+    agent = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    env = detect({**TORCHRUN, "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": str(local_world),
+                  "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    with caplog.at_level(logging.WARNING, logger="pyrecover"):
+        store = dist.rendezvous(env, timedelta(seconds=10))["store"]
+    store.set("k", "v")  # this attempt's keys, under its own prefix in the agent's store
+    assert agent.get("pyrecover/attempt_2/pg/k") == b"v"
+    said = [r.getMessage() for r in caplog.records]
+    assert bool([m for m in said if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in m]) == warned
+
+
 def test_under_srun_the_port_comes_from_the_job_id_unless_master_port_is_set():
     assert detect(SRUN_TASK).master_port == port_for_job(4242)
     assert detect({**SRUN_TASK, "MASTER_PORT": "23456"}).master_port == 23456
