@@ -74,6 +74,12 @@ def replicate(model: torch.nn.Module, device: torch.device, world_size: int,
     optimizer, RNG and data position untouched; under the steps' `autocast`, so a compiled
     model compiles once, for the graph the steps use). With 2 ranks every element is one sum
     of two numbers, the same in either order, and that step would only cost time.
+
+    The gradients are views into DDP's buckets (`gradient_as_bucket_view`), not a second copy
+    the buckets are filled from: one model's worth of memory less on every rank, one copy
+    less per step, and memory a restart's first step does not have to fault in. With a 1 GB
+    state on 2 CPU ranks that took the first resumed step from 2.9-3.3 s to 1.7-2.1 s (`bench
+    restart --local --state-gb 1`, 2-core VM, where fresh pages cost ~1.9 s per GiB).
     """
     import inspect
 
@@ -81,7 +87,8 @@ def replicate(model: torch.nn.Module, device: torch.device, world_size: int,
 
     # init_sync came late in torch's 2.x (about 2.6/2.7); a torch without it broadcasts.
     no_sync = {"init_sync": False} if "init_sync" in inspect.signature(DDP).parameters else {}
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                gradient_as_bucket_view=True, **no_sync)
     if world_size > 2:
         x, y = sample()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
