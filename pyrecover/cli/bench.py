@@ -19,10 +19,11 @@ bench_app = typer.Typer(help="Measure checkpoints against the storage's limits, 
                         "GPU path (gpu-check).",
                         no_args_is_help=True)
 
+# The choices in the metavars are written out (the CLI imports no benchmark to start);
+# tests/unit/test_cli_help.py holds them to the modules that accept them.
 ModeOpt = Annotated[list[str] | None, typer.Option(
-    "--mode", help="Checkpoint mode to measure (vanilla, dcp-sync, dcp-async, memory); "
-    "repeatable. "
-    "Default: all.")]
+    "--mode", metavar="vanilla|dcp-sync|dcp-async|memory",
+    help="Checkpoint mode to measure; repeatable. Default: all.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON for machines.")]
 
 
@@ -176,7 +177,8 @@ def restart(
     nodes: Annotated[int | None, typer.Option(help="Nodes (launch --nodes).")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(
         help="Tasks per node (launch --gpus-per-node).")] = None,
-    launcher: Annotated[str | None, typer.Option(help="launch --launcher.")] = None,
+    launcher: Annotated[str | None, typer.Option(metavar="srun|torchrun|spawn|none",
+                                                  help="launch --launcher.")] = None,
     spare_nodes: Annotated[int | None, typer.Option(
         help="launch --spare-nodes: a crash then restarts inside the allocation, with no "
         "requeue (compare with the same bench without it).")] = None,
@@ -184,8 +186,8 @@ def restart(
         "--time", help="The job's time limit (launch --time); long enough for every cycle.")]
     = None,
     interrupt: Annotated[list[str] | None, typer.Option(
-        "--interrupt", help="signal (scancel --signal=USR2) or crash (the last rank "
-        "SIGKILLs itself); repeatable. Default: both.")] = None,
+        "--interrupt", metavar="signal|crash", help="signal (scancel --signal=USR2) or crash "
+        "(the last rank SIGKILLs itself); repeatable. Default: both.")] = None,
     repeat: Annotated[int, typer.Option(help="Interruptions of each kind (one job, "
                                         "requeued each time); medians shown.")] = 3,
     state_gb: Annotated[float | None, typer.Option(callback=finite,
@@ -300,10 +302,10 @@ def gpu_check(
     allow_cpu: Annotated[bool, typer.Option(
         help="Run without a GPU (to try the check itself; its figures mean nothing).")] = False,
     only: Annotated[list[str] | None, typer.Option(
-        "--only", help="Run only this step (repeatable, run in the order given): tests, "
-        "train, memory-every-step, ckpt, memory-cpu, compile, restart-cpu, restart-cpu-4, "
-        "restart-cpu-1gb, restart-gpu. The report keeps the other steps of an earlier report "
-        "in --out from the same GPU.")] = None,
+        "--only", metavar="STEP", help="Run only this step (repeatable, run in the order "
+        "given): tests, train, memory-every-step, ckpt, memory-cpu, compile, restart-cpu, "
+        "restart-cpu-4, restart-cpu-1gb, restart-gpu. The report keeps the other steps of an "
+        "earlier report in --out from the same GPU.")] = None,
     cpu_repeat: Annotated[int, typer.Option(
         help="Rounds of the benches on the CPU cores: bench memory's (memory-cpu), and "
         "interruptions of each kind in the restart steps.")] = 2,

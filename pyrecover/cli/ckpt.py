@@ -82,10 +82,11 @@ def export(
         help="What to create: a file (torch, safetensors) or a new or empty folder (hf).")],
     step: StepOpt = None,
     fmt: Annotated[str | None, typer.Option(
-        "--format", help="torch: a plain state_dict file; safetensors: the same as a "
-        "safetensors file; hf: a Hugging Face GPT-2 folder (config.json, model.safetensors) "
-        "that transformers.GPT2LMHeadModel.from_pretrained(OUT) loads. Default: safetensors "
-        "for an --out ending in .safetensors, else torch.")] = None,
+        "--format", metavar="torch|safetensors|hf",
+        help="torch: a plain state_dict file; safetensors: the same as a safetensors file; "
+        "hf: a Hugging Face GPT-2 folder (config.json, model.safetensors) that "
+        "transformers.GPT2LMHeadModel.from_pretrained(OUT) loads. Default: safetensors for an "
+        "--out ending in .safetensors, else torch.")] = None,
     force: Annotated[bool, typer.Option(
         "--force", help="Replace an existing --out file (never one of the run's files, never "
         "a non-empty folder).")] = False,
@@ -119,7 +120,8 @@ def export(
 @ckpt_app.command("convert", short_help="Convert a checkpoint to one torch file or a dcp folder.")
 def convert(
     run_dir: RunArg,
-    to: Annotated[str, typer.Option(help="Target format: torch (one file) or dcp (a folder).")],
+    to: Annotated[str, typer.Option(
+        metavar="torch|dcp", help="Target format: torch (one file) or dcp (a folder).")],
     out: Annotated[Path, typer.Argument(help="File (torch) or folder (dcp) to create.")],
     step: StepOpt = None,
     force: Annotated[bool, typer.Option(

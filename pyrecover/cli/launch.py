@@ -38,8 +38,8 @@ def launch(
         "where SLURM answers) and exit.")] = None,
     nodes: site.Nodes = None,
     mode: Annotated[str | None, typer.Option(
-        help="Checkpoint mode, vanilla, dcp or memory: shorthand for --set "
-        "checkpoint.mode=MODE.")] = None,
+        metavar="vanilla|dcp|memory",
+        help="Checkpoint mode: shorthand for --set checkpoint.mode=MODE.")] = None,
     exp_name: Annotated[str | None, typer.Option(
         help="Experiment name, the run directory's name: shorthand for --set "
         "run.exp_name=NAME.")] = None,

@@ -32,6 +32,7 @@ Binds = Annotated[list[str] | None, typer.Option(
     metavar="SRC[:DST[:ro]]", help=f"Bind mount, added to the profile's binds, e.g. --bind "
     f"/datasets:/data:ro; run.storage is always bound. Repeatable ({P}: binds).")]
 Launcher = Annotated[str | None, typer.Option(
+    metavar="srun|torchrun|spawn|none",
     help="srun: one task per GPU in the container; torchrun: one torchrun per node; spawn: "
     "one task per node running `pyrecover train --nproc GPUS` (both in the container when "
     f"there is an image); none: one task per GPU with this python, no container ({P}: "

@@ -57,3 +57,34 @@ def test_every_command_listed_in_a_help_says_what_it_does_whole(group):
     listed = result.output.split("Commands:", 1)[1].strip().splitlines()
     assert listed and all(line.rstrip().endswith(".") and not line.endswith("...")
                           for line in listed), listed
+
+
+def _option(path: list[str], flag: str):
+    import typer
+
+    command = typer.main.get_command(app)
+    for name in path:
+        command = command.commands[name]
+    return next(p for p in command.params if flag in p.opts)
+
+
+def test_an_option_with_choices_shows_exactly_those_its_command_accepts():
+    """The metavars are written out in the CLI (it imports no benchmark or checkpoint code to
+    start); each must name what the code behind it accepts, no more and no fewer."""
+    from pyrecover.bench.common import MODES
+    from pyrecover.bench.restart import KINDS
+    from pyrecover.checkpoint.listing import CONVERT_TO
+    from pyrecover.config_schema import CHECKPOINT_MODES
+    from pyrecover.export import FORMATS
+    from pyrecover.slurm.profile import LAUNCHERS
+
+    accepted = {
+        ("bench train", "--mode"): MODES, ("bench ckpt", "--mode"): MODES,
+        ("bench restart", "--interrupt"): KINDS, ("bench restart", "--launcher"): LAUNCHERS,
+        ("launch", "--mode"): CHECKPOINT_MODES, ("launch", "--launcher"): LAUNCHERS,
+        ("sweep launch", "--mode"): CHECKPOINT_MODES, ("sweep launch", "--launcher"): LAUNCHERS,
+        ("ckpt convert", "--to"): CONVERT_TO, ("ckpt export", "--format"): FORMATS,
+    }
+    for (command, flag), choices in accepted.items():
+        shown = _option(command.split(), flag).metavar
+        assert shown.split("|") == list(choices), (command, flag, shown)
