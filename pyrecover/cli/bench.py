@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from pyrecover.cli import site_options as site
 from pyrecover.cli.errors import finite, user_error
 
 bench_app = typer.Typer(help="Measure checkpoints against the storage's limits, training "
@@ -177,7 +178,7 @@ def restart(
     nodes: Annotated[int | None, typer.Option(help="Nodes (launch --nodes).")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(
         help="Tasks per node (launch --gpus-per-node).")] = None,
-    launcher: Annotated[str | None, typer.Option(metavar="srun|torchrun|spawn|none",
+    launcher: Annotated[str | None, typer.Option(metavar=site.LAUNCHERS,
                                                   help="launch --launcher.")] = None,
     spare_nodes: Annotated[int | None, typer.Option(
         help="launch --spare-nodes: a crash then restarts inside the allocation, with no "

@@ -38,7 +38,7 @@ def launch(
         "where SLURM answers) and exit.")] = None,
     nodes: site.Nodes = None,
     mode: Annotated[str | None, typer.Option(
-        metavar="vanilla|dcp|memory",
+        metavar=site.CHECKPOINT_MODES,
         help="Checkpoint mode: shorthand for --set checkpoint.mode=MODE.")] = None,
     exp_name: Annotated[str | None, typer.Option(
         help="Experiment name, the run directory's name: shorthand for --set "

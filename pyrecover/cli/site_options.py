@@ -12,6 +12,10 @@ from typing import Annotated, Any
 import typer
 
 P = "cluster profile"
+# The values written out for --help (the CLI imports neither module to start);
+# tests/unit/test_cli_help.py holds them to slurm.profile.LAUNCHERS and CHECKPOINT_MODES.
+LAUNCHERS = "srun|torchrun|spawn|none"
+CHECKPOINT_MODES = "vanilla|dcp|memory"
 
 Cluster = Annotated[Path | None, typer.Option(
     help="Cluster profile YAML (e.g. launch/clusters/local.yaml); the options below override "
@@ -32,7 +36,7 @@ Binds = Annotated[list[str] | None, typer.Option(
     metavar="SRC[:DST[:ro]]", help=f"Bind mount, added to the profile's binds, e.g. --bind "
     f"/datasets:/data:ro; run.storage is always bound. Repeatable ({P}: binds).")]
 Launcher = Annotated[str | None, typer.Option(
-    metavar="srun|torchrun|spawn|none",
+    metavar=LAUNCHERS,
     help="srun: one task per GPU in the container; torchrun: one torchrun per node; spawn: "
     "one task per node running `pyrecover train --nproc GPUS` (both in the container when "
     f"there is an image); none: one task per GPU with this python, no container ({P}: "

@@ -36,7 +36,7 @@ def launch(
         "--set", "-s", metavar="KEY=VALUE",
         help="Override one experiment key for every trial. Repeatable.")] = None,
     mode: Annotated[str | None, typer.Option(
-        metavar="vanilla|dcp|memory", help="Checkpoint mode (checkpoint.mode).")] = None,
+        metavar=site.CHECKPOINT_MODES, help="Checkpoint mode (checkpoint.mode).")] = None,
     nodes: site.Nodes = None,
     gpus_per_node: site.GpusPerNode = None,
     cpus_per_task: site.CpusPerTask = None,
