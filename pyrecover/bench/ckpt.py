@@ -36,6 +36,7 @@ from pyrecover.bench.common import (
     BenchError,
     Note,
     Samples,
+    at_least,
     machine,
     make_dir,
     num,
@@ -228,8 +229,9 @@ def bench_ckpt(directory: Path, size_gb: float, repeat: int = 3,
     """bench_ckpt measures raw I/O, torch.save/load and each mode on `directory`; a report."""
     import torch
 
-    if size_gb <= 0 or repeat < 1:
-        raise BenchError(f"--size-gb must be > 0 and --repeat >= 1 (got {size_gb}, {repeat})")
+    if not size_gb > 0:
+        raise BenchError(f"--size-gb must be > 0 (got {size_gb:g})")
+    at_least(1, repeat=repeat)
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise BenchError(f"unknown mode {unknown[0]!r}; known: {', '.join(MODES)}")

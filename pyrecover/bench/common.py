@@ -31,6 +31,14 @@ class BenchError(ValueError):
     """The benchmark cannot run as asked (bad directory, size, mode); one line says why."""
 
 
+def at_least(low: float, **flags: float) -> None:
+    """at_least refuses the first of `flags` (--name=value) below `low`, naming only that one:
+    `at_least(1, repeat=0)` -> "--repeat must be >= 1 (got 0)"."""
+    for name, value in flags.items():
+        if not value >= low:
+            raise BenchError(f"--{name.replace('_', '-')} must be >= {low:g} (got {value:g})")
+
+
 def make_dir(path: Path, option: str = "--dir") -> Path | None:
     """make_dir creates the benchmark's folder; a path that is a file, under /proc or not
     writable is one BenchError line, not a traceback. Returns the topmost folder it created

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pyrecover import phases
-from pyrecover.bench.common import BenchError, Note, machine, num, quiet
+from pyrecover.bench.common import BenchError, Note, at_least, machine, num, quiet
 from pyrecover.rundir import read_jsonl
 
 CACHED, UNCACHED, FIRST = "restart, run's cache", "restart, empty cache", "first start"
@@ -33,8 +33,7 @@ def bench_compile(directory: Path, config: Path | None, overrides: list[str], re
     afterwards) and returns the report."""
     from pyrecover import config as config_mod
 
-    if repeat < 1:
-        raise BenchError(f"--repeat must be at least 1, not {repeat}")
+    at_least(1, repeat=repeat)
     config_mod.load(config, overrides)  # a bad config is one line here, not a failed attempt
     if not Path(directory).is_dir():
         raise BenchError(f"--dir {str(directory)!r} is not a directory")

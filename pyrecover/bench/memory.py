@@ -38,6 +38,7 @@ from typing import Any
 from pyrecover.bench.common import (
     BenchError,
     Note,
+    at_least,
     machine,
     make_dir,
     num,
@@ -65,11 +66,10 @@ def _available_memory() -> int | None:
 
 def _check(directory: Path, target: int, repeat: int, steps: int, warmup: int
            ) -> Path | None:
-    if target <= 0 or repeat < 1:
-        raise BenchError(f"--size-gb must be > 0 and --repeat >= 1 (got {target / 1e9:g}, "
-                         f"{repeat})")
-    if steps < 1 or warmup < 0:
-        raise BenchError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
+    if not target > 0:
+        raise BenchError(f"--size-gb must be > 0 (got {target / 1e9:g})")
+    at_least(1, repeat=repeat, steps=steps)
+    at_least(0, warmup=warmup)
     from pyrecover import dist
 
     if dist.detect(os.environ).launcher != "single":
@@ -213,8 +213,7 @@ def bench_memory(directory: Path, size_gb: float = 1.0, repeat: int = 3,
 
     directory = Path(directory)
     target = int(size_gb * 1e9)
-    if snapshot_interval < 1:
-        raise BenchError(f"--snapshot-interval must be >= 1 (got {snapshot_interval})")
+    at_least(1, snapshot_interval=snapshot_interval)
     made = _check(directory, target, repeat, steps, warmup)
     try:
         _train_config(config, overrides, steps, warmup)  # a bad config or corpus fails first

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pyrecover.bench.common import BenchError, Note, machine, make_dir, num, quiet
+from pyrecover.bench.common import BenchError, Note, at_least, machine, make_dir, num, quiet
 from pyrecover.phases import CHOICE_TIMES, attempts, last_interruption
 from pyrecover.rundir import RunDir
 from pyrecover.slurm import query
@@ -145,9 +145,10 @@ def check_args(kinds: Sequence[str], repeat: int, state_gb: float | None,
                timeout: float) -> None:
     """check_args refuses, in one line, what the benchmark cannot run (before it starts)."""
     bad = [k for k in kinds if k not in KINDS]
-    if bad or not kinds or repeat < 1:
-        raise BenchError(f"--interrupt must be one of {', '.join(KINDS)} and --repeat >= 1 "
-                         f"(got {', '.join(kinds) or 'none'}, {repeat})")
+    if bad or not kinds:
+        raise BenchError(f"--interrupt must be one of {', '.join(KINDS)} "
+                         f"(got {', '.join(bad) or 'none'})")
+    at_least(1, repeat=repeat)
     if state_gb is not None and not 0 < state_gb <= 64:
         raise BenchError(f"--state-gb must be in (0, 64] (got {state_gb:g})")
     if not timeout > 0:  # nan too: every wait would end at once, after a job was submitted

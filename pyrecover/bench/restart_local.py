@@ -25,7 +25,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from pyrecover.bench import restart
-from pyrecover.bench.common import BenchError, Note, machine, make_dir, num, quiet, trainer_env
+from pyrecover.bench.common import (
+    BenchError,
+    Note,
+    at_least,
+    machine,
+    make_dir,
+    num,
+    quiet,
+    trainer_env,
+)
 from pyrecover.phases import attempts
 from pyrecover.rundir import RunDir
 from pyrecover.spawn import exit_status
@@ -118,8 +127,7 @@ def bench_restart_local(storage: Path, config: Path | None, sets: Sequence[str],
     """bench_restart_local runs the benchmark (see the module) and returns a report shaped
     like `bench_restart`'s, with no requeue delay."""
     restart.check_args(kinds, repeat, state_gb, timeout)
-    if nproc < 1:
-        raise BenchError(f"--nproc must be at least 1 (got {nproc})")
+    at_least(1, nproc=nproc)
     from pyrecover import config as config_mod
     from pyrecover import datasource
 

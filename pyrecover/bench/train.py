@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pyrecover.bench.common import MODES, BenchError, Note, machine, num, quiet
+from pyrecover.bench.common import MODES, BenchError, Note, at_least, machine, num, quiet
 from pyrecover.bench.plain import plain_tokens_per_s
 
 TRAIN_MODES: dict[str, tuple[str, bool] | None] = {"none": None, **MODES}
@@ -46,9 +46,8 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     from pyrecover import config as config_mod
     from pyrecover.config_checks import PROFILE_MOST_STEPS
 
-    if interval < 1 or steps < 1 or warmup < 0 or repeat < 1 or profile < 0:
-        raise BenchError("--interval and --steps must be >= 1, --warmup and --profile >= 0, "
-                         "--repeat >= 1")
+    at_least(1, interval=interval, steps=steps, repeat=repeat)
+    at_least(0, warmup=warmup, profile=profile)
     if profile > PROFILE_MOST_STEPS:  # (train.profile's own limit, said in bench's words)
         raise BenchError(f"--profile {profile}: at most {PROFILE_MOST_STEPS} steps")
     unknown = [m for m in modes if m not in TRAIN_MODES]

@@ -45,9 +45,9 @@ def test_a_local_signal_and_crash_are_timed_phase_by_phase_and_the_run_stays_sou
 @pytest.mark.parametrize("extra, says", [
     (["--local", "--nodes", "2"], "--nodes: for a SLURM job; --local runs without one"),
     (["--nproc", "2"], "--nproc is for --local"),
-    (["--local", "--nproc", "0"], "--nproc must be at least 1"),
+    (["--local", "--nproc", "0"], "--nproc must be >= 1 (got 0)"),
     (["--local", "--set", "train.nonsense=1"], "train.nonsense"),
-    (["--local", "--repeat", "0"], "--repeat >= 1"),
+    (["--local", "--repeat", "0"], "error: --repeat must be >= 1 (got 0)"),
     (["--local", "--set", "data.path=missing.parquet"], "'missing.parquet' does not exist"),
 ])
 def test_bench_restart_refuses_what_cannot_run_in_one_line(tmp_path, extra, says):

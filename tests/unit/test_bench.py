@@ -241,3 +241,20 @@ def test_a_bench_folder_that_cannot_be_made_is_one_line_not_a_traceback(tmp_path
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().count("\n") == 0 and "cannot be used" in done.stderr, \
         done.stderr
+
+
+@pytest.mark.parametrize("args, line", [
+    (["train", "--interval", "0"], "error: --interval must be >= 1 (got 0)"),
+    (["train", "--repeat", "0", "--warmup", "-1"], "error: --repeat must be >= 1 (got 0)"),
+    (["train", "--profile", "-1"], "error: --profile must be >= 0 (got -1)"),
+    (["ckpt", "--size-gb", "0"], "error: --size-gb must be > 0 (got 0)"),
+    (["ckpt", "--repeat", "0"], "error: --repeat must be >= 1 (got 0)"),
+    (["compile", "--repeat", "0"], "error: --repeat must be >= 1 (got 0)"),
+])
+def test_a_number_out_of_range_is_one_line_naming_that_option_alone(tmp_path, args, line):
+    """Each bench names the one option at fault and its value, not every limit it checks."""
+    extra = [] if args[0] == "train" else ["--dir", str(tmp_path / "bench")]
+    done = pyrecover("bench", *args, *extra, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == line
+    assert not (tmp_path / "bench").exists()

@@ -7,9 +7,10 @@ from helpers import TINY, pyrecover
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--size-gb", "0"], "--size-gb must be > 0"),
-    (["--repeat", "0"], "--repeat >= 1"),
-    (["--steps", "0"], "--steps must be >= 1"),
+    (["--size-gb", "0"], "error: --size-gb must be > 0 (got 0)"),
+    (["--repeat", "0"], "error: --repeat must be >= 1 (got 0)"),
+    (["--steps", "0"], "error: --steps must be >= 1 (got 0)"),
+    (["--warmup", "-1"], "error: --warmup must be >= 0 (got -1)"),
     (["--config", str(TINY), "--set", "data.path=no-such.parquet"],
      "data file 'no-such.parquet' does not exist"),
     (["--config", str(TINY), "--set", "train.global_batch_size=3"],

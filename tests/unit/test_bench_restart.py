@@ -36,8 +36,10 @@ def test_state_gb_gives_a_model_whose_weights_and_adamw_state_come_to_about_that
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--interrupt", "nope"], "--interrupt must be one of signal, crash"),
-    (["--repeat", "0"], "--repeat >= 1"),
+    (["--interrupt", "nope"], "error: --interrupt must be one of signal, crash (got nope)"),
+    (["--interrupt", "signal", "--interrupt", "kill"],
+     "error: --interrupt must be one of signal, crash (got kill)"),
+    (["--repeat", "0"], "error: --repeat must be >= 1 (got 0)"),
     (["--state-gb", "-1"], "--state-gb must be in (0, 64]"),
     (["--timeout", "0"], "--timeout must be a number of seconds > 0"),
     (["--timeout", "nan"], "'--timeout': nan is not a finite number"),
