@@ -1,16 +1,12 @@
 """Bayes sweeps: the grammar and the launch's refusals, the values wandb hands out checked and
 recorded once in the trial's folder, and every later start reading them back without asking.
-wandb's agent protocol itself runs through wandb's own client against tests/wandb_standin.py
-(a stand-in for the wandb server, which this machine cannot reach); the SLURM run of a bayes
-sweep, requeue included, is tests/slurm/test_sweep_bayes_e2e.py."""
+wandb's agent protocol itself, through wandb's own client, is test_sweep_bayes_wandb.py; the
+SLURM run of a bayes sweep, requeue included, is tests/slurm/test_sweep_bayes_e2e.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,14 +16,13 @@ from sbatch_support import HOSTILE, run_step, shellcheck
 from test_sweep import base_config
 
 from pyrecover import config as config_mod
-from pyrecover.rundir import RunDir, read_jsonl
+from pyrecover.rundir import RunDir
 from pyrecover.slurm import profile
 from pyrecover.slurm.render import render
 from pyrecover.sweep import SweepError, agent, bayes, record, spec, trials, wandb_sweep
 from pyrecover.sweep import render as sweep_render
 from pyrecover.sweep import status as sweep_status
 
-STANDIN = Path(__file__).resolve().parents[1] / "wandb_standin.py"
 BAYES = {"name": "bo", "method": "bayes", "metric": {"name": "loss", "goal": "minimize"},
          "run_cap": 3, "parameters": {
              "train.lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-2},
@@ -291,95 +286,6 @@ def test_each_task_gets_its_values_before_its_first_step_and_a_refusal_never_req
         assert event["event"] == ("requeue" if requeued else "no_requeue")
     assert not list(tmp_path.rglob("pwned"))
     shellcheck(script, tmp_path, "SC2016")
-
-
-# ------------------------------------------------ the whole path, through wandb's own client
-
-def test_launch_registers_the_sweep_and_each_trial_asks_wandbs_agent_protocol_once(tmp_path):
-    """`sbatch` is a stand-in that answers job 77; the wandb server is tests/wandb_standin.py,
-    handing out 2 runs. The trial's step before training (`sweep values`, as the job script
-    runs it) is run here by hand, twice: the second start asks nothing."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, body in (("sbatch", "echo 77"), ("squeue", "true"), ("scontrol", "exit 1")):
-        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    path = tmp_path / "bo.yaml"
-    path.write_text(yaml.safe_dump({**BAYES, "run_cap": 2}))
-    requests = tmp_path / "requests.jsonl"
-    server = subprocess.Popen([sys.executable, str(STANDIN), str(requests), "sw1", "2"],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(server.stdout.readline())
-        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
-               "WANDB_MODE": "online", "WANDB_API_KEY": KEY,
-               "WANDB_BASE_URL": f"http://127.0.0.1:{port}", **default_cluster(tmp_path)}
-        argv = ["sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
-                "--set", f"run.storage={tmp_path / 'st'}", "--set", "tracking.wandb=online"]
-        dry = pyrecover(*argv, "--dry-run", cwd=tmp_path, env=env)
-        assert dry.returncode == 0, dry.stderr
-        assert "# --dry-run: nothing written or submitted. 2 trials (bayes, through wandb):\n" \
-               "#   trial-0 .. trial-1: values from wandb's bayes controller at each trial's " \
-               "first start\n# pyrecover would register the sweep with wandb" in dry.stdout
-        assert "sweep values --world-size 4" in dry.stdout
-        assert not (tmp_path / "st").exists() and not requests.exists()
-        done = pyrecover(*argv, cwd=tmp_path, env=env)
-        assert done.returncode == 0, done.stderr
-        assert "submitted job array 77 (2 trials):\n  trial-0 .. trial-1: values from " \
-               "wandb's bayes controller at each trial's first start" in done.stdout
-        sweep_dir = tmp_path / "st" / "bo"
-        script = (sweep_dir / "job.sbatch").read_text()
-        assert "#SBATCH --array=0-1\n" in script
-        assert (f"-m pyrecover sweep values --world-size 4 {sweep_dir}/trial-"
-                '"$SLURM_ARRAY_TASK_ID"/ || after_training "$?"\n\nwhile :; do') in script
-        assert not (sweep_dir / "trial-0" / "run.yaml").exists()
-
-        trial = sweep_dir / "trial-0"
-        starts = [pyrecover("sweep", "values", str(trial), "--world-size", "1", env=env)
-                  for _ in range(2)]
-    finally:
-        server.kill()
-    assert [s.returncode for s in starts] == [0, 0], starts[0].stderr + starts[1].stderr
-    calls = [r for r in read_jsonl(requests) if r["path"] == "/graphql"]
-    names = [r["query"].split("(")[0].split()[-1] for r in calls]
-    assert names.count("UpsertSweep") == 1 and names.count("CreateAgent") == 1
-    assert names.count("Heartbeat") == 1  # the second start asked nothing
-    sent = yaml.safe_load(next(r for r in calls if "UpsertSweep" in r["query"])
-                          ["variables"]["config"])
-    assert "controller" not in sent and sent["method"] == "bayes"
-    agent_call = next(r for r in calls if "CreateAgent" in r["query"])["variables"]
-    assert (agent_call["sweep"], agent_call["projectName"]) == ("sw1", "pyrecover")
-    assert agent_call["host"].endswith("-trial-0")
-    (command,) = next(r for r in calls if "Heartbeat" in r["query"])["commands"]
-    handed = {k: v["value"] for k, v in command["args"].items()}
-    cfg = config_mod.load(trial / "run.yaml")
-    assert trials.resolved(cfg, list(handed)) == handed
-    assert (trial / "wandb" / "run-id").read_text().strip() == command["run_id"]
-    assert "from wandb (run standinrun0)" in starts[0].stderr
-    assert "as recorded at its first start (run standinrun0)" in starts[1].stderr
-    assert KEY not in "".join(p.read_text() for p in sweep_dir.rglob("*") if p.is_file())
-    report = json.loads(pyrecover("sweep", "status", str(sweep_dir), "--json").stdout)
-    assert {t["index"]: t["state"] for t in report["trials"]}[1] == sweep_status.NO_VALUES
-
-
-def test_wandb_that_cannot_be_asked_is_one_line_exit_1_and_nothing_is_recorded(tmp_path):
-    """The stand-in refuses the key (401), as wandb answers a wrong one: the job requeues the
-    trial (exit 1) while restarts remain, and its next start asks again."""
-    _, sweep_dir = launched(tmp_path)
-    server = subprocess.Popen([sys.executable, str(STANDIN), str(tmp_path / "r.jsonl"), "-"],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(server.stdout.readline())
-        done = pyrecover("sweep", "values", str(sweep_dir / "trial-0"), env={
-            "HOME": str(tmp_path), "WANDB_MODE": "online", "WANDB_API_KEY": KEY,
-            "WANDB_BASE_URL": f"http://127.0.0.1:{port}"})
-    finally:
-        server.kill()
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 1 and len(lines) == 1, done.stderr
-    assert lines[0].startswith("error: wandb did not hand out a run of sweep sw1 (")
-    assert "user is not logged in" in lines[0]
-    assert not (sweep_dir / "trial-0" / "run.yaml").exists()
 
 
 def test_a_q_uniform_value_rounded_past_max_by_less_than_half_q_is_allowed():
