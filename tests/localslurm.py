@@ -5,7 +5,10 @@ Debian's SLURM (22.05) runs several slurmd daemons on one host, so one machine c
 a small cluster: N nodes (`node1`..`nodeN`, all at 127.0.0.1, each slurmd on its own port),
 fake GPUs (character devices made with mknod; slurm only checks that they are devices),
 munge with a private key and socket, and all state, spool and logs under one directory.
-Facts this relies on were measured here; see /work/shared/SLURM-NOTES.md.
+Every SLURM client and daemon is pointed at it by SLURM_CONF (`env`). A daemon's exit status
+proves nothing, so `start` waits until `scontrol ping` answers and `sinfo` shows every node
+idle. `stop` stops the recorded PIDs, never processes found by name. The facts behind each
+setting are commented where they are used, mostly in localslurm_conf.render_slurm_conf.
 
 As a script (needs root)::
 
@@ -23,70 +26,54 @@ As a library::
     finally:
         cluster.stop()
 
-Only the standard library is used, so CI can run this before anything else is installed.
+The implementation is split over sibling modules: localslurm_conf (constants and the files
+it writes), localslurm_daemons (starting the daemons, their PID records) and localslurm_procs
+(the process table, stopping, the reaper). Only the standard library is used, so CI can run
+this before anything else is installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
-import json
 import os
-import random
 import re
 import shlex
 import shutil
-import signal
-import socket
-import stat
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-__all__ = ["LocalSlurm", "LocalSlurmError", "TERMINAL_STATES", "parse_job_record"]
-
-PACKAGES = ("slurm-wlm", "slurmctld", "slurmd", "slurm-client", "munge")
-# Daemons live in sbin, which is not on every PATH (e.g. a non-login root shell in CI).
-SBIN_DIRS = ("/usr/sbin", "/sbin", "/usr/local/sbin")
-HOSTS_FILE = Path("/etc/hosts")
-# Serialises port choice, daemon start-up and /etc/hosts edits between clusters started at
-# the same time, so two clusters never pick the same port.
-LOCK_FILE = Path(tempfile.gettempdir()) / "localslurm.lock"
-# Below the kernel's ephemeral range (32768+), so outgoing connections never take these, and
-# below the ports the job scripts' rendezvous (10000-29999, pyrecover.dist.port_for_job) and
-# local runs (pyrecover.spawn.free_port) use: a daemon of one cluster once held the port a job
-# of another (the other pytest worker's) needed, and the job's step failed with EADDRINUSE.
-PORT_RANGE = (2000, 10000)
-# A unix socket path must fit in sockaddr_un.sun_path (108 bytes with the NUL).
-MAX_SOCKET_PATH = 107
-# SLURM's default MaxJobId: a job id has at most its 8 digits in a step's socket name.
-MAX_JOB_ID = 67043328
-NVIDIA_MAJOR = 195
-# Seconds between SIGTERM and SIGKILL when slurm ends a job (the notes' KillWait=5).
-KILL_WAIT = 5
-
-TERMINAL_STATES = frozenset(
-    {
-        "BOOT_FAIL",
-        "CANCELLED",
-        "COMPLETED",
-        "DEADLINE",
-        "FAILED",
-        "NODE_FAIL",
-        "OUT_OF_MEMORY",
-        "PREEMPTED",
-        "TIMEOUT",
-    }
+from localslurm_conf import (
+    HOSTS_FILE,
+    MAX_JOB_ID,
+    MAX_SOCKET_PATH,
+    TERMINAL_STATES,
+    LocalSlurmError,
+    add_hosts_lines,
+    ensure_packages,
+    is_slurm_var,
+    locked,
+    make_dirs,
+    path_with_sbin,
+    pick_free_ports,
+    remove_hosts_lines,
+    write_config,
 )
+from localslurm_daemons import (
+    cancel_jobs,
+    check_daemons_alive,
+    load_records,
+    log_tails,
+    running_pids,
+    start_munge,
+    start_slurm,
+)
+from localslurm_procs import alive, kill_job_leftovers, reap, terminate, with_reapers
 
-
-class LocalSlurmError(RuntimeError):
-    """The local cluster could not be started, reached or stopped; the message says why."""
+__all__ = ["HOSTS_FILE", "LocalSlurm", "LocalSlurmError", "TERMINAL_STATES", "parse_job_record"]
 
 
 class LocalSlurm:
@@ -154,7 +141,10 @@ class LocalSlurm:
 
     @property
     def env(self) -> dict[str, str]:
-        """Variables to add to an environment so SLURM clients talk to this cluster."""
+        """Variables to add to an environment so SLURM clients talk to this cluster.
+
+        Debian's SLURM needs SLURM_CONF for every client and daemon: there is no usable
+        default configuration to fall back on."""
         return {"SLURM_CONF": str(self.conf_path)}
 
     @property
@@ -176,25 +166,25 @@ class LocalSlurm:
             raise LocalSlurmError(
                 "a local SLURM cluster needs root (slurmd, mknod, /etc/hosts); run as root"
             )
-        if self._running_pids():
+        if running_pids(self.pids_path):
             raise LocalSlurmError(
                 f"a cluster is already running from {self.root}; "
                 f"stop it first: python {Path(__file__).name} stop {self.root}"
             )
         ensure_packages()
-        self._make_dirs()
+        make_dirs(self)
         if len(str(self.munge_socket)) > MAX_SOCKET_PATH:
             raise LocalSlurmError(
                 f"munge socket path is longer than {MAX_SOCKET_PATH} bytes: {self.munge_socket}; "
                 "use a shorter cluster directory"
             )
         try:
-            self._start_munge(deadline=time.monotonic() + timeout)
-            with _locked():
+            start_munge(self, deadline=time.monotonic() + timeout)
+            with locked():
                 ports = pick_free_ports(self.nodes + 1)
-                self._write_config(ctld_port=ports[0], node_ports=ports[1:])
-                self._add_hosts_lines()
-                self._start_slurm()
+                write_config(self, ctld_port=ports[0], node_ports=ports[1:])
+                add_hosts_lines(self)
+                start_slurm(self)
                 self.wait_ready(timeout)
         except BaseException:
             self.stop()
@@ -203,21 +193,23 @@ class LocalSlurm:
     def stop(self) -> None:
         """Stop exactly the processes `start` recorded, and what their jobs left behind.
 
-        Safe to call twice, and after a failed or partial start.
+        Never by name: other clusters (another pytest worker's) run the same daemons. Safe
+        to call twice, and after a failed or partial start.
         """
-        records = self._load_records()
-        if _alive(records.get("slurmctld")):
-            self._cancel_jobs()
+        records = load_records(self.pids_path)
+        if alive(records.get("slurmctld")):
+            cancel_jobs(self)
         slurm = {name: rec for name, rec in records.items() if name != "munged"}
-        self._terminate(slurm)
-        self._kill_job_leftovers()
-        self._terminate({name: rec for name, rec in records.items() if name == "munged"})
+        terminate(slurm, self._reap)
+        kill_job_leftovers(self.spool_dir, self.conf_path)
+        terminate({name: rec for name, rec in records.items() if name == "munged"}, self._reap)
         # Each reaper exits with its daemon; this only catches one that did not.
-        self._terminate({name: rec["reaper"] for name, rec in records.items() if rec.get("reaper")})
-        with _locked():
-            self._remove_hosts_lines()
-        everything = _with_reapers(records)
-        still = [f"{n}={r['pid']}" for n, r in everything.items() if _alive(r)]
+        reapers = {name: rec["reaper"] for name, rec in records.items() if rec.get("reaper")}
+        terminate(reapers, self._reap)
+        with locked():
+            remove_hosts_lines(self)
+        everything = with_reapers(records)
+        still = [f"{n}={r['pid']}" for n, r in everything.items() if alive(r)]
         if still:
             raise LocalSlurmError(f"could not stop {', '.join(still)} (see {self.pids_path})")
         self.pids_path.unlink(missing_ok=True)
@@ -226,11 +218,14 @@ class LocalSlurm:
             shutil.rmtree(self.socket_root, ignore_errors=True)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Wait until `scontrol ping` answers and `sinfo` shows every node idle."""
+        """Wait until `scontrol ping` answers and `sinfo` shows every node idle.
+
+        A daemon's exit status says nothing (they exit 0 even when they fail after forking);
+        what the clients see does."""
         deadline = time.monotonic() + timeout
         last = "no answer yet"
         while True:
-            self._check_daemons_alive()
+            check_daemons_alive(self)
             ping = self.run("scontrol", "ping", check=False, timeout=10)
             if ping.returncode == 0 and "UP" in ping.stdout:
                 info = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False, timeout=10)
@@ -243,7 +238,7 @@ class LocalSlurm:
             if time.monotonic() > deadline:
                 raise LocalSlurmError(
                     f"cluster in {self.root} not ready after {timeout:.0f}s ({last})\n"
-                    + self._log_tails()
+                    + log_tails(self)
                 )
             time.sleep(0.2)
 
@@ -251,8 +246,8 @@ class LocalSlurm:
 
     def client_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """This process's environment, minus any outer SLURM job's variables, plus `env`."""
-        env = {k: v for k, v in os.environ.items() if not _is_slurm_var(k)}
-        env["PATH"] = _path_with_sbin(env.get("PATH", ""))
+        env = {k: v for k, v in os.environ.items() if not is_slurm_var(k)}
+        env["PATH"] = path_with_sbin(env.get("PATH", ""))
         env.update(self.env)
         env.update(extra or {})
         return env
@@ -334,319 +329,10 @@ class LocalSlurm:
                 )
             time.sleep(poll)
 
-    # ------------------------------------------------------------------------ internals
-
-    def _make_dirs(self) -> None:
-        for sub in ("state", "log", "run", "munge", "dev"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
-        (self.root / "munge").chmod(0o700)
-        for folder in (self.spool_dir, self.munge_socket.parent):
-            folder.mkdir(parents=True, exist_ok=True)
-        self.munge_socket.parent.chmod(0o700)
-
-    def _start_munge(self, deadline: float) -> None:
-        munge_dir = self.root / "munge"
-        key = munge_dir / "munge.key"
-        key.unlink(missing_ok=True)
-        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(os.urandom(1024))
-        self.munge_socket.unlink(missing_ok=True)
-        self._spawn(
-            "munged",
-            [
-                _sbin("munged"),
-                "--foreground",
-                # Only root talks to this munged, and the socket may sit below a private
-                # (0700) directory such as pytest's tmp dirs, which munged rejects without this.
-                "--force",
-                f"--socket={self.munge_socket}",
-                f"--key-file={key}",
-                f"--pid-file={munge_dir / 'munged.pid'}",
-                f"--log-file={self.log_dir / 'munged.log'}",
-                f"--seed-file={munge_dir / 'munged.seed'}",
-            ],
-        )
-        while not self.munge_socket.exists():
-            self._check_daemons_alive()
-            if time.monotonic() > deadline:
-                raise LocalSlurmError(
-                    f"munged made no socket at {self.munge_socket}\n" + self._log_tails()
-                )
-            time.sleep(0.05)
-
-    def _write_config(self, ctld_port: int, node_ports: list[int]) -> None:
-        self._make_gpu_devices()
-        (self.root / "plugstack.conf").write_text("")  # keep the host's SPANK plugins out
-        prolog = self.root / "task_prolog.sh"
-        # Every task, batch script included, gets SLURM_CONF even if submitted with
-        # --export=NONE, so srun and scontrol inside a job find this cluster.
-        export = shlex.quote(f"export SLURM_CONF={self.conf_path}")
-        prolog.write_text(f"#!/bin/sh\necho {export}\n")
-        prolog.chmod(0o755)
-        self.conf_path.write_text(
-            render_slurm_conf(self, ctld_port=ctld_port, node_ports=node_ports)
-        )
-        (self.root / "cgroup.conf").write_text(
-            "# slurmd loads a cgroup plugin even with proctrack/pgid and task/none;\n"
-            "# without this line it dies under some cgroup views.\n"
-            "CgroupPlugin=cgroup/v1\n"
-        )
-        gres = "AutoDetect=off\n"
-        if self.gpus_per_node:
-            gres += f"Name=gpu File={self.root}/dev/nvidia[0-{self.gpus_per_node - 1}]\n"
-        (self.root / "gres.conf").write_text(gres)
-
-    def _make_gpu_devices(self) -> None:
-        # slurm rejects regular files as GPU devices and then sets no CUDA_VISIBLE_DEVICES.
-        for i in range(self.gpus_per_node):
-            dev = self.root / "dev" / f"nvidia{i}"
-            if dev.exists() and stat.S_ISCHR(dev.lstat().st_mode):
-                continue
-            dev.unlink(missing_ok=True)
-            try:
-                os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(NVIDIA_MAJOR, i))
-            except OSError as exc:
-                raise LocalSlurmError(f"cannot make fake GPU device {dev}: {exc}") from exc
-
-    def _start_slurm(self) -> None:
-        self._spawn("slurmctld", [_sbin("slurmctld"), "-D", "-c", "-i", "-f", str(self.conf_path)])
-        for node in self.node_names:
-            self._spawn(
-                f"slurmd-{node}",
-                [_sbin("slurmd"), "-D", "-N", node, "-f", str(self.conf_path)],
-            )
-
-    def _spawn(self, name: str, argv: list[str], timeout: float = 10.0) -> None:
-        """Start `argv` under its own `reap` process (see there for why) and record both."""
-        pid_file = self.root / "run" / f"{name}.daemon-pid"
-        pid_file.unlink(missing_ok=True)
-        with open(self.log_dir / f"{name}.out", "ab") as out:
-            reaper = subprocess.Popen(
-                [
-                    sys.executable,
-                    str(Path(__file__).absolute()),
-                    "_reap",
-                    str(pid_file),
-                    "--",
-                    *argv,
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=self.client_env(),
-                cwd=self.root,
-                start_new_session=True,
-            )
-        self._procs[name] = reaper
-        reaper_record = {"pid": reaper.pid, "starttime": _starttime(reaper.pid)}
-        self._record(name, {"pid": None, "argv": argv, "reaper": reaper_record})
-        deadline = time.monotonic() + timeout
-        while not pid_file.exists():
-            self._check_daemons_alive()
-            if time.monotonic() > deadline:
-                raise LocalSlurmError(
-                    f"{name} did not start within {timeout}s\n" + self._log_tails()
-                )
-            time.sleep(0.01)
-        pid = int(pid_file.read_text())
-        self._record(
-            name, {"pid": pid, "starttime": _starttime(pid), "argv": argv, "reaper": reaper_record}
-        )
-
-    def _record(self, name: str, record: dict) -> None:
-        records = self._load_records()
-        records[name] = record
-        tmp = self.pids_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"root": str(self.root), "processes": records}, indent=1))
-        tmp.replace(self.pids_path)
-
-    def _load_records(self) -> dict[str, dict]:
-        try:
-            return json.loads(self.pids_path.read_text())["processes"]
-        except FileNotFoundError:
-            return {}
-
-    def _running_pids(self) -> list[int]:
-        return [r["pid"] for r in _with_reapers(self._load_records()).values() if _alive(r)]
-
-    def _check_daemons_alive(self) -> None:
-        for name, proc in self._procs.items():
-            if proc.poll() is not None:
-                raise LocalSlurmError(
-                    f"{name} exited with {proc.returncode} during start-up\n" + self._log_tails()
-                )
-
-    def _log_tails(self, lines: int = 15) -> str:
-        parts = []
-        for log in sorted(self.log_dir.glob("*")):
-            text = log.read_text(errors="replace").splitlines()[-lines:]
-            if text:
-                parts.append(f"--- {log} (last {len(text)} lines)\n" + "\n".join(text))
-        return "\n".join(parts)
-
-    def _cancel_jobs(self) -> None:
-        """Cancel every job and give slurm a moment to end them; a throwaway cluster
-        should not leave job processes behind. Best effort: the sweep after stopping the
-        daemons catches whatever this misses."""
-        try:
-            listed = self.run("squeue", "-h", "-o", "%A", check=False, timeout=10)
-            ids = listed.stdout.split()
-            if not ids:
-                return
-            self.run("scancel", *ids, check=False, timeout=10)
-            deadline = time.monotonic() + KILL_WAIT + 3
-            while time.monotonic() < deadline:
-                left = self.run(
-                    "squeue", "-h", "-t", "R,CG,S,ST", "-o", "%A", check=False, timeout=10
-                )
-                if left.returncode != 0 or not left.stdout.split():
-                    return
-                time.sleep(0.2)
-        except LocalSlurmError:
-            return
-
-    def _terminate(self, records: Mapping[str, dict], grace: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `grace` seconds; only for processes whose PID and
-        start time still match the record (a recycled PID is someone else's)."""
-        targets = {name: rec for name, rec in records.items() if _alive(rec)}
-        for rec in targets.values():
-            _signal(rec["pid"], signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            self._reap()
-            if not any(_alive(rec) for rec in targets.values()):
-                return
-            time.sleep(0.05)
-        for rec in targets.values():
-            if _alive(rec):
-                _signal(rec["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_alive(r) for r in targets.values()):
-            self._reap()
-            time.sleep(0.05)
-
     def _reap(self) -> None:
+        """Collect the exit status of the reapers this object started, if they are done."""
         for proc in self._procs.values():
             proc.poll()
-
-    def _kill_job_leftovers(self) -> None:
-        """SIGKILL slurmstepd processes of this cluster that outlived their slurmd, and
-        every process below them or carrying this cluster's job environment.
-
-        A slurmstepd is recognised as ours by the socket it keeps in our spool directory;
-        a job process by SLURM_CONF pointing at our config together with a SLURM_JOB_ID.
-        """
-        protected = _ancestors(os.getpid())
-        spool = str(self.spool_dir) + os.sep
-        our_sockets = {inode for inode, path in _unix_sockets().items() if path.startswith(spool)}
-        children = _children_map()
-        victims: set[int] = set()
-        for pid in _all_pids():
-            if pid in protected:
-                continue
-            if _socket_inodes(pid) & our_sockets or self._is_our_job_process(pid):
-                victims.add(pid)
-                victims |= _descendants(pid, children)
-        victims -= protected
-        for pid in victims:
-            _signal(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_state(p) not in (None, "Z") for p in victims):
-            time.sleep(0.05)
-
-    def _is_our_job_process(self, pid: int) -> bool:
-        env = _environ(pid)
-        return env.get("SLURM_CONF") == str(self.conf_path) and "SLURM_JOB_ID" in env
-
-    def _add_hosts_lines(self) -> None:
-        self._remove_hosts_lines()
-        line = f"127.0.0.1 {' '.join(self.node_names)} {self.hosts_marker}"
-        text = HOSTS_FILE.read_text()
-        # Mirror the file's own ending, so removing the line restores it byte for byte.
-        added = f"{line}\n" if text.endswith("\n") or not text else f"\n{line}"
-        _rewrite_in_place(HOSTS_FILE, text + added)
-
-    def _remove_hosts_lines(self) -> None:
-        try:
-            lines = HOSTS_FILE.read_text().splitlines(keepends=True)
-        except FileNotFoundError:
-            return
-        kept = [line for line in lines if not line.rstrip("\n").endswith(self.hosts_marker)]
-        if len(kept) == len(lines):
-            return
-        if lines[-1].endswith(self.hosts_marker) and kept:
-            # Ours was the last line, added without a newline after it to a file that had
-            # none: take back the newline we put before it.
-            kept[-1] = kept[-1].removesuffix("\n")
-        _rewrite_in_place(HOSTS_FILE, "".join(kept))
-
-
-def render_slurm_conf(cluster: LocalSlurm, ctld_port: int, node_ports: list[int]) -> str:
-    """slurm.conf for `cluster`, with slurmctld on `ctld_port` and node i's slurmd on
-    `node_ports[i]`. Each setting is here for a reason measured on a 2-core machine."""
-    root = cluster.root
-    host = socket.gethostname().split(".")[0]
-    gres = f" Gres=gpu:{cluster.gpus_per_node}" if cluster.gpus_per_node else ""
-    node_lines = "".join(
-        f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} "
-        f"CPUs={cluster.cpus_per_node} RealMemory={1024 * cluster.cpus_per_node}{gres} "
-        "State=UNKNOWN\n"
-        for name, port in zip(cluster.node_names, node_ports, strict=True)
-    )
-    return f"""\
-# Written by tests/localslurm.py for a throwaway local cluster; regenerated on every start.
-ClusterName=localslurm
-# Job ids start at a random number: the rendezvous port follows from the job id
-# (pyrecover.dist.port_for_job), and two clusters on one machine both counting from 1 gave
-# two jobs the same port (EADDRINUSE).
-FirstJobId={random.SystemRandom().randrange(1000, 5_000_000)}
-SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={ctld_port}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-# cred_expire is also how long a requeued job waits before it may start again (+1 s).
-AuthInfo=socket={cluster.munge_socket},cred_expire=10
-StateSaveLocation={root}/state
-SlurmdSpoolDir={cluster.spool_dir}/%n
-SlurmctldPidFile={root}/run/slurmctld.pid
-SlurmdPidFile={root}/run/slurmd-%n.pid
-SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-PlugStackConfig={root}/plugstack.conf
-TaskProlog={root}/task_prolog.sh
-# pgid, not linuxproc: linuxproc left a batch script's background children running.
-ProctrackType=proctrack/pgid
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-# No accounting daemon: no sacct. scontrol shows finished jobs for MinJobAge seconds (an hour:
-# a test module's background jobs are read after the tests before them) and jobcomp/filetxt
-# keeps a record of them.
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/filetxt
-JobCompLoc={root}/log/jobcomp.txt
-MinJobAge=3600
-# Advertise more CPUs than the machine has; without this the nodes go INVAL.
-SlurmdParameters=config_overrides
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1,sched_interval=1
-KillWait={KILL_WAIT}
-OverTimeLimit=0
-InactiveLimit=0
-JobRequeue=1
-ReturnToService=2
-MailProg=/bin/true
-GresTypes=gpu
-{node_lines}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-"""
 
 
 def parse_job_record(line: str) -> dict[str, str]:
@@ -664,240 +350,6 @@ def parse_job_record(line: str) -> dict[str, str]:
         end = after.start() if after else len(text)
         record[this.group(1)] = text[this.end() : end]
     return record
-
-
-def ensure_packages() -> None:
-    """apt-get install SLURM and munge unless slurmctld and munged are already present."""
-    if _which("slurmctld") and _which("munged"):
-        return
-    if not shutil.which("apt-get"):
-        raise LocalSlurmError(
-            "slurmctld/munged not found and apt-get is missing; install SLURM and munge"
-        )
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (
-        ["apt-get", "update"],
-        ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES],
-    ):
-        print(f"localslurm: SLURM is not installed; running {shlex.join(argv)}", file=sys.stderr)
-        result = subprocess.run(argv, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise LocalSlurmError(
-                f"{shlex.join(argv)} exited {result.returncode}:\n{result.stderr[-2000:]}"
-            )
-    if not (_which("slurmctld") and _which("munged")):
-        raise LocalSlurmError(f"installed {' '.join(PACKAGES)} but slurmctld/munged still missing")
-
-
-def pick_free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports nobody listens on now. Call under `_locked()` and start
-    the daemons before releasing it, so a concurrent start cannot pick the same ones."""
-    rng = random.Random()
-    ports: list[int] = []
-    for _ in range(1000):
-        port = rng.randrange(*PORT_RANGE)
-        if port in ports:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == count:
-            return ports
-    raise LocalSlurmError(f"found no {count} free ports in {PORT_RANGE}")
-
-
-# ------------------------------------------------------------------------------ reaper
-
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def reap(pid_file: Path, argv: list[str]) -> int:
-    """Run `argv` (a daemon in the foreground), write its PID to `pid_file`, and reap every
-    orphan below it at once, until the daemon exits; return the daemon's exit code.
-
-    Why: slurmd double-forks each slurmstepd, so job processes are orphaned to PID 1, and
-    this machine's PID 1 reaps late. With proctrack/pgid a step is over only when its
-    process group is empty, and a zombie counts: an orphaned `srun` helper left as a zombie
-    made every job end 3 s after its script (slurmstepd re-checks after 1 s, then 2 s).
-    As a child subreaper this process adopts those orphans instead and reaps them.
-    """
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
-    daemon = os.posix_spawn(argv[0], argv, os.environ)
-    tmp = pid_file.with_suffix(".tmp")
-    tmp.write_text(str(daemon))
-    tmp.replace(pid_file)
-
-    def forward(signum: int, _frame: object) -> None:
-        _signal(daemon, signum)
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, forward)
-    while True:
-        pid, status = os.waitpid(-1, 0)
-        if pid == daemon:
-            code = os.waitstatus_to_exitcode(status)
-            return 128 - code if code < 0 else code
-
-
-def _with_reapers(records: Mapping[str, dict]) -> dict[str, dict]:
-    """Daemon records plus their reapers' records, as one flat name -> record mapping."""
-    flat = dict(records)
-    flat.update(
-        {f"{name}-reaper": rec["reaper"] for name, rec in records.items() if rec.get("reaper")}
-    )
-    return flat
-
-
-# ----------------------------------------------------------------------- process helpers
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name (index 0 is field 3, the state)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return text[text.rindex(")") + 2 :].split()
-
-
-def _state(pid: int) -> str | None:
-    fields = _proc_stat(pid)
-    return fields[0] if fields else None
-
-
-def _starttime(pid: int) -> int | None:
-    fields = _proc_stat(pid)
-    return int(fields[19]) if fields else None
-
-
-def _alive(record: Mapping | None) -> bool:
-    """True if the recorded process still runs. A zombie does not count (this machine's
-    PID 1 reaps late, and `kill -0` succeeds on zombies), nor does a recycled PID."""
-    if not record or record.get("pid") is None:
-        return False
-    fields = _proc_stat(record["pid"])
-    if fields is None or fields[0] in ("Z", "X"):
-        return False
-    return record.get("starttime") is None or int(fields[19]) == record["starttime"]
-
-
-def _signal(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, sig)
-
-
-def _all_pids() -> list[int]:
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for pid in _all_pids():
-        fields = _proc_stat(pid)
-        if fields:
-            children.setdefault(int(fields[1]), []).append(pid)
-    return children
-
-
-def _descendants(pid: int, children: Mapping[int, list[int]]) -> set[int]:
-    found: set[int] = set()
-    todo = list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        if child not in found:
-            found.add(child)
-            todo.extend(children.get(child, []))
-    return found
-
-
-def _ancestors(pid: int) -> set[int]:
-    found = {pid}
-    while pid > 1:
-        fields = _proc_stat(pid)
-        if not fields:
-            break
-        pid = int(fields[1])
-        found.add(pid)
-    return found
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
-
-
-def _unix_sockets() -> dict[str, str]:
-    """Bound unix socket inode -> path, from /proc/net/unix."""
-    sockets = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
-            fields = line.split()
-            if len(fields) >= 8:
-                sockets[fields[6]] = fields[7]
-    return sockets
-
-
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-    return inodes
-
-
-# ------------------------------------------------------------------------- small helpers
-
-
-@contextlib.contextmanager
-def _locked() -> Iterator[None]:
-    with open(LOCK_FILE, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _rewrite_in_place(path: Path, text: str) -> None:
-    # In place, not rename: /etc/hosts is often a bind mount (containers), and a rename
-    # onto a mount point fails.
-    with open(path, "r+") as f:
-        f.write(text)
-        f.truncate()
-
-
-def _is_slurm_var(name: str) -> bool:
-    return name.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))
-
-
-def _path_with_sbin(path: str) -> str:
-    parts = [p for p in path.split(os.pathsep) if p]
-    return os.pathsep.join(parts + [d for d in SBIN_DIRS if d not in parts])
-
-
-def _which(name: str) -> str | None:
-    return shutil.which(name, path=_path_with_sbin(os.environ.get("PATH", "")))
-
-
-def _sbin(name: str) -> str:
-    found = _which(name)
-    if not found:
-        raise LocalSlurmError(f"{name} not found on PATH or in {', '.join(SBIN_DIRS)}")
-    return found
 
 
 # ----------------------------------------------------------------------------------- CLI
