@@ -101,9 +101,10 @@ def export_model(run: RunDir, step: int | None, out: Path, fmt: str = "torch",
 
 
 def _weights_and_config(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], dict]:
+    from pyrecover import offline
     from pyrecover.checkpoint import tools
 
-    return tools.model_state(ckpt), dict(tools.config_of(ckpt)["model"])
+    return tools.model_state(ckpt, offline.build_model), dict(tools.config_of(ckpt)["model"])
 
 
 def _target(out: Path, run: RunDir, fmt: str, replace: bool) -> Path:

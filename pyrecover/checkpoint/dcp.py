@@ -255,3 +255,48 @@ class DcpMode:
         if self._thread is not None:
             self._thread.join()
         self.stager.close()
+
+
+# --------------------------------------------- offline: `pyrecover ckpt` (mode.Offline, Writer)
+
+def _extra(ckpt: Checkpoint) -> dict[str, Any]:
+    return json.loads((ckpt.path / EXTRA_FILE).read_text())
+
+
+def check_readable(ckpt: Checkpoint) -> None:
+    dcp_io.Reader(ckpt.path)  # DCP's metadata, through the restricted unpickler
+    _extra(ckpt)["config"]["model"]
+
+
+def read_config(ckpt: Checkpoint) -> dict[str, Any]:
+    return _extra(ckpt)["config"]
+
+
+def read_model(ckpt: Checkpoint, build_model) -> dict[str, torch.Tensor]:
+    state = {"model": build_model(read_config(ckpt)["model"]).state_dict()}
+    with quiet_single_process():
+        dcp.load(state, storage_reader=dcp_io.Reader(ckpt.path), no_dist=True)
+    return state["model"]
+
+
+def read_all(ckpt: Checkpoint, parts) -> list[dict[str, Any]]:
+    DcpMode(0, 1, torch.device("cpu"), async_save=False).restore(ckpt, parts)
+    return [torch.load(ckpt.path / rng_file(r), weights_only=True)
+            for r in range(int(ckpt.manifest["world_size"]))]
+
+
+def write_all(out, parts, train: dict[str, Any], rngs: list[dict[str, Any]]) -> None:
+    """write_all writes a folder plain `torch.distributed.checkpoint.load` reads (`model.*`,
+    `optim.*`), with `extra.json` and `rng-<rank>.pt` as a step's folder has them."""
+    out.mkdir(parents=True)
+    model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+    with quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp_io.Writer(out),
+                 no_dist=True)
+    extra = {"scheduler": parts.scheduler.state_dict(), "config": parts.config, "train": train}
+    (out / EXTRA_FILE).write_text(json.dumps(extra))
+    for rank, state in enumerate(rngs):
+        data = io.BytesIO()  # (serialized first: a failed write raises its OSError)
+        torch.save(state, data)
+        with open(out / rng_file(rank), "wb") as f:
+            f.write(data.getbuffer())

@@ -22,12 +22,17 @@ import torch
 
 from pyrecover.checkpoint.store import Checkpoint, Pending
 
-__all__ = ["Checkpoint", "Mode", "ModeSettings", "Parts", "Pending", "Restored",
-           "Snapshotting", "TrainArg", "WriteResult", "train_now"]
+__all__ = ["Checkpoint", "Mode", "ModelBuilder", "ModeSettings", "Offline", "Parts", "Pending",
+           "Restored", "Snapshotting", "TrainArg", "WriteResult", "Writer", "train_now"]
 
 # A save's train state: the dict, or (an asynchronous save, a snapshot) a function that gives
 # it once the step the device still runs is done, so the loop need not wait for that step.
 TrainArg = dict[str, Any] | Callable[[], dict[str, Any]]
+
+
+# A config's model section -> a module of that shape, for a mode that reads weights into one.
+# The caller passes it (pyrecover/offline.py): checkpoint/ builds no model itself.
+ModelBuilder = Callable[[dict[str, Any]], torch.nn.Module]
 
 
 def train_now(train: TrainArg) -> dict[str, Any]:
@@ -124,3 +129,33 @@ class Snapshotting(Mode, Protocol):
 
     def persist_survivor(self, root: Path) -> list[int]:
         """Write what this rank holds after a peer died, with no collective; the steps."""
+
+
+@runtime_checkable
+class Offline(Protocol):
+    """What `pyrecover ckpt` reads of a mode's checkpoint in one process, with no process
+    group: the mode's own module implements it (modes.offline), so the ckpt tools know no
+    mode's files. The live objects are the caller's (pyrecover/offline.py), on the CPU."""
+
+    def check_readable(self, ckpt: Checkpoint) -> None:
+        """Raise where what a restore reads first does not load safely; reads no tensor."""
+
+    def read_config(self, ckpt: Checkpoint) -> dict[str, Any]:
+        """The resolved config the checkpoint was made with."""
+
+    def read_model(self, ckpt: Checkpoint, build_model: ModelBuilder
+                   ) -> dict[str, torch.Tensor]:
+        """The model's weights as plain CPU tensors; a tied head is the embedding's tensor."""
+
+    def read_all(self, ckpt: Checkpoint, parts: Parts) -> list[dict[str, Any]]:
+        """Load the whole state into `parts`; the generator states of every saved rank."""
+
+
+@runtime_checkable
+class Writer(Protocol):
+    """How `pyrecover ckpt convert --to` writes a format (modes.CONVERT_TO): a file or folder
+    for other tools, with no manifest, not a step of a run."""
+
+    def write_all(self, out: Path, parts: Parts, train: dict[str, Any],
+                  rngs: list[dict[str, Any]]) -> None:
+        """Write `parts`, `train` and every rank's `rngs` at `out` (absent before)."""

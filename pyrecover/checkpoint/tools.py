@@ -4,18 +4,16 @@ is pyrecover/export.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-from pyrecover.checkpoint import dcp as dcp_mode
-from pyrecover.checkpoint import dcp_io, store, vanilla
-from pyrecover.checkpoint import memory as memory_mode
+from pyrecover.checkpoint import modes, store
+from pyrecover.checkpoint.mode import ModelBuilder, Parts
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError
 from pyrecover.oneline import first_line
 from pyrecover.rundir import RunDir, storage_error
@@ -27,16 +25,10 @@ def load_problem(ckpt: Checkpoint) -> str:
     """load_problem is "" when what a restore reads first of `ckpt` loads safely (DCP's
     metadata through the restricted unpickler, a vanilla file or memory meta through the
     weights-only one), else why not. Cheap: no tensor bytes are read."""
+    if ckpt.mode not in modes.OFFLINE:
+        return f"mode {ckpt.mode!r} is not one this version knows"
     try:
-        if ckpt.mode == dcp_mode.NAME:
-            dcp_io.Reader(ckpt.path)
-            json.loads((ckpt.path / dcp_mode.EXTRA_FILE).read_text())["config"]["model"]
-        elif ckpt.mode == vanilla.NAME:
-            vanilla.load_file(ckpt)["model"]
-        elif ckpt.mode == memory_mode.NAME:
-            memory_mode.first_meta(ckpt.path, list(ckpt.manifest["files"]))["layout"]
-        else:
-            return f"mode {ckpt.mode!r} is not one this version knows"
+        modes.offline(ckpt.mode).check_readable(ckpt)
     except Exception as exc:
         return f"cannot be read: {type(exc).__name__}: {first_line(exc)}"
     return ""
@@ -83,32 +75,14 @@ def candidates(run: RunDir, step: int | None) -> Iterator[Checkpoint]:
     raise CheckpointError(f"{run.root} has no valid checkpoint")
 
 
-def model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+def model_state(ckpt: Checkpoint, build_model: ModelBuilder) -> dict[str, torch.Tensor]:
     """model_state reads the model weights of a checkpoint of any mode, in one process."""
-    if ckpt.mode == vanilla.NAME:
-        return dict(vanilla.load_file(ckpt)["model"])
-    if ckpt.mode == dcp_mode.NAME:
-        import torch.distributed.checkpoint as dcp
+    return modes.offline(ckpt.mode).read_model(ckpt, build_model)
 
-        from pyrecover.model import GPT, GPTConfig
 
-        extra = json.loads((ckpt.path / dcp_mode.EXTRA_FILE).read_text())
-        model = GPT(GPTConfig(**extra["config"]["model"]))
-        state = {"model": model.state_dict()}
-        with dcp_mode.quiet_single_process():
-            dcp.load(state, storage_reader=dcp_io.Reader(ckpt.path), no_dist=True)
-        return state["model"]
-    if ckpt.mode == memory_mode.NAME:
-        segments, meta = memory_mode.assemble(ckpt.path, list(ckpt.manifest["files"]))
-        model = memory_mode.unflatten(segments, meta["layout"], meta.get("aliases"))[0]
-        # Views of the model's segment: torch.save would write all of it for each one. A tied
-        # head stays the embedding's tensor, as in a vanilla checkpoint's model.
-        clones: dict[int, torch.Tensor] = {}
-        for v in model.values():
-            if id(v) not in clones:
-                clones[id(v)] = v.clone()
-        return {k: clones[id(v)] for k, v in model.items()}
-    raise CheckpointError(f"{ckpt.path}: mode {ckpt.mode!r} cannot be read here")
+def config_of(ckpt: Checkpoint) -> dict:
+    """config_of returns the resolved config a checkpoint was made with."""
+    return modes.offline(ckpt.mode).read_config(ckpt)
 
 
 def first_that_works(run: RunDir, step: int | None, use) -> tuple[Checkpoint, object]:
@@ -179,57 +153,11 @@ def save_to(obj: object, path: Path) -> None:
         torch.save(obj, f)
 
 
-def config_of(ckpt: Checkpoint) -> dict:
-    """config_of returns the resolved config a checkpoint was made with."""
-    if ckpt.mode == dcp_mode.NAME:
-        return json.loads((ckpt.path / dcp_mode.EXTRA_FILE).read_text())["config"]
-    if ckpt.mode == memory_mode.NAME:
-        return memory_mode.first_meta(ckpt.path, list(ckpt.manifest["files"]))["config"]
-    return vanilla.load_file(ckpt)["config"]
-
-
-def _parts_for(cfg: dict):
-    from pyrecover import config as config_mod
-    from pyrecover.checkpoint.mode import Parts
-    from pyrecover.model import GPT, GPTConfig
-    from pyrecover.optim import build_optimizer, build_scheduler
-
-    full = config_mod.from_dict(cfg)
-    model = GPT(GPTConfig(**cfg["model"]))
-    optimizer = build_optimizer(model, full, torch.device("cpu"))
-    scheduler = build_scheduler(optimizer, full)
-    return Parts(model=model, optimizer=optimizer, scheduler=scheduler, config=cfg,
-                 train_state=dict)
-
-
-def _read_full(ckpt: Checkpoint):
-    from pyrecover.checkpoint.dcp import DcpMode
-    from pyrecover.checkpoint.vanilla import VanillaMode
-
-    world = int(ckpt.manifest["world_size"])
-    parts = _parts_for(config_of(ckpt))
-    if ckpt.mode == vanilla.NAME:
-        VanillaMode(0, 1).restore(ckpt, parts)
-        rngs = list(vanilla.load_file(ckpt)["rng"])
-    elif ckpt.mode == dcp_mode.NAME:
-        DcpMode(0, 1, torch.device("cpu"), async_save=False).restore(ckpt, parts)
-        rngs = [torch.load(ckpt.path / dcp_mode.rng_file(r), weights_only=True)
-                for r in range(world)]
-    elif ckpt.mode == memory_mode.NAME:
-        reader = memory_mode.MemoryMode(0, 1, torch.device("cpu"))  # no peers: reads only
-        try:
-            reader.restore(ckpt, parts)
-        finally:
-            reader.close()
-        rngs = memory_mode.all_rngs(ckpt.path, list(ckpt.manifest["files"]))
-    else:
-        raise CheckpointError(f"{ckpt.path}: mode {ckpt.mode!r} cannot be converted here")
-    return parts, rngs
-
-
-def convert(run: RunDir, step: int | None, to: str, out: Path) -> Checkpoint:
-    """convert writes the checkpoint of `step` (default: the newest that reads) in the other
-    mode's format, and returns the checkpoint it converted.
+def convert(run: RunDir, step: int | None, to: str, out: Path,
+            build_parts: Callable[[dict], Parts]) -> Checkpoint:
+    """convert writes the checkpoint of `step` (default: the newest that reads) in the format
+    `to` (modes.CONVERT_TO), and returns the checkpoint it converted; `build_parts` makes the
+    live objects of a config for the state to be loaded into (pyrecover/offline.py).
 
     `torch`: one file with what a vanilla `state.pt` holds (`torch.load(weights_only=True)`).
     `dcp`: a folder that plain `torch.distributed.checkpoint.load` reads (`model.*`,
@@ -237,24 +165,12 @@ def convert(run: RunDir, step: int | None, to: str, out: Path) -> Checkpoint:
 
     `to` and `out` are as listing.convert_target accepted them (before torch's import).
     """
-    ckpt, (parts, rngs) = first_that_works(run, step, _read_full)
-    train = dict(ckpt.manifest["train_state"])
+    def read(ckpt: Checkpoint) -> tuple[Parts, list[dict]]:
+        parts = build_parts(config_of(ckpt))
+        return parts, modes.offline(ckpt.mode).read_all(ckpt, parts)
+
+    ckpt, (parts, rngs) = first_that_works(run, step, read)
     with temporary(out) as tmp:
         tmp.parent.mkdir(parents=True, exist_ok=True)  # (convert_target refused a file above)
-        if to == "torch":
-            save_to(vanilla.full_state(parts, train, rngs), tmp)
-        else:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
-            tmp.mkdir(parents=True)
-            model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
-            with dcp_mode.quiet_single_process():
-                dcp.save({"model": model_sd, "optim": optim_sd},
-                         storage_writer=dcp_io.Writer(tmp), no_dist=True)
-            extra = {"scheduler": parts.scheduler.state_dict(), "config": parts.config,
-                     "train": train}
-            (tmp / dcp_mode.EXTRA_FILE).write_text(json.dumps(extra))
-            for rank, state in enumerate(rngs):
-                save_to(state, tmp / dcp_mode.rng_file(rank))
+        modes.writer(to).write_all(tmp, parts, dict(ckpt.manifest["train_state"]), rngs)
     return ckpt

@@ -190,3 +190,26 @@ class VanillaMode:
 
     def close(self) -> None:
         pass
+
+
+# --------------------------------------------- offline: `pyrecover ckpt` (mode.Offline, Writer)
+
+def check_readable(ckpt: Checkpoint) -> None:
+    load_file(ckpt)["model"]  # mapped, not read: the unpickler sees only tensors and plain data
+
+
+def read_config(ckpt: Checkpoint) -> dict[str, Any]:
+    return load_file(ckpt)["config"]
+
+
+def read_model(ckpt: Checkpoint, build_model) -> dict[str, torch.Tensor]:
+    return dict(load_file(ckpt)["model"])  # (a tied head is saved as the embedding's tensor)
+
+
+def read_all(ckpt: Checkpoint, parts: Parts) -> list[dict[str, Any]]:
+    VanillaMode(0, 1).restore(ckpt, parts)
+    return list(load_file(ckpt)["rng"])
+
+
+def write_all(out, parts: Parts, train: dict[str, Any], rngs: list[dict[str, Any]]) -> None:
+    write_state(out, full_state(parts, train, rngs))  # what a step's state.pt holds

@@ -146,7 +146,8 @@ def convert(
     listing.convert_target(to, out, run, replace=force)
     if step is not None:
         store.step_folder(run, step)
+    from pyrecover import offline
     from pyrecover.checkpoint import tools
 
-    ckpt = tools.convert(run, step, to, out)
+    ckpt = tools.convert(run, step, to, out, offline.build_parts)
     typer.echo(f"converted step {ckpt.step} ({ckpt.mode}) to {to}: {Path(os.path.abspath(out))}")

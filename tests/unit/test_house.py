@@ -123,6 +123,32 @@ def test_only_the_plot_imports_matplotlib():
     assert set(importers(edges, "matplotlib")) <= {"pyrecover.plot"}
 
 
+def test_checkpoint_builds_no_model_and_no_optimizer():
+    """The checkpoint package reads and writes state into live objects its callers build
+    (pyrecover/offline.py for `pyrecover ckpt`, train.py for a run)."""
+    edges, _ = graph(PACKAGE)
+    builders = {"pyrecover.model", "pyrecover.optim", "pyrecover.offline"}
+    reached = {name: sorted(set(deps) & builders) for name, deps in edges.items()
+               if name.startswith("pyrecover.checkpoint") and set(deps) & builders}
+    assert not reached, f"checkpoint/ imports what builds the model: {reached}"
+
+
+def test_every_mode_reads_its_own_checkpoints_and_every_convert_format_has_its_writer():
+    """Adding a mode means its module implements mode.Offline; the ckpt tools dispatch on
+    the table, never on a mode's name."""
+    from pyrecover.checkpoint import listing, modes
+    from pyrecover.checkpoint.mode import Offline, Writer
+
+    assert set(modes.OFFLINE) == set(modes.MODES)
+    for name in modes.MODES:
+        assert isinstance(modes.offline(name), Offline), name
+    assert set(modes.CONVERT_TO) == set(listing.CONVERT_TO)
+    for to in listing.CONVERT_TO:
+        assert isinstance(modes.writer(to), Writer), to
+    tools = (PACKAGE / "checkpoint" / "tools.py").read_text()
+    assert ".NAME" not in tools and "ckpt.mode ==" not in tools
+
+
 @pytest.mark.parametrize("name", sorted(modules(PACKAGE)))
 def test_no_module_is_over_400_lines(name):
     lines = len(modules(PACKAGE)[name].read_text().splitlines())

@@ -52,6 +52,7 @@ def test_a_memory_checkpoint_restores_every_tensor_exactly(tmp_path, monkeypatch
 def test_the_tied_head_is_snapshotted_once_and_restored_and_exported_still_tied(tmp_path):
     """The head is the token embedding's tensor: a snapshot used to copy (and a checkpoint
     to store) it twice, and an export to untie it."""
+    from pyrecover import offline
     from pyrecover.checkpoint import tools
 
     src, dst = build_state(2_000_000, seed=0), build_state(2_000_000, seed=1)
@@ -67,7 +68,7 @@ def test_the_tied_head_is_snapshotted_once_and_restored_and_exported_still_tied(
     assert model.head.weight is model.wte.weight
     for key, value in src.parts.model.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
-    exported = tools.model_state(ckpt)
+    exported = tools.model_state(ckpt, offline.build_model)
     assert exported["head.weight"] is exported["wte.weight"]  # tied, as vanilla's is
     assert torch.equal(exported["wte.weight"], src.parts.model.wte.weight)
 

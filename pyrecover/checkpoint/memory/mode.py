@@ -49,7 +49,7 @@ from pyrecover import parallel
 from pyrecover.checkpoint import store
 from pyrecover.checkpoint.memory.exchange import BACKGROUND_COPY_BYTES, Snapshots
 from pyrecover.checkpoint.memory.layout import NAME, SNAP_PREFIX, Snapshot, unflatten
-from pyrecover.checkpoint.memory.persist import assemble, write_slices
+from pyrecover.checkpoint.memory.persist import all_rngs, assemble, first_meta, write_slices
 from pyrecover.checkpoint.mode import Restored, WriteResult
 from pyrecover.checkpoint.store import Checkpoint, Pending
 
@@ -157,3 +157,34 @@ class MemoryMode(Snapshots):
         except Exception as exc:
             log.debug("rank %d: the last snapshot exchange failed: %s", self.rank, exc)
         self.copier.close()
+
+
+# ---------------------------------------------------- offline: `pyrecover ckpt` (mode.Offline)
+
+def check_readable(ckpt: Checkpoint) -> None:
+    first_meta(ckpt.path, list(ckpt.manifest["files"]))["layout"]  # weights-only unpickler
+
+
+def read_config(ckpt: Checkpoint) -> dict[str, Any]:
+    return first_meta(ckpt.path, list(ckpt.manifest["files"]))["config"]
+
+
+def read_model(ckpt: Checkpoint, build_model) -> dict[str, torch.Tensor]:
+    segments, meta = assemble(ckpt.path, list(ckpt.manifest["files"]))
+    model = unflatten(segments, meta["layout"], meta.get("aliases"))[0]
+    # Views of the model's segment: torch.save would write all of it for each one. A tied
+    # head stays the embedding's tensor, as in a vanilla checkpoint's model.
+    clones: dict[int, torch.Tensor] = {}
+    for v in model.values():
+        if id(v) not in clones:
+            clones[id(v)] = v.clone()
+    return {k: clones[id(v)] for k, v in model.items()}
+
+
+def read_all(ckpt: Checkpoint, parts) -> list[dict[str, Any]]:
+    reader = MemoryMode(0, 1, torch.device("cpu"))  # no peers: reads only
+    try:
+        reader.restore(ckpt, parts)
+    finally:
+        reader.close()
+    return all_rngs(ckpt.path, list(ckpt.manifest["files"]))
