@@ -2,7 +2,9 @@
 
 A mode writes and reads one on-disk format. The manager depends on this module and on the
 modes (the `MODES` table of modes.py names them); a mode depends on this module and on the
-store, never on the manager. Adding a mode is one new module and one line in `modes.MODES`.
+store, never on the manager. Adding a mode is one new module, implementing `Mode` for runs
+and `Offline` for `pyrecover ckpt` (module-level functions), and a line in each of
+`modes.MODES` and `modes.OFFLINE` (tests/unit/test_house.py checks the second).
 
 One save, as the manager runs it on every rank: `start(pending, parts, train)` begins writing
 this rank's files into `pending.tmp`; `wait_staged()` returns once the save no longer reads
