@@ -118,6 +118,7 @@ def launch(
         max_restarts_in_job=max_restarts_in_job, qos=qos, constraint=constraint, mem=mem,
         exclusive=exclusive)
     cfg, batch_note = resolve_for_run(cfg, prof.nodes * prof.gpus_per_node)
+    prof, image_notes = site.dry_run_image(prof, cwd) if dry_run else (prof, [])
     spec = render.job_spec(cfg, prof, sys.executable)
     script = render.render(spec)
     argv = submit.sbatch_argv(spec.run.job_script)
@@ -126,10 +127,8 @@ def launch(
 
     if dry_run:
         check_run_dir(cfg, spec.run)  # what the launch itself would refuse
-        if spec.image is not None and not Path(spec.image).is_file():  # (it may be elsewhere)
-            typer.echo(f"note: image {spec.image!r} does not exist here: a launch from this "
-                       "machine would refuse it (build it with `make image`, or fix "
-                       "image/--image)", err=True)
+        for note in image_notes:
+            typer.echo(f"note: {note}", err=True)
         typer.echo(script, nl=False)
         typer.echo("# --dry-run: nothing written or submitted. pyrecover would write this "
                    "script (and run.yaml) to")

@@ -76,6 +76,29 @@ def resolve(cluster: Path | None, bind: list[str] | None, sbatch_extra: list[str
                            **overrides)
 
 
+def dry_run_image(prof, cwd: str) -> tuple[Any, list[str]]:
+    """dry_run_image is the profile a --dry-run renders, and what to say of its image: a
+    launch refuses an image that is not there, but the script is worth seeing before `make
+    image` has run. Launcher srun with no image set renders ./pyrecover.sif (absolute), the
+    file `make image` builds where launch runs; a named image missing here is rendered as
+    named (it may be on the cluster's filesystem only)."""
+    import dataclasses
+    import os
+
+    from pyrecover.slurm import profile
+
+    if prof.launcher == "srun" and prof.image is None:
+        image = os.path.join(os.path.abspath(cwd), profile.LOCAL_IMAGE)
+        return dataclasses.replace(prof, image=image), [
+            f"no image is set: the script names {image}, which `make image` builds here; a "
+            "launch refuses it until it exists (or set image in the profile, --image or "
+            f"{profile.IMAGE_ENV})"]
+    if prof.image is not None and not Path(prof.image).is_file():
+        return prof, [f"image {prof.image!r} does not exist here: a launch from this machine "
+                      "would refuse it (build it with `make image`, or fix image/--image)"]
+    return prof, []
+
+
 def job_notes(spec, data_paths: list[str], spare: bool = True) -> list[str]:
     """job_notes are what may well be right about a job (a run's or a sweep's array) but is
     worth a look before it queues: said, not refused. `spec`: the rendered JobSpec;

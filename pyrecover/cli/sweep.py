@@ -112,6 +112,7 @@ def launch(
         count = len(cfgs)
         table = "\n".join(f"#   {t['dir']}: {trials.describe(t['params'])}"
                           for t in rec.trials)
+    prof, image_notes = site.dry_run_image(prof, os.getcwd()) if dry_run else (prof, [])
     job = render.array_spec(cfg, prof, sys.executable, count,
                             max_parallel or sweep.max_parallel, is_bayes)
     script = render.script(job)
@@ -127,6 +128,8 @@ def launch(
         for trial_cfg in cfgs:
             check_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()), trials.RENAME)
         notes()
+        for note in image_notes:
+            typer.echo(f"note: {note}", err=True)
         typer.echo(script, nl=False)
         how = {"grid": "grid", "bayes": "bayes, through wandb"}.get(sweep.method,
                                                                       f"random, seed {sweep.seed}")

@@ -161,6 +161,27 @@ def test_an_image_that_is_not_there_is_refused_and_a_dry_run_says_so(tmp_path):
     assert dry.returncode == 0 and "note: image" not in dry.stderr, dry.stderr
 
 
+def test_with_no_image_set_a_launch_is_refused_and_a_dry_run_shows_the_image_make_builds(
+        tmp_path):
+    """The README's first launch, typed before `make image`: a dry run used to be refused like
+    the launch itself, so the script could not be looked at until an image existed."""
+    done = launch(tmp_path)  # the built-in profile: srun in a container, no image named
+    assert done.returncode == 2 and not done.stdout, done.stderr
+    assert done.stderr.splitlines()[-1].startswith(
+        "error: launcher srun runs the tasks in a container but no image is set"), done.stderr
+    dry = launch(tmp_path, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    sif = tmp_path / "pyrecover.sif"  # where `make image` builds it, beside the command
+    assert f"note: no image is set: the script names {sif}, which `make image` builds here" \
+        in dry.stderr
+    assert f" {sif} \\\n" in dry.stdout  # the apptainer exec line
+    assert files_under(tmp_path) == []
+    sif.write_bytes(b"")  # built: found by the launch itself, and no note
+    dry = launch(tmp_path, "--dry-run")
+    assert dry.returncode == 0 and "note: no image" not in dry.stderr, dry.stderr
+    assert f" {sif} \\\n" in dry.stdout
+
+
 def test_dry_run_output_is_itself_a_valid_script(tmp_path):
     done = launch(tmp_path, "--cluster", str(LOCAL), "--dry-run")
     shellcheck(done.stdout, tmp_path)

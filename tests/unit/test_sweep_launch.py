@@ -64,6 +64,20 @@ def test_the_profile_and_the_image_are_found_as_launch_finds_them(tmp_path):
     assert f"apptainer exec --nv --bind {tmp_path / 'st'}:{tmp_path / 'st'} " \
            f"{tmp_path / 'my.sif'} " in done.stdout
 
+    # An image named but missing here, and none at all: the dry run renders and says so,
+    # as `launch --dry-run` does; the launch refuses both.
+    cluster = {"HOME": str(tmp_path), "PYRECOVER_CLUSTER": str(tmp_path / "cluster.yaml")}
+    for image, note in ((tmp_path / "gone.sif", f"note: image '{tmp_path / 'gone.sif'}' does "
+                         "not exist here: a launch from this machine would refuse it"),
+                        (None, f"note: no image is set: the script names "
+                         f"{tmp_path / 'pyrecover.sif'}, which `make image` builds here")):
+        env = {**cluster, **({"PYRECOVER_IMAGE": str(image)} if image else {})}
+        dry = pyrecover(*argv, cwd=tmp_path, env=env)
+        assert dry.returncode == 0 and note in dry.stderr, dry.stderr
+        assert f" {image or tmp_path / 'pyrecover.sif'} " in dry.stdout
+        real = pyrecover(*argv[:-3], *argv[-2:], cwd=tmp_path, env=env)  # no --dry-run
+        assert real.returncode == 2 and "image" in real.stderr, real.stderr
+
     done = pyrecover(*argv, cwd=tmp_path, env={"HOME": str(tmp_path)})
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
