@@ -88,3 +88,16 @@ def test_an_option_with_choices_shows_exactly_those_its_command_accepts():
     for (command, flag), choices in accepted.items():
         shown = _option(command.split(), flag).metavar
         assert shown.split("|") == list(choices), (command, flag, shown)
+
+
+def test_status_help_names_every_state_a_run_can_be_in():
+    """A run the watchdog ended showed `state hung`, which --help did not list."""
+    from pyrecover import status
+
+    events = ["finish", "stop", "error", "crash", "hang", "no_requeue", "cancel", "start"]
+    states = {status._state([{"event": kind}]) for kind in events} | {status._state([])}
+    shown = " ".join(CliRunner().invoke(app, ["status", "--help"],
+                                        terminal_width=100).output.split())
+    for state in states:
+        name = state.split(" (")[0].split(":")[0]  # "stopped (...)", "ended: why"
+        assert name in shown, f"state {state!r} is not in `pyrecover status --help`"
