@@ -10,13 +10,14 @@ import torch
 
 from pyrecover import config as config_mod
 from pyrecover.checkpoint.mode import Parts
-from pyrecover.model import GPT, GPTConfig
+from pyrecover.model import GPTConfig, empty_gpt
 from pyrecover.optim import build_optimizer, build_scheduler
 
 
 def build_model(model: dict[str, Any]) -> torch.nn.Module:
-    """build_model is a GPT of a config's model section (initialized; a read replaces it)."""
-    return GPT(GPTConfig(**model))
+    """build_model is a GPT of a config's model section, its weights allocated on the CPU but
+    not initialized (model.empty_gpt): every read loads all of them, as a resume does."""
+    return empty_gpt(GPTConfig(**model), "cpu")
 
 
 def build_parts(cfg: dict[str, Any]) -> Parts:

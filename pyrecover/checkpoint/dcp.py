@@ -50,14 +50,19 @@ def rng_file(rank: int) -> str:
     return f"rng-{rank}.pt"
 
 
-def write_rng(path) -> None:
-    """write_rng saves this process's RNG states to `path` (fsynced when the save ends). It
-    is serialized in memory first: a failed write (a full disk) then raises the OSError,
-    where torch.save to a path raises an error naming only its zip writer's offsets."""
+def write_rng(path, state: dict[str, Any] | None = None) -> None:
+    """write_rng saves this process's RNG states (or `state`, a rank's that `convert` read) to
+    `path` (fsynced when the save ends). It is serialized in memory first: a failed write (a
+    full disk) then raises the OSError, where torch.save to a path raises an error naming only
+    its zip writer's offsets."""
     data = io.BytesIO()
-    torch.save(rng.capture(), data)
+    torch.save(rng.capture() if state is None else state, data)
     with open(path, "wb") as f:
         f.write(data.getbuffer())
+
+
+def _extra(ckpt: Checkpoint) -> dict[str, Any]:
+    return json.loads((ckpt.path / EXTRA_FILE).read_text())
 
 
 def own_files(written: list[str], rank: int) -> list[str]:
@@ -244,8 +249,7 @@ class DcpMode:
                      process_group=self.group, no_dist=self.group is None)
         set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-        extra = json.loads((ckpt.path / EXTRA_FILE).read_text())
-        parts.scheduler.load_state_dict(extra["scheduler"])
+        parts.scheduler.load_state_dict(_extra(ckpt)["scheduler"])
         mine = ckpt.path / rng_file(self.rank)
         saved_rng = torch.load(mine, weights_only=True) if (
             self.rank < ckpt.manifest["world_size"] and mine.is_file()) else None
@@ -258,10 +262,6 @@ class DcpMode:
 
 
 # --------------------------------------------- offline: `pyrecover ckpt` (mode.Offline, Writer)
-
-def _extra(ckpt: Checkpoint) -> dict[str, Any]:
-    return json.loads((ckpt.path / EXTRA_FILE).read_text())
-
 
 def check_readable(ckpt: Checkpoint) -> None:
     dcp_io.Reader(ckpt.path)  # DCP's metadata, through the restricted unpickler
@@ -296,7 +296,4 @@ def write_all(out, parts, train: dict[str, Any], rngs: list[dict[str, Any]]) -> 
     extra = {"scheduler": parts.scheduler.state_dict(), "config": parts.config, "train": train}
     (out / EXTRA_FILE).write_text(json.dumps(extra))
     for rank, state in enumerate(rngs):
-        data = io.BytesIO()  # (serialized first: a failed write raises its OSError)
-        torch.save(state, data)
-        with open(out / rng_file(rank), "wb") as f:
-            f.write(data.getbuffer())
+        write_rng(out / rng_file(rank), state)
