@@ -1,9 +1,9 @@
 """Heartbeats: each rank's sign of life in the process group's key-value store, so that the
 ranks that find a job hung can name the rank that stopped living.
 
-A rank that hangs inside its own work reports itself (watchdog.py). A rank that stops
-altogether (SIGSTOP, a node that freezes, a thread holding the GIL for good) cannot: its
-peers only see their collective never finish, which blames no one. So a thread on every
+A rank that hangs inside its own work reports itself (watchdog.py, hang_report.py). A rank
+that stops altogether (SIGSTOP, a node that freezes, a thread holding the GIL for good)
+cannot: its peers only see their collective never finish, which blames no one. So a thread on every
 rank bumps a counter under `beat/<rank>` in the TCP store that the process group's
 rendezvous already runs (`MASTER_ADDR:MASTER_PORT`, a second client connection) every
 `BEAT_S`; a stopped process's thread stops with it. When a rank's watchdog fires, `silent`

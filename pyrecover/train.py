@@ -23,6 +23,7 @@ from pyrecover import (
     compiling,
     dist,
     flops,
+    hang_report,
     health,
     heartbeat,
     ledger,
@@ -153,11 +154,10 @@ def main(cfg: Config, run_dir: Path) -> None:
         return (watchdog.io_bytes() + watchdog.saving_bytes(run.checkpoints)
                 + resume_beats(run.checkpoints))
 
-    dog = watchdog.Watchdog(rule, env.rank, dist.node_name(), on_hang=lambda hang: watchdog.handle(
-                            hang, run.event, persist, device, silent=beats and beats.silent,
-                            leaving=beats and functools.partial(beats.stop, wait=False),
-                            progress=watchdog.io_bytes),
-                            progress=progress).start()
+    dog = watchdog.Watchdog(rule, env.rank, dist.node_name(), on_hang=lambda hang: (
+        hang_report.handle(hang, run.event, persist, device, silent=beats and beats.silent,
+                           leaving=beats and functools.partial(beats.stop, wait=False),
+                           progress=watchdog.io_bytes)), progress=progress).start()
     try:
         _train(cfg, run, env, device, tokens, managers, flag, dog, phases)
     except StorageError:
@@ -184,7 +184,7 @@ def main(cfg: Config, run_dir: Path) -> None:
         # (read before a persist, which may outlast the store of a rank 0 that stopped)
         gone = peers.lost(env.rank, exc, beats) if peers.peer_lost(exc) else None
         if not user_error:
-            watchdog.persist_once(persist)  # once, whether this thread or the watchdog is first
+            hang_report.persist_once(persist)  # once, whether this thread or the watchdog is first
         stopped = isinstance(gone, peers.PeerStopped)  # rank 0 records whose error it was
         if env.rank == 0 or (gone and not stopped):
             run.event("error" if user_error or stopped else "crash", rank=env.rank,

@@ -2,10 +2,9 @@
 
 The loop reports each phase as it begins (`phase("forward", step)`) and each finished step
 (`step_done()`). A daemon thread looks at the current phase a few times a second; once it has
-run past its limit (`limit`, a pure function of the rule and what was seen so far), the rank
-dumps every thread's Python stack into its log, records a `hang` event, lets memory mode
-persist its complete snapshots as survivors of a crash do, and exits with `EXIT_HANG`. No
-collective is involved: the other ranks may be exactly what is stuck.
+run past its limit (`limit`, a pure function of the rule and what was seen so far), its
+`on_hang` reports the hang and exits (hang_report.py). No collective is involved: the other
+ranks may be exactly what is stuck.
 
 Limits: a normal step's phases get `hang_timeout` seconds, or with `auto` a multiple of the
 slowest step seen so far between a floor and a ceiling. The first step of a start (process
@@ -24,14 +23,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 log = logging.getLogger("pyrecover")
 
@@ -46,10 +42,6 @@ IO_PHASES = ("setup", "load", "checkpoint")
 # Phases that never wait on another rank: their time is this rank's own compute time.
 OWN_PHASES = ("data", "forward")
 STEP_START = "data"  # the first phase of every step
-STACK_CHARS = 12_000  # of all stacks together, in the event (the log gets them whole)
-# handle exits this long after a hang at the latest, persisted or not: a survivor writes two
-# snapshots of its slices (minutes only for a state of terabytes on slow storage).
-HANDLE_DEADLINE_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -254,146 +246,3 @@ class Watchdog:
                 if self.on_hang is not None:
                     self.on_hang(hang)
                 return
-
-
-def stacks(skip_current: bool = True) -> list[str]:
-    """stacks formats every thread's Python stack, the main thread first."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    main = threading.main_thread().ident
-    out = []
-    for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main):
-        if skip_current and ident == threading.get_ident():
-            continue
-        text = "".join(traceback.format_stack(frame))
-        out.append(f"thread {names.get(ident, ident)!s}:\n{text}")
-    return out
-
-
-def cuda_answer(device, wait_s: float = 5.0) -> str:
-    """cuda_answer says whether the CUDA device finishes its queued work within `wait_s`."""
-    import torch
-
-    if device is None or getattr(device, "type", "cpu") != "cuda":
-        return "n/a (CPU)"
-    done = threading.Event()
-
-    def sync() -> None:
-        torch.cuda.synchronize(device)
-        done.set()
-
-    started = time.monotonic()
-    threading.Thread(target=sync, name="pyrecover-cuda-probe", daemon=True).start()
-    if done.wait(wait_s):
-        return f"answered in {time.monotonic() - started:.2f}s"
-    return (f"no answer in {wait_s:.0f}s: a kernel or collective queued on it has not "
-            "finished")
-
-
-_persist_lock = threading.Lock()
-_persisted = False
-
-
-def persist_once(persist: Callable[[], None]) -> None:
-    """persist_once runs the survivors' persist once per process, whichever thread is first
-    (the watchdog on a hang, the main thread on a failed collective); a second caller waits
-    for the first to finish and then returns."""
-    global _persisted
-    with _persist_lock:
-        if _persisted:
-            return
-        _persisted = True
-        persist()
-
-
-def handle(hang: Hang, event: Callable[..., object], persist: Callable[[], None],
-           device=None, exit_code: int | None = None,
-           exit: Callable[[int], object] = os._exit, silent: Callable[[], Any] | None = None,
-           leaving: Callable[[], None] | None = None,
-           deadline_s: float = HANDLE_DEADLINE_S,
-           progress: Callable[[], int] | None = None) -> None:
-    """handle reports a hang (log with every stack, `hang` event), persists, and exits.
-
-    `event(kind, **fields)` records into events.jsonl; `persist()` saves what memory mode
-    holds; `silent()` names the peers whose heartbeat stopped (heartbeat.py: a stopped rank
-    cannot report itself), and `leaving()` tells the peers this rank is exiting. Runs in the
-    watchdog thread while the main thread is stuck. Whatever of this is stuck too (a persist
-    waiting on the stuck device or on the main thread's own persist, a hung file system), the
-    process exits with the same code once `deadline_s` seconds pass without `progress` (a
-    number that grows while work gets done: the bytes this process wrote), so a persist of
-    a large snapshot that keeps writing is never cut off, and one stuck for good is.
-    """
-    from pyrecover.preempt import EXIT_HANG
-
-    code = EXIT_HANG if exit_code is None else exit_code
-    exit_once = _once(exit)
-    done = threading.Event()
-    threading.Thread(target=_deadline, args=(hang, deadline_s, code, exit_once, progress, done),
-                     name="pyrecover-hang-deadline", daemon=True).start()
-    dumped = stacks()
-    cuda = cuda_answer(device)
-    quiet = silent() if silent is not None else None
-    named: dict[str, Any] = {}
-    if quiet is not None and quiet.ranks:
-        named = {"silent_ranks": quiet.ranks, "silent_nodes": quiet.nodes}
-        if quiet.node is not None:
-            named["suspect_node"] = quiet.node
-    log.error("HANG on rank %d (%s): phase %r of step %d has run %.1fs, over its %.1fs limit; "
-              "CUDA %s; %s. Stacks of every thread:\n%s", hang.rank, hang.node, hang.phase,
-              hang.step, hang.seconds, hang.limit, cuda,
-              f"silent ranks {quiet.ranks} on {quiet.nodes}" if named else
-              "no peer went silent", "\n".join(dumped))
-    text = "\n".join(dumped)
-    try:
-        event("hang", rank=hang.rank, node=hang.node, phase=hang.phase, step=hang.step,
-              seconds=hang.seconds, limit=hang.limit, cuda=cuda, **named,
-              stacks=text[:STACK_CHARS])
-    except OSError as exc:
-        log.error("could not record the hang event: %s", exc)
-    if leaving is not None:
-        try:
-            leaving()
-        except Exception as exc:
-            log.debug("rank %d: could not say it is leaving: %s", hang.rank, exc)
-    try:
-        persist_once(persist)
-    except Exception as exc:  # exiting matters more than this
-        log.error("rank %d could not persist after the hang: %s", hang.rank, exc)
-    done.set()
-    _flush()
-    exit_once(code)
-
-
-def _once(exit: Callable[[int], object]) -> Callable[[int], None]:
-    """_once calls `exit` the first time only (the deadline's thread or handle's own end)."""
-    lock, called = threading.Lock(), []
-
-    def once(code: int) -> None:
-        with lock:
-            if called:
-                return
-            called.append(code)
-        exit(code)
-    return once
-
-
-def _deadline(hang: Hang, deadline_s: float, code: int, exit: Callable[[int], None],
-              progress: Callable[[], int] | None, done: threading.Event) -> None:
-    """_deadline exits with `code` once `deadline_s` passed without `progress` moving,
-    unless `done` (handle ended by itself) is set first."""
-    mark = progress() if progress is not None else None
-    while not done.wait(deadline_s):
-        now = progress() if progress is not None else None
-        if now is not None and now != mark:
-            mark = now
-            continue
-        log.error("rank %d: reporting and persisting the hang made no progress for %.0fs; "
-                  "exiting with %d without them", hang.rank, deadline_s, code)
-        _flush()
-        exit(code)
-        return
-
-
-def _flush() -> None:
-    for h in log.handlers:
-        h.flush()
-    sys.stderr.flush()

@@ -301,7 +301,7 @@ def test_a_rank_that_hangs_outside_a_collective_blames_its_node_and_its_waiting_
 
 def test_a_rank_that_stopped_is_blamed_through_the_heartbeat_its_reporting_peers_read(tmp_path):
     """A SIGSTOPped rank reports nothing; its peers, waiting in a collective, name the node
-    whose heartbeat stopped (watchdog.handle's `suspect_node`); the stack text they dump
+    whose heartbeat stopped (hang_report.handle's `suspect_node`); the stack text they dump
     cannot pass for that field."""
     def hang(rank, node, **named):
         return {"event": "hang", "time": 9.0, "rank": rank, "node": node,

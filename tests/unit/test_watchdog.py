@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import threading
 
 import pytest
@@ -182,70 +181,6 @@ def test_the_thread_fires_once_and_hands_the_hang_to_its_handler():
     assert called.wait(30)
     d.stop()
     assert d.fired.is_set() and [h.phase for h in got] == ["forward"]
-
-
-def test_handle_dumps_every_thread_records_the_event_persists_and_exits_with_its_code(caplog):
-    events, persisted, exits = [], [], []
-    stuck = threading.Event()
-    t = threading.Thread(target=stuck.wait, name="stuck-worker", daemon=True)
-    t.start()
-    hang = watchdog.Hang(rank=1, node="n1", phase="allreduce", step=9, seconds=6.0, limit=5.0)
-    watchdog._persisted = False
-    watchdog.handle(hang, lambda kind, **f: events.append((kind, f)),
-                    lambda: persisted.append(1), exit=exits.append)
-    stuck.set()
-    (kind, fields), = events
-    assert kind == "hang"
-    assert (fields["rank"], fields["node"], fields["phase"], fields["step"]) == (1, "n1",
-                                                                                 "allreduce", 9)
-    assert "thread stuck-worker:" in fields["stacks"] and "waiter.acquire()" in fields["stacks"]
-    assert persisted == [1] and exits == [76]
-    assert "HANG on rank 1" in caplog.text
-
-
-def test_handle_exits_with_its_code_at_its_deadline_when_the_persist_never_returns():
-    # The persist stands in for one stuck for good: on CUDA a snapshot copy queued behind the
-    # collective a dead peer never finishes, or the main thread holding the persist lock in it.
-    stuck, exited, exits = threading.Event(), threading.Event(), []
-    hang = watchdog.Hang(rank=0, node="n0", phase="allreduce", step=3, seconds=6.0, limit=5.0)
-    watchdog._persisted = False
-
-    def exit(code: int) -> None:
-        exits.append(code)
-        exited.set()
-
-    handler = threading.Thread(target=watchdog.handle, daemon=True, kwargs=dict(
-        hang=hang, event=lambda kind, **f: None, persist=stuck.wait, exit=exit, deadline_s=0.5))
-    handler.start()
-    try:
-        assert exited.wait(60), "the watchdog never exited while its persist was stuck"
-    finally:
-        stuck.set()
-    handler.join(60)
-    assert exits == [76]  # once, even though the persist returned later
-
-
-def test_handle_never_cuts_off_a_persist_that_keeps_making_progress(caplog):
-    # The persist stands in for a large memory-mode snapshot written after a hang: it takes
-    # several deadlines, and the bytes it writes (here: a counter) move all the while.
-    calls, finished, exits = threading.Semaphore(0), [], []
-    moved = itertools.count()
-    hang = watchdog.Hang(rank=0, node="n0", phase="allreduce", step=3, seconds=6.0, limit=5.0)
-    watchdog._persisted = False
-
-    def progress() -> int:
-        calls.release()
-        return next(moved)
-
-    def persist() -> None:
-        for _ in range(4):  # the deadline's first look, then three deadlines later
-            assert calls.acquire(timeout=60)
-        finished.append(True)
-
-    watchdog.handle(hang, event=lambda kind, **f: None, persist=persist, deadline_s=0.05,
-                    exit=lambda code: exits.append((code, bool(finished))), progress=progress)
-    assert exits == [(76, True)]
-    assert "made no progress" not in caplog.text
 
 
 @pytest.mark.parametrize("key,value", [("run.hang_timeout", "soon"), ("run.hang_timeout", "-3"),
