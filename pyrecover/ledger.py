@@ -11,7 +11,8 @@ attempt (one process start, phases.py) is cut into spans that do not overlap:
 - `restore`: checkpoint chosen to restored;
 - `checkpoint_stall`: the seconds saves blocked the loop, and the stop checkpoint;
 - `lost_work`: steps computed but not saved before an interruption, redone after it;
-- `productive`: the rest of the training span;
+- `productive`: the rest of the training span, which ends where a hung phase began (a
+  `hang` event's time less its seconds): a hang's wait is no training;
 - `remainder`: everything else (stopping, exit, the scheduler's requeue delay where SLURM gave
   no times, gaps without records): the wall time minus all of the above.
 
@@ -64,6 +65,13 @@ def _phase(attempt: list[dict[str, Any]], name: str) -> float | None:
 
 def _first_event(attempt: list[dict[str, Any]], *kinds: str) -> float | None:
     return next((float(e["time"]) for e in attempt if e.get("event") in kinds), None)
+
+
+def _hung_from(attempt: list[dict[str, Any]]) -> float | None:
+    """_hung_from: where the first hung phase of an attempt began (its watchdogs fired)."""
+    began = [float(e["time"]) - float(e.get("seconds") or 0.0) for e in attempt
+             if e.get("event") == "hang" and "time" in e]
+    return min(began, default=None)
 
 
 def _times(records: list[dict[str, Any]]) -> list[float]:
@@ -180,7 +188,7 @@ def ledger(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
         ends = _times(mine) + [t for t in (_first_event(attempt, "finish"), first) if t]
         train_end = agreed if agreed is not None else max(ends, default=None)
         if train_end is not None:  # an attempt's records past the next one's start: its own
-            train_end = min(train_end, following)
+            train_end = min(train_end, following, _hung_from(attempt) or float("inf"))
         training = _span(first, train_end)
         # No sign that training began (an attempt that ended during start-up): no stall.
         stall = min(training, _stall(attempt, mine, train_end)) if train_end is not None else 0.0

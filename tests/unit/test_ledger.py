@@ -175,3 +175,17 @@ def test_an_attempt_that_outlived_the_next_one_s_start_is_not_counted_twice():
     book = ledger(events, metrics)
     assert book.causes["remainder"] >= 0
     assert sum(book.causes.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
+
+
+def test_the_time_a_rank_hung_is_not_productive_and_still_adds_up():
+    # Attempt 1 hangs in step 15's allreduce at t=127 (a peer stopped); its watchdog fires
+    # 500 s later; a step row written after the stopped peer went on holds those 500 s.
+    hung = [*EVENTS[:7], {"event": "hang", "time": 627.0, "rank": 1, "seconds": 500.0,
+                          "phase": "allreduce", "step": 15}]
+    rows = [*METRICS[:14], {"time": 627.5, "step": 15, "step_time": 500.5,
+                            "checkpoint_stall_total": 0.5}]
+    book = ledger(hung, rows)
+    c = book.causes
+    assert c["productive"] == (127.0 - 112.0) - 0.5  # the steps before the hung phase
+    assert sum(c.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
+    assert c["remainder"] >= 500.0
