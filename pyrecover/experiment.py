@@ -162,13 +162,20 @@ def check_corpus(run: RunDir, corpus: dict, data_path: str) -> dict:
     """check_corpus returns `corpus`, or refuses (DataError) a start whose data is not what
     the run's checkpoints were trained on: another corpus written to the same data.path
     would resume its data position into other text without a word. A run without
-    checkpoints, or without a readable record of its corpus (an older run), starts on any
-    data."""
+    checkpoints, or without a record of its corpus (an older run, or one whose record the user
+    deleted to go on with other data), starts on any data. A record that is there but is no
+    fingerprint (torn, unreadable) is refused like other data, even where the data is the
+    same: it cannot tell the one from the other, and only deleting it says to go on."""
     from pyrecover.datasource import DataError  # pyarrow: the trainer has it loaded
 
-    recorded = _read_corpus(run)
-    if recorded is None or recorded == corpus or not _holds_checkpoints(run):
+    recorded, damage = _read_corpus(run)
+    if recorded == corpus or not _holds_checkpoints(run) or (recorded is None and not damage):
         return corpus
+    if damage:
+        raise DataError(
+            f"{run.corpus} is damaged ({damage}): it no longer says what data this run's "
+            f"checkpoints were trained on; delete it to go on with {data_path} as it is now, "
+            "or start a new run (run.exp_name)")
     then = recorded.get("tokens")
     what = (f"the same {then} tokens, other text" if then == corpus["tokens"]
             else f"{then} tokens then, {corpus['tokens']} now")
@@ -190,19 +197,32 @@ def _holds_checkpoints(run: RunDir) -> bool:
 def record_corpus(run: RunDir, corpus: dict) -> None:
     """record_corpus writes the fingerprint of the data this start trains on (rank 0, the run's
     lock held) where none is recorded, or where no checkpoint was trained on the old one yet
-    (a checkpoint committed while this start waited for the lock keeps its record)."""
-    recorded = _read_corpus(run)
-    if recorded == corpus or (recorded is not None and _holds_checkpoints(run)):
+    (a checkpoint committed while this start waited for the lock keeps its record, and a
+    damaged record stays for check_corpus to refuse). Written atomically: a crash leaves the
+    old record or the new one, never a torn one."""
+    recorded, damage = _read_corpus(run)
+    if recorded == corpus or ((recorded is not None or damage) and _holds_checkpoints(run)):
         return
     replace_text(run.corpus, json.dumps(corpus) + "\n")
 
 
-def _read_corpus(run: RunDir) -> dict | None:
+def _read_corpus(run: RunDir) -> tuple[dict | None, str | None]:
+    """_read_corpus returns the recorded fingerprint, or None and what is wrong with a record
+    that is there but is none (None and None where there is no record)."""
     try:
-        recorded = json.loads(run.corpus.read_text())
-    except (OSError, ValueError):
-        return None
-    return recorded if isinstance(recorded, dict) else None
+        raw = run.corpus.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"cannot be read: {exc.strerror or exc}"
+    try:
+        recorded = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError too
+        return None, "not valid JSON, torn or overwritten"
+    if not (isinstance(recorded, dict) and isinstance(recorded.get("digest"), str)
+            and type(recorded.get("tokens")) is int):
+        return None, "not a token count and digest"
+    return recorded, None
 
 
 def write_config(cfg: Config, run: RunDir, note: str | None = None) -> None:

@@ -164,6 +164,41 @@ def test_other_data_at_the_same_path_is_refused_until_the_user_says_to_go_on(tmp
     assert (tmp_path / "run" / "corpus.json").is_file()
 
 
+def test_a_torn_corpus_record_is_refused_not_taken_for_a_deleted_one(tmp_path, corpus):
+    """Deleting corpus.json is how the user says to go on with other data; a torn or damaged
+    one is not that word: the resume is refused in one line that names the file, on other
+    data and on the same data alike (the record can no longer tell them apart), and the file
+    is left as it was."""
+    import shutil
+
+    from helpers import build_corpus
+
+    data = tmp_path / "corpus.parquet"
+    shutil.copy(corpus, data)
+    first = train(tmp_path, data, "train.max_steps=4", "checkpoint.interval=2")
+    assert first.returncode == 0, first.stderr
+    record = tmp_path / "run" / "corpus.json"
+    was = json.loads(record.read_text())
+    torn = record.read_text()[:len('{"tokens": , "dig') + len(str(was["tokens"]))]
+    record.write_text(torn)  # as a copy or a sync cut short leaves it
+    for swap in (False, True):
+        if swap:
+            build_corpus(data, max_bytes=300_000)  # other data at the same path
+        done = train(tmp_path, data, "train.max_steps=8", "checkpoint.interval=2")
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        line = done.stderr.strip()
+        assert line.startswith(f"error: {record} is damaged ("), line
+        assert f"delete it to go on with {data} as it is now" in line, line
+        assert record.read_text() == torn
+        assert not (tmp_path / "run" / "checkpoints" / "step-6").exists()
+    record.unlink()
+    resumed = train(tmp_path, data, "train.max_steps=6", "checkpoint.interval=2")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "checkpoints/step-4 (step 4, 0 steps redone" in resumed.stderr, resumed.stderr
+    assert json.loads(record.read_text())["tokens"] < was["tokens"]  # the new data, recorded
+
+
 def test_run_yaml_restarts_the_run_from_any_folder_and_names_where_it_lives(tmp_path, corpus):
     """run.yaml recorded data.path as typed (relative), so `--config run.yaml` from another
     folder looked for the data there; and a first start with --run-dir recorded the config's

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -181,3 +184,46 @@ def test_a_corpus_record_binds_the_run_once_anything_under_checkpoints_may_be_re
     record_corpus(run, old)  # a start that raced past the check does not rebind the run
     with pytest.raises(DataError, match="10 tokens then, 11 now"):
         check_corpus(run, {"tokens": 11, "digest": "b"}, "c.parquet")
+
+
+@pytest.mark.parametrize("damaged", [b'{"tokens": 10, "dig', b"", b"\xff\xfe", b"[]",
+                                     b'{"tokens": "10", "digest": "a"}',
+                                     b'{"tokens": true, "digest": "a"}', b'{"tokens": 10}'],
+                         ids=["torn", "empty", "not-utf8", "list", "str", "bool", "no-digest"])
+def test_a_damaged_corpus_record_is_refused_not_taken_for_a_deleted_one(tmp_path, damaged):
+    from pyrecover.experiment import check_corpus, record_corpus
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    now = {"tokens": 10, "digest": "a"}
+    run.corpus.write_bytes(damaged)
+    assert check_corpus(run, now, "c.parquet") == now  # nothing trained yet: nothing to lose
+    (run.checkpoints / "step-2").mkdir()
+    with pytest.raises(DataError, match=rf"^{re.escape(str(run.corpus))} is damaged \(.*\): .* "
+                                        r"delete it to go on with c.parquet as it is now"):
+        check_corpus(run, now, "c.parquet")  # the same data too: the record cannot say so
+    record_corpus(run, now)
+    assert run.corpus.read_bytes() == damaged  # left for the user to look at
+    run.corpus.unlink()  # the user's word: go on with the data as it is now
+    assert check_corpus(run, now, "c.parquet") == now
+    record_corpus(run, now)
+    assert json.loads(run.corpus.read_text()) == now
+
+
+def test_an_unreadable_corpus_record_is_refused_and_a_record_is_replaced_whole(tmp_path):
+    from pyrecover.experiment import check_corpus, record_corpus
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    now = {"tokens": 10, "digest": "a"}
+    run.corpus.write_text("{}")
+    record_corpus(run, now)  # no checkpoint yet: replaced, by a rename (never torn)
+    assert json.loads(run.corpus.read_text()) == now
+    assert sorted(p.name for p in run.root.iterdir() if "corpus" in p.name) == ["corpus.json"]
+    run.corpus.unlink()
+    run.corpus.mkdir()
+    (run.checkpoints / "step-2").mkdir()
+    with pytest.raises(DataError, match=r"is damaged \(cannot be read: Is a directory\)"):
+        check_corpus(run, now, "c.parquet")
