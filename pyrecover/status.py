@@ -278,6 +278,15 @@ def _last_checkpoint(run: RunDir, now: float
     return None, invalid
 
 
+SHOWN = 3  # of the requeue decisions and the hangs, the newest; --json has them all
+
+
+def _earlier(items: list, label: str, what: str) -> list[str]:
+    """_earlier is the line saying how many of `items` are older than the ones shown."""
+    hidden = len(items) - SHOWN
+    return [f"{label}{hidden} earlier {what} in --json"] if hidden > 0 else []
+
+
 def render(s: Status) -> str:
     """render is the human view of a Status, a few aligned lines."""
     ck = s.last_checkpoint
@@ -301,10 +310,14 @@ def render(s: Status) -> str:
     ]
     for bad in s.invalid_checkpoints[:3]:
         lines.append(f"invalid     checkpoint step {bad['step']}: {bad['problem']}")
-    for d in s.requeue_decisions[-3:]:
-        lines.append(f"requeue     job {d.get('job_id')} restart {d.get('restart_count')}: "
-                     f"exit {d.get('exit_code')} -> {d.get('event')} ({d.get('reason')})")
-    for h in s.hangs[-3:]:
+    lines += _earlier(s.requeue_decisions, "requeue     ", "decisions")
+    for d in s.requeue_decisions[-SHOWN:]:
+        in_job = f" (in the job {d['in_job_restart']})" if d.get("in_job_restart") else ""
+        lines.append(f"requeue     job {d.get('job_id')} restart {d.get('restart_count')}"
+                     f"{in_job}: exit {d.get('exit_code')} -> {d.get('event')} "
+                     f"({d.get('reason')})")
+    lines += _earlier(s.hangs, "hang        ", "hangs")
+    for h in s.hangs[-SHOWN:]:
         lines.append(f"hang        rank {h.get('rank')} on {h.get('node')}: phase {h.get('phase')} "
                      f"of step {h.get('step')} ran {h.get('seconds')}s (limit {h.get('limit')}s)")
     for g in s.stragglers:

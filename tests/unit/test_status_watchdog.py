@@ -45,3 +45,27 @@ def test_a_run_the_watchdog_ended_is_shown_hung_not_killed(tmp_path):
     assert "state       hung" in status.render(s)
     run.event("resume", step=10)
     assert status.read(run.root).state != "hung"
+
+
+def test_status_says_how_many_decisions_and_hangs_it_leaves_out_and_tells_in_job_restarts_apart(
+        tmp_path):
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    run.event("start", step=0)
+    for n in range(5):
+        run.event("hang", rank=1, node="n1", phase="forward", step=10 + n, seconds=6.0,
+                  limit=5.0)
+    for n in range(3):
+        run.event("requeue", job_id="7", restart_count=n, exit_code=76, reason="hang")
+    for n in (1, 2):  # the same restart count: only the in-job count tells them apart
+        run.event("restart_in_job", job_id="7", restart_count=3, in_job_restart=n,
+                  exit_code=76, reason="hang")
+    text = status.render(status.read(run.root))
+    assert "requeue     2 earlier decisions in --json" in text
+    assert "hang        2 earlier hangs in --json" in text
+    assert text.count("hang        rank 1 on n1") == 3 and "of step 14" in text
+    assert "job 7 restart 2: exit 76 -> requeue (hang)" in text
+    assert "restart 1:" not in text  # among the two left out
+    assert "restart 3 (in the job 1): exit 76 -> restart_in_job" in text
+    assert "restart 3 (in the job 2): exit 76 -> restart_in_job" in text
+    assert len(status.read(run.root).requeue_decisions) == 5  # --json has every one
