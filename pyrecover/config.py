@@ -47,6 +47,7 @@ from pyrecover.config_schema import (  # noqa: F401  (re-exported)
     TrackingConfig,
     TrainConfig,
 )
+from pyrecover.oneline import not_a_file
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -68,8 +69,7 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            what = "is a folder, not a YAML file" if p.is_dir() else "does not exist"
-            raise ConfigError(f"config file {str(p)!r} {what}")
+            raise ConfigError(f"config file {str(p)!r} {not_a_file(p, 'a YAML file')}")
         raw = read_yaml(p)
         if raw is None:  # a file truncated to nothing must not train the demo's defaults
             raise ConfigError(f"{p}: holds no settings (empty, or only comments); leave "

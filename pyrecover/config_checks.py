@@ -66,8 +66,10 @@ def validate(cfg: Config) -> None:
     if isinstance(t.global_batch_size, int) and target % t.micro_batch_size:
         _bad("train.global_batch_size", t.global_batch_size,
              f"a multiple of train.micro_batch_size ({t.micro_batch_size})")
-    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        _bad("train.min_lr", t.min_lr, f"0 <= min_lr <= lr ({t.lr}) and lr > 0")
+    if t.lr <= 0:
+        _bad("train.lr", t.lr, "a learning rate > 0")
+    if t.min_lr < 0 or t.min_lr > t.lr:
+        _bad("train.min_lr", t.min_lr, f"0 <= min_lr <= lr ({t.lr})")
     for key in ("beta1", "beta2"):
         if not 0.0 <= getattr(t, key) < 1.0:
             _bad(f"train.{key}", getattr(t, key), "0 <= value < 1")

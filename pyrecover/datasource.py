@@ -14,7 +14,7 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pyrecover.oneline import first_line
+from pyrecover.oneline import first_line, not_a_file
 
 
 class DataError(ValueError):
@@ -28,8 +28,7 @@ def check_source(path: str | Path, column: str) -> pa.Schema:
     """
     p = Path(path)
     if not p.is_file():
-        what = "is a folder, not a parquet file" if p.is_dir() else "does not exist"
-        raise DataError(f"data file {str(p)!r} {what}; build one with "
+        raise DataError(f"data file {str(p)!r} {not_a_file(p, 'a parquet file')}; build one with "
                         "`pyrecover data prepare SRC_DIR OUT.parquet`")
     try:
         schema = pq.read_schema(p)

@@ -20,3 +20,14 @@ def first_line(exc: BaseException) -> str:
     if len(lines) > 1 and lines[0].endswith(":"):
         return f"{lines[0]} {lines[1]}"[:LIMIT]
     return (lines or [type(exc).__name__])[0][:LIMIT]
+
+
+def not_a_file(path, kind: str) -> str:
+    """not_a_file says why `path` (a pathlib.Path that is no regular file) cannot be read as
+    `kind` ("a YAML file"): a folder, something else that is there (a FIFO, a device, a
+    socket), or nothing at all."""
+    if path.is_dir():
+        return f"is a folder, not {kind}"
+    if path.exists():
+        return f"is not a regular file (a FIFO, a device or a socket), not {kind}"
+    return "does not exist"

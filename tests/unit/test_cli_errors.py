@@ -29,6 +29,12 @@ def files_under(path):
      "data file '.' is a folder, not a parquet file"),
     (["--config", str(TINY), "--set", "run.exp_name=" + "a" * 129],
      "(129 characters) is not allowed"),  # the name's length, not its quoted repr's
+    (["--config", "/dev/null"],
+     "config file '/dev/null' is not a regular file (a FIFO, a device or a socket)"),
+    (["--config", str(TINY), "--set", "data.path=/dev/null"],
+     "data file '/dev/null' is not a regular file"),
+    (["--config", str(TINY), "--set", "train.lr=-1"],
+     "train.lr=-1.0 is not allowed: expected a learning rate > 0"),  # not min_lr's fault
     (["--config", str(TINY), "--set", "tracking.tags=[a,b]"],
      "tracking.tags='[a,b]' is not allowed: expected tags separated by commas"),
 ])
