@@ -90,17 +90,35 @@ class Phases:
             self.mark(phase, **(fields() if fields is not None else {}))
 
 
+def _time(e: dict[str, Any]) -> float:
+    t = e.get("time")
+    return float(t) if type(t) in (int, float) else float("-inf")
+
+
+def _opens(e: dict[str, Any]) -> bool:
+    """_opens: a record only the start of an attempt writes."""
+    return (e.get("event") == "phase" and e.get("phase") == "process_start") or e.get(
+        "event") in ("start", "resume")
+
+
 def attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """attempts splits events (in file order) into one list per process start: at each
     `process_start` phase, or (records older than phase timings) at a `start` or `resume`
-    in an attempt that already has one."""
+    in an attempt that already has one.
+
+    Rank 0 writes its start-up phases once the run directory is open (Phases.attach), with
+    the times they happened: another rank's record (a failed health check) can come first in
+    the file. Records that open no attempt and came after this process started are its own,
+    not an attempt of theirs."""
     out: list[list[dict[str, Any]]] = [[]]
     for e in events:
         kind = e.get("event")
         begins = (kind == "phase" and e.get("phase") == "process_start") or (
             kind in ("start", "resume") and any(x.get("event") in ("start", "resume")
                                                  for x in out[-1]))
-        if begins and out[-1]:
+        ours = kind == "phase" and not any(_opens(x) for x in out[-1]) and all(
+            _time(x) >= _time(e) for x in out[-1])
+        if begins and out[-1] and not ours:
             out.append([])
         out[-1].append(e)
     return [a for a in out if a]

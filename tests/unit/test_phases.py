@@ -143,3 +143,19 @@ def test_failure_to_first_step_runs_from_the_failure_s_first_record_to_the_next_
               phase("process_start", 20.0), phase("first_step", 22.0)]
     assert failure_to_first_step(health) == 19.5
     assert failure_to_first_step(crashed[:5]) is None and failure_to_first_step([]) is None
+
+
+def test_another_rank_s_record_written_before_rank_0_s_start_up_phases_is_of_that_start():
+    # Rank 1's failed health check reached the file before rank 0 wrote its held-back phases
+    # (with their earlier times): one start, not a start that "ended during start-up" more.
+    events = [{"event": "health", "rank": 1, "ok": False, "time": 127.4},
+              {"event": "phase", "phase": "process_start", "time": 125.9},
+              {"event": "phase", "phase": "imports_done", "time": 127.3},
+              {"event": "requeue", "time": 133.0, "reason": "health check failed"},
+              {"event": "phase", "phase": "process_start", "time": 145.0},
+              {"event": "start", "time": 148.7, "step": 0}]
+    runs = phases.attempts(events)
+    assert [len(a) for a in runs] == [4, 2]
+    # A record from before the start it precedes (an earlier attempt's) stays apart.
+    earlier = [{"event": "health", "rank": 1, "ok": False, "time": 120.0}, *events[1:]]
+    assert [len(a) for a in phases.attempts(earlier)] == [1, 3, 2]
