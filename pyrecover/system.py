@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from pyrecover import config as config_mod
 from pyrecover.config import Config
 from pyrecover.dist import DistEnv
+from pyrecover.preempt import job_end_time
 
 
 def diagnostics(env: DistEnv, device: Any, environ: Mapping[str, str] = os.environ
@@ -51,8 +53,10 @@ def diagnostics(env: DistEnv, device: Any, environ: Mapping[str, str] = os.envir
     return info
 
 
-def slurm_job(environ: Mapping[str, str]) -> dict[str, Any]:
-    """slurm_job reads the job's id, nodes and time limit from SLURM's variables ({} outside)."""
+def slurm_job(environ: Mapping[str, str], now: float | None = None) -> dict[str, Any]:
+    """slurm_job reads the job's id, nodes and time limit from SLURM's variables ({} outside);
+    where SLURM gives no start time (22.05) the time left until the job script's
+    PYRECOVER_JOB_END_TIME, at `now` (epoch seconds; the clock's by default)."""
     job = environ.get("SLURM_JOB_ID")
     if not job:
         return {}
@@ -63,6 +67,8 @@ def slurm_job(environ: Mapping[str, str]) -> dict[str, Any]:
     start, end = environ.get("SLURM_JOB_START_TIME"), environ.get("SLURM_JOB_END_TIME")
     if start and end and start.isdigit() and end.isdigit():
         out["slurm_time_limit"] = _hms(int(end) - int(start))
+    elif (ends := job_end_time(environ)) is not None:  # SLURM 22.05: the job script's squeue
+        out["slurm_time_left"] = _hms(int(ends - (now if now is not None else time.time())))
     return out
 
 
@@ -78,8 +84,10 @@ def describe(system: Mapping[str, Any], cfg: Config) -> list[str]:
     ]
     if "slurm_job_id" in s:
         lines.append(f"SLURM job {s['slurm_job_id']}: nodes {s['slurm_nodelist'] or '?'}, "
-                     f"partition {s['slurm_partition'] or '?'}, time limit "
-                     f"{s.get('slurm_time_limit', 'unknown')}, restart {s['slurm_restart_count']}")
+                     f"partition {s['slurm_partition'] or '?'}, " + (
+                         f"time limit {s['slurm_time_limit']}" if "slurm_time_limit" in s else
+                         f"time left {s['slurm_time_left']}" if "slurm_time_left" in s else
+                         "time limit unknown") + f", restart {s['slurm_restart_count']}")
     else:
         lines.append("SLURM job: none")
     for section, values in config_mod.to_dict(cfg).items():
