@@ -122,7 +122,9 @@ def launch(
     spec = render.job_spec(cfg, prof, sys.executable)
     script = render.render(spec)
     argv = submit.sbatch_argv(spec.run.job_script)
-    for note in [batch_note] * bool(batch_note) + _notes(cfg, spec):
+    idle = ["--max-restarts-in-job has no effect without spare nodes (a failure requeues); "
+            "add --spare-nodes N"] if max_restarts_in_job and not spec.spare_nodes else []
+    for note in [batch_note] * bool(batch_note) + idle + _notes(cfg, spec):
         typer.echo(f"note: {note}", err=True)
 
     if dry_run:

@@ -161,6 +161,17 @@ def test_an_image_that_is_not_there_is_refused_and_a_dry_run_says_so(tmp_path):
     assert dry.returncode == 0 and "note: image" not in dry.stderr, dry.stderr
 
 
+def test_restarts_in_the_job_without_spare_nodes_are_noted_as_having_no_effect(tmp_path):
+    image = tmp_path / "x.sif"
+    image.write_bytes(b"")
+    idle = "note: --max-restarts-in-job has no effect without spare nodes"
+    dry = launch(tmp_path, "--image", str(image), "--max-restarts-in-job", "3", "--dry-run")
+    assert dry.returncode == 0 and idle in dry.stderr, dry.stderr
+    dry = launch(tmp_path, "--image", str(image), "--max-restarts-in-job", "3",
+                 "--spare-nodes", "1", "--dry-run")
+    assert dry.returncode == 0 and idle not in dry.stderr, dry.stderr
+
+
 def test_with_no_image_set_a_launch_is_refused_and_a_dry_run_shows_the_image_make_builds(
         tmp_path):
     """The README's first launch, typed before `make image`: a dry run used to be refused like
