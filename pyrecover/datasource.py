@@ -80,6 +80,12 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
     if out_path.suffix not in PARQUET_SUFFIXES:
         raise DataError(f"{out_path} does not end in .parquet, and the corpus is written as "
                         f"parquet; name it e.g. {out_path.with_name(out_path.stem + '.parquet')}")
+    run = next((p.parent for p in Path(os.path.abspath(out_path)).resolve().parents
+                if p.name == "checkpoints" and (p.parent / "events.jsonl").is_file()), None)
+    if run is not None:
+        raise DataError(f"{out_path} is inside the checkpoints folder of the run {run}, which "
+                        "holds checkpoints only (retention deletes step folders); choose a "
+                        "path outside it")
     if not replace and out_path.is_file():
         raise DataError(f"{out} already exists; pass --force to replace it (a run trained on "
                         "it would then resume on other data)")

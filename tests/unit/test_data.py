@@ -147,6 +147,23 @@ def test_prepare_is_reproducible_and_keeps_sorted_file_order(tmp_path):
     assert one.column("path").to_pylist() == ["b.py", "pkg/a.py"]
 
 
+def test_prepare_refuses_to_write_inside_a_run_s_checkpoints_folder(tmp_path):
+    # Retention deletes step folders, and a file there would change a committed checkpoint.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("a = 1\n")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-30").mkdir(parents=True)
+    (run / "events.jsonl").write_text("")
+    out = run / "checkpoints" / "step-30" / "x.parquet"
+    with pytest.raises(DataError, match="inside the checkpoints folder of the run"):
+        prepare(src, out)
+    assert not out.exists()
+    prepare(src, run / "data.parquet")  # beside them in the run directory is fine
+    # A folder called checkpoints that is no run's is anybody's.
+    prepare(src, tmp_path / "checkpoints" / "x.parquet")
+
+
 def test_a_fingerprint_tells_another_corpus_and_only_another():
     from pyrecover.data import FINGERPRINT_SPAN, fingerprint
 
