@@ -140,6 +140,9 @@ class RunDir:
         if not self.is_run():
             return (f"{self.root} is not a pyrecover run directory (no run.yaml, events.jsonl, "
                     "metrics.jsonl or checkpoints/)")
+        if self.checkpoints.exists() and not self.checkpoints.is_dir():
+            return (f"{self.checkpoints} is not a folder: a run keeps its checkpoints in a "
+                    "folder of that name; move the file away")
         return None
 
     def event(self, event: str, **fields: Any) -> dict[str, Any]:

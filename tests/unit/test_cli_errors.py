@@ -95,6 +95,19 @@ def test_ckpt_commands_on_a_folder_that_is_not_a_run_say_so(tmp_path):
         assert done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1
 
 
+def test_a_run_whose_checkpoints_folder_is_a_file_is_refused_not_shown_as_empty(tmp_path):
+    # ckpt ls said "no checkpoints yet" (exit 0) and status "stopped (resumes when started
+    # again)", though no start could resume from it.
+    (tmp_path / "events.jsonl").write_text("")
+    (tmp_path / "checkpoints").write_text("not a folder")
+    for args in (["ckpt", "ls", str(tmp_path)], ["status", str(tmp_path)]):
+        done = pyrecover(*args)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert done.stderr.splitlines() == [
+            f"error: {tmp_path / 'checkpoints'} is not a folder: a run keeps its checkpoints "
+            "in a folder of that name; move the file away"], args
+
+
 def test_data_prepare_without_sources_is_a_clear_error(tmp_path):
     done = pyrecover("data", "prepare", str(tmp_path / "none"), str(tmp_path / "o.parquet"))
     assert done.returncode == 2
