@@ -304,7 +304,7 @@ def render(s: Status) -> str:
                           "checksums)" if ck else "none"),
         f"lost        {s.steps_lost} steps redone after interruptions",
         f"overhead    {s.checkpoint_seconds:.1f}s checkpointing (loop blocked), "
-        f"{s.restore_seconds:.1f}s restoring",
+        f"{s.restore_seconds:.1f}s choosing and restoring checkpoints",
         "goodput     " + (f"{s.goodput:.1%} of {s.wall_seconds:.0f}s wall time in productive "
                           "training (the ledger below)" if s.goodput is not None else "n/a"),
     ]
