@@ -5,6 +5,7 @@ ranks' own errors, which say more than the wrapper's "CheckpointException ranks:
 from __future__ import annotations
 
 LIMIT = 300  # characters: an error line stays one line on a terminal's few widths
+WEIGHTS_ONLY = "Weights only load failed"  # torch.load(weights_only=True) refused a file
 
 
 def first_line(exc: BaseException) -> str:
@@ -17,6 +18,14 @@ def first_line(exc: BaseException) -> str:
         if errors:
             return "; ".join(sorted({f"{type(e).__name__}: {first_line(e)}" for e in errors}))
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if lines and lines[0].startswith(WEIGHTS_ONLY):  # and its advice to load it unsafely
+        marker = "WeightsUnpickler error:"
+        at = next((i for i, line in enumerate(lines) if marker in line), len(lines))
+        said = (lines[at].partition(marker)[2].strip() or " ".join(lines[at + 1:at + 2])
+                if at < len(lines) else "")
+        why = said.partition(". ")[0].rstrip(".")  # what it met, not how to allow it
+        return (f"{WEIGHTS_ONLY}: the file holds more than tensors and plain containers"
+                + (f" ({why})" if why else "") + "; it is not loaded")[:LIMIT]
     if len(lines) > 1 and lines[0].endswith(":"):
         return f"{lines[0]} {lines[1]}"[:LIMIT]
     return (lines or [type(exc).__name__])[0][:LIMIT]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import typer
 
@@ -101,6 +102,10 @@ def loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...
 
 
 def main() -> None:
+    # torch warns of every pickle protocol but its own at each load of a file it then
+    # refuses or reads: two lines of its source above the one line a user gets (the refusal
+    # is said there, oneline.first_line).
+    warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
     if sys.argv[1:2] == ["train"]:  # what restarts; not `launch`, whose job would inherit it
         from pyrecover import preempt
 
