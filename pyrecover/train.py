@@ -295,7 +295,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         phases.mark("checkpoint_chosen", step=step,
                     **({"built_s": built_s, **manager.choice_times} if first else {}))
 
-    found = manager.resume(accept=lambda r: train_state_of(r.train),
+    found = manager.resume(accept=lambda r: (train_state_of(r.train),
+                                             r.rng is None or rng.check(r.rng)),
                            on_chosen=lambda c: chosen_phase(c.step),
                            keep_weights=sharded)  # an empty_gpt is initialized below instead
     if found is None:

@@ -253,6 +253,8 @@ class DcpMode:
         mine = ckpt.path / rng_file(self.rank)
         saved_rng = torch.load(mine, weights_only=True) if (
             self.rank < ckpt.manifest["world_size"] and mine.is_file()) else None
+        if saved_rng is not None:
+            rng.check(saved_rng, self.rank)  # before train.py applies it (rng.check)
         return Restored(train=dict(ckpt.manifest["train_state"]), rng=saved_rng)
 
     def close(self) -> None:
@@ -266,6 +268,14 @@ class DcpMode:
 def check_readable(ckpt: Checkpoint) -> None:
     dcp_io.Reader(ckpt.path)  # DCP's metadata, through the restricted unpickler
     _extra(ckpt)["config"]["model"]
+    missing = [rng_file(r) for r in range(int(ckpt.manifest["world_size"]))
+               if not (ckpt.path / rng_file(r)).is_file()]  # present only: not read
+    if missing:
+        raise FileNotFoundError(f"no {', '.join(missing[:3])}"
+                                f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}"
+                                f" in {ckpt.path}: the RNG files of its world size")
+    for r in range(int(ckpt.manifest["world_size"])):  # about 10 KB each: what a resume takes
+        rng.check(torch.load(ckpt.path / rng_file(r), weights_only=True))
 
 
 def read_config(ckpt: Checkpoint) -> dict[str, Any]:
@@ -281,8 +291,11 @@ def read_model(ckpt: Checkpoint, build_model) -> dict[str, torch.Tensor]:
 
 def read_all(ckpt: Checkpoint, parts) -> list[dict[str, Any]]:
     DcpMode(0, 1, torch.device("cpu"), async_save=False).restore(ckpt, parts)
-    return [torch.load(ckpt.path / rng_file(r), weights_only=True)
+    rngs = [torch.load(ckpt.path / rng_file(r), weights_only=True)
             for r in range(int(ckpt.manifest["world_size"]))]
+    for rank, state in enumerate(rngs):
+        rng.check(state, rank)
+    return rngs
 
 
 def write_all(out, parts, train: dict[str, Any], rngs: list[dict[str, Any]]) -> None:

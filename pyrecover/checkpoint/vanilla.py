@@ -184,9 +184,11 @@ class VanillaMode:
             parts.optimizer.load_state_dict(state["optimizer"])
             own_cpu_state(parts.optimizer)
         parts.scheduler.load_state_dict(state["scheduler"])
-        rngs = state["rng"]
-        return Restored(train=dict(state["train"]),
-                        rng=rngs[self.rank] if self.rank < len(rngs) else None)
+        rngs = _rngs(state)
+        mine = rngs[self.rank] if self.rank < len(rngs) else None
+        if mine is not None:
+            rng.check(mine, self.rank)  # before train.py applies it (rng.check)
+        return Restored(train=dict(state["train"]), rng=mine)
 
     def close(self) -> None:
         pass
@@ -195,7 +197,10 @@ class VanillaMode:
 # --------------------------------------------- offline: `pyrecover ckpt` (mode.Offline, Writer)
 
 def check_readable(ckpt: Checkpoint) -> None:
-    load_file(ckpt)["model"]  # mapped, not read: the unpickler sees only tensors and plain data
+    state = load_file(ckpt)  # mapped, not read: the unpickler sees only tensors and plain data
+    state["model"]
+    for saved in state["rng"]:  # what a resume takes (a few KB a rank)
+        rng.check(saved)
 
 
 def read_config(ckpt: Checkpoint) -> dict[str, Any]:
@@ -208,7 +213,17 @@ def read_model(ckpt: Checkpoint, build_model) -> dict[str, torch.Tensor]:
 
 def read_all(ckpt: Checkpoint, parts: Parts) -> list[dict[str, Any]]:
     VanillaMode(0, 1).restore(ckpt, parts)
-    return list(load_file(ckpt)["rng"])
+    rngs = _rngs(load_file(ckpt))
+    for rank, state in enumerate(rngs):
+        rng.check(state, rank)
+    return rngs
+
+
+def _rngs(state: dict[str, Any]) -> list[Any]:
+    rngs = state.get("rng")
+    if not isinstance(rngs, (list, tuple)):
+        raise rng.BadRecord(f"its RNG records are a {type(rngs).__name__}, not a list")
+    return list(rngs)
 
 
 def write_all(out, parts: Parts, train: dict[str, Any], rngs: list[dict[str, Any]]) -> None:

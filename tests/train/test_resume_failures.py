@@ -128,3 +128,32 @@ def test_a_finished_run_started_again_does_not_write_its_final_checkpoint_again(
     assert [e["step"] for e in events(run, "checkpoint")] == [10, 20, 30]
     assert (folder(run, 30) / "manifest.json").stat().st_ino == before
     assert steps(run) == [30, 20]
+
+
+def reseal(run: Path, step: int, name: str) -> None:
+    """reseal gives `name` of step's checkpoint the manifest entry of what it holds now, as a
+    writer that saved the wrong thing would have."""
+    path, mpath = folder(run, step) / name, folder(run, step) / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    manifest["files"][name] = {"size": path.stat().st_size,
+                               "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    mpath.write_text(json.dumps(manifest))
+
+
+def test_a_newest_checkpoint_whose_rng_record_is_malformed_is_passed_over_for_the_one_before(
+        run, corpus):
+    # It verified, and every resume died with a traceback (KeyError: 'python') once it was
+    # chosen: exit 1, requeued, again and again.
+    path = folder(run, 30) / "state.pt"
+    state = torch.load(path, weights_only=True)
+    state["rng"] = [{"junk": torch.zeros(3)}] * len(state["rng"])
+    torch.save(state, path)
+    reseal(run, 30, "state.pt")
+    listed = pyrecover("ckpt", "ls", str(run))
+    assert "INVALID: cannot be read: ValueError: its RNG state is not a record" in \
+        listed.stdout, listed.stdout
+    done = train(run, corpus, "train.max_steps=35")
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"resumed from {folder(run, 20)}" in done.stderr
+    assert f"{folder(run, 30)}" in done.stderr and "RNG state" in done.stderr
