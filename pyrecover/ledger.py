@@ -67,11 +67,12 @@ def _first_event(attempt: list[dict[str, Any]], *kinds: str) -> float | None:
     return next((float(e["time"]) for e in attempt if e.get("event") in kinds), None)
 
 
-def _hung_from(attempt: list[dict[str, Any]]) -> float | None:
-    """_hung_from: where the first hung phase of an attempt began (its watchdogs fired)."""
+def _hung_from(attempt: list[dict[str, Any]]) -> float:
+    """_hung_from: where the first hung phase of an attempt began (its watchdogs fired), or
+    infinity where none hung."""
     began = [float(e["time"]) - float(e.get("seconds") or 0.0) for e in attempt
              if e.get("event") == "hang" and "time" in e]
-    return min(began, default=None)
+    return min(began, default=float("inf"))
 
 
 def _times(records: list[dict[str, Any]]) -> list[float]:
@@ -188,7 +189,7 @@ def ledger(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
         ends = _times(mine) + [t for t in (_first_event(attempt, "finish"), first) if t]
         train_end = agreed if agreed is not None else max(ends, default=None)
         if train_end is not None:  # an attempt's records past the next one's start: its own
-            train_end = min(train_end, following, _hung_from(attempt) or float("inf"))
+            train_end = min(train_end, following, _hung_from(attempt))
         training = _span(first, train_end)
         # No sign that training began (an attempt that ended during start-up): no stall.
         stall = min(training, _stall(attempt, mine, train_end)) if train_end is not None else 0.0
