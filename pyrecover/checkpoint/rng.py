@@ -24,59 +24,27 @@ def capture() -> dict[str, Any]:
     }
 
 
-def check(state: Any) -> None:
+def check(state: Any, rank: int | None = None) -> None:
     """check raises ValueError unless `state` is a `capture()` that `restore` can put back,
     tried on generators of its own (this process's are left alone): a checkpoint's record
-    that verifies but is not one (another program's file, a damaged writer) is found where
-    the checkpoint is chosen, not after it was, in the middle of the resume."""
+    that verifies but is not one (another program's file, a damaged writer) fails the reader
+    that took it (`rank`'s, named in the message), before anything is applied, so the resume
+    falls back to the next older checkpoint (resume.py) instead of failing after it was
+    accepted, at every requeue. CUDA states are checked for their type only."""
+    it = "its RNG state" if rank is None else f"its RNG state (rank {rank})"
     if not isinstance(state, dict) or not {"python", "torch", "cuda"} <= set(state):
-        raise ValueError("its RNG state is not a record of the python, torch and cuda "
-                         "generators")
+        raise ValueError(f"{it} is not a record of the python, torch and cuda generators")
     try:
         random.Random().setstate(_as_tuple(state["python"]))
         torch.Generator().set_state(state["torch"])
-    except (TypeError, ValueError, RuntimeError) as exc:
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(f"its RNG state cannot be restored: {said}") from None
-    cuda = state["cuda"]
-    if not isinstance(cuda, (list, tuple)) or not all(
-            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda):
-        raise ValueError("its RNG state's cuda part is not a list of byte tensors")
-
-
-class BadRecord(ValueError):
-    """A checkpoint's RNG record that `restore` could not put back (a checkpoint is hostile
-    input: its checksums say only that the files are the ones its manifest names)."""
-
-
-def check(state: Any, rank: int) -> None:
-    """check raises BadRecord, naming `rank` and what is wrong, unless `state` is a record
-    `restore` puts back: a reader calls it before anything is applied to the live process, so
-    a malformed record fails that checkpoint's restore and the resume falls back (resume.py),
-    instead of a KeyError after the checkpoint was accepted, at every requeue. The python and
-    torch states are tried on throwaway generators; CUDA ones are checked for their type."""
-    where = f"RNG record of rank {rank}"
-    if not isinstance(state, dict):
-        raise BadRecord(f"{where} is a {type(state).__name__}, not a dict")
-    missing = [k for k in ("python", "torch", "cuda") if k not in state]
-    if missing:
-        raise BadRecord(f"{where} has no {', '.join(repr(k) for k in missing)} "
-                        f"(keys: {sorted(map(str, state))[:5]})")
-    try:
-        random.Random().setstate(_as_tuple(state["python"]))
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise BadRecord(f"{where}: its python state is refused: {exc}") from None
-    if not isinstance(state["torch"], torch.Tensor):
-        raise BadRecord(f"{where}: its torch state is a {type(state['torch']).__name__}")
-    try:
-        torch.Generator().set_state(state["torch"])
-    except (TypeError, RuntimeError, ValueError) as exc:
-        raise BadRecord(f"{where}: its torch state is refused: {exc}") from None
+        raise ValueError(f"{it} cannot be restored: {said}") from None
     cuda = state["cuda"]
     if not isinstance(cuda, (list, tuple)) or not all(
             isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1
             for t in cuda):
-        raise BadRecord(f"{where}: its cuda states are not a list of uint8 tensors")
+        raise ValueError(f"{it}: its cuda part is not a list of byte tensors")
 
 
 def restore(state: dict[str, Any]) -> None:

@@ -199,7 +199,7 @@ class VanillaMode:
 def check_readable(ckpt: Checkpoint) -> None:
     state = load_file(ckpt)  # mapped, not read: the unpickler sees only tensors and plain data
     state["model"]
-    for saved in state["rng"]:  # what a resume takes (a few KB a rank)
+    for saved in _rngs(state):  # what a resume takes (a few KB a rank)
         rng.check(saved)
 
 
@@ -222,7 +222,7 @@ def read_all(ckpt: Checkpoint, parts: Parts) -> list[dict[str, Any]]:
 def _rngs(state: dict[str, Any]) -> list[Any]:
     rngs = state.get("rng")
     if not isinstance(rngs, (list, tuple)):
-        raise rng.BadRecord(f"its RNG records are a {type(rngs).__name__}, not a list")
+        raise ValueError(f"its RNG records are a {type(rngs).__name__}, not a list")
     return list(rngs)
 
 
