@@ -6,6 +6,7 @@ reported by name as invalid and the previous one is used."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -13,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import pyrecover, tiny_args
 
 from pyrecover.checkpoint.tools import temporary
@@ -198,3 +200,23 @@ def test_an_rng_file_the_weights_only_unpickler_refuses_is_skipped(run, finished
     replace_file(run / "checkpoints" / "step-20", "rng-0.pt", pickle.dumps(RunsCode(marker)))
     assert_fell_back(resume(run, corpus), run, "cannot be restored")
     assert not marker.exists()
+
+
+def test_an_rng_record_of_other_keys_is_skipped_and_named_before_a_resume(run, finished_run):
+    # It verified, and every resume died with a traceback (KeyError: 'python') once it was
+    # chosen: exit 1, requeued, again and again.
+    _, corpus = finished_run
+    data = io.BytesIO()
+    torch.save({"junk": torch.zeros(3)}, data)
+    replace_file(run / "checkpoints" / "step-20", "rng-0.pt", data.getvalue())
+    verified = pyrecover("ckpt", "verify", str(run))
+    assert verified.returncode != 0 and "RNG state" in verified.stdout + verified.stderr
+    assert_fell_back(resume(run, corpus), run, "its RNG state (rank 0) is not a record")
+
+
+def test_a_missing_rng_file_fails_verify_as_it_fails_convert(run, finished_run):
+    (run / "checkpoints" / "step-20" / "rng-0.pt").unlink()
+    rewrite_manifest(run / "checkpoints" / "step-20", lambda m: m["files"].pop("rng-0.pt"))
+    verified = pyrecover("ckpt", "verify", str(run))
+    assert verified.returncode != 0, verified.stdout
+    assert "no rng-0.pt in" in verified.stdout + verified.stderr
