@@ -300,6 +300,12 @@ def format_report(report: dict[str, Any]) -> str:
         value = "-" if b["value"] is None else f"{b['value']:.3f}"
         verdict = {True: "met", False: "NOT met", None: "not measured"}[b["met"]]
         lines.append(f"{b['figure']:<58} {value:>7} {b['bound']:>8}  {verdict}")
+    ckpt_rows = ((report["steps"].get("ckpt") or {}).get("report") or {}).get("rows", [])
+    floor = next((r["vs_torch"] for r in ckpt_rows
+                  if r.get("method") == "raw" and r.get("metric") == "blocked"), None)
+    if floor is not None:  # what the ckpt bound's blocked time cannot go below on this machine
+        lines.append(f"{'one copy of that state in memory vs torch.save + fsync':<58} "
+                     f"{floor:>7.3f} {'':>8}  (the floor of the ckpt bound)")
     compiled = (report["steps"].get("compile") or {}).get("report")
     if compiled:
         lines.append(f"{'first step of a restart, run compile cache vs empty (s/s)':<58} "

@@ -42,6 +42,11 @@ def test_gpu_check_runs_every_benchmark_and_reports_each_bound(tmp_path, corpus)
                                           "pyrecover's cache", "compiled at every start"))
     assert f"torch's bytecode: {report['bytecode']}" in text
     assert "run compile cache vs empty" in text
+    # The ckpt bound's floor on this machine: one copy of the state in memory, no step beside.
+    ckpt = {(r["method"], r["metric"]): r for r in report["steps"]["ckpt"]["report"]["rows"]}
+    floor = ckpt[("raw", "blocked")]["vs_torch"]
+    line = next(x for x in text.splitlines() if "the floor of the ckpt bound" in x)
+    assert line.startswith("one copy of that state in memory") and f"{floor:.3f}" in line
     # Memory mode's snapshots on the CPU cores, at world size 2, with the core count.
     memory = {r["mode"]: r for r in report["steps"]["memory-cpu"]["report"]["train"]["rows"]}
     assert memory["memory"]["snapshots"] > 0 and memory["none"]["snapshots"] == 0
