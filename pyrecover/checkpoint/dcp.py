@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from pyrecover import faults
 from pyrecover.checkpoint import dcp_io, rng, share
+from pyrecover.checkpoint.live import LiveStateDict
 from pyrecover.checkpoint.mode import Restored, TrainArg, WriteResult, train_now
 from pyrecover.checkpoint.staging import StateStager
 from pyrecover.checkpoint.store import Checkpoint, Pending, sha256_file
@@ -118,6 +119,7 @@ class DcpMode:
         # via before_update).
         self.stager = StateStager(device)
         self._staged = False  # a save in flight may still be reading the live state
+        self._live = LiveStateDict()  # get_state_dict, asked again only when the tensors change
         self._thread: threading.Thread | None = None
         self._result: WriteResult | None = None
 
@@ -176,7 +178,7 @@ class DcpMode:
     def _state(self, parts) -> dict[str, Any]:
         """_state is what this rank saves: the live model and optimizer state dicts, or only
         its share of them where every rank holds the same (DDP)."""
-        model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+        model_sd, optim_sd = self._live.get(parts.model, parts.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         if share.replicated(state):  # DDP: stage and write only this rank's share
             state = share.own_share(state, self.rank, self.world_size)

@@ -18,15 +18,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from pyrecover import faults
 from pyrecover.checkpoint import rng
+from pyrecover.checkpoint.live import identity, local, param_groups
 from pyrecover.checkpoint.memory.layout import (
     Snapshot,
     as_bytes,
     drop_aliases,
     flat_tensors,
     holders,
-    identity,
-    local,
-    param_groups,
     sharded_layout,
     slice_bounds,
 )

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from pyrecover.checkpoint.live import local
 
 NAME = "memory"
 SNAP_PREFIX = ".snap-step-"
@@ -78,11 +79,6 @@ def drop_aliases(tensors: list[tuple[str, torch.Tensor]]
     return kept, aliases
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """local is a tensor's bytes on this rank: an FSDP shard's (DTensor) own rows, else itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return local(t).detach().contiguous().reshape(-1).view(torch.uint8)
 
@@ -109,33 +105,6 @@ def sharded_layout(per_rank: list[list[dict[str, Any]]]) -> tuple[list[dict[str,
             offset += e["nbytes"]
         bounds.append((start, offset))
     return layout, bounds
-
-
-def param_groups(optimizer: torch.optim.Optimizer, fqns: list[list[str]]) -> list[dict]:
-    """param_groups is `get_state_dict`'s `param_groups`: the hyper-parameters as they are
-    now (the LR moves every step), parameters named by their fully qualified names."""
-    return [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
-            for group, names in zip(optimizer.param_groups, fqns, strict=True)]
-
-
-def identity(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              buffers: bool = True) -> tuple[int, ...]:
-    """identity names the storage of the live tensors a snapshot copies, in order: the
-    optimizer's parameters and state, and the model's buffers when `buffers`.
-
-    While it is unchanged, the tensors found by `get_state_dict` last time are still the live
-    ones (parameters and optimizer state are updated in place); a restore, a re-created
-    optimizer state or the first step's lazily created AdamW state changes it. It assumes a
-    parameter the optimizer does not hold (a frozen one) is not replaced by another tensor
-    during the run, and that a model without buffers at the first snapshot gets none later.
-    """
-    # The optimizer's flat list of parameters stands for the model's (walking the modules cost
-    # 0.1 ms per snapshot of a tiny model); a parameter it does not hold is not trained.
-    ptrs = [local(p).data_ptr() for group in optimizer.param_groups for p in group["params"]]
-    ptrs += [local(t).data_ptr() for t in model.buffers()] if buffers else []
-    for per_param in optimizer.state.values():
-        ptrs += [local(v).data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor)]
-    return tuple(ptrs)
 
 
 @dataclass
