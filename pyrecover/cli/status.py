@@ -69,7 +69,8 @@ def status(
 
 
 def cancel(
-    run_dir: Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")],
+    run_dir: Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>), "
+                                            "a sweep's trial, or a sweep's folder.")],
 ) -> None:
     """End a run's SLURM job for good: it saves a checkpoint and is not requeued.
 
@@ -77,21 +78,34 @@ def cancel(
     requeues itself. This makes the job non-requeueable first (`scontrol update
     Requeue=0`), then cancels it; the trainer still stops cleanly at the next step and
     writes its checkpoint, so `pyrecover launch` of the same run later resumes from there.
-    A job launched for the run that has not started yet is cancelled too.
+    A job launched for the run that has not started yet is cancelled too. A sweep's trial
+    is its own array task; a sweep's folder ends its whole job array (a relaunch of the
+    sweep resumes every trial).
 
     \b
     Examples:
       pyrecover cancel runs/gpt-125m
+      pyrecover cancel runs/tiny-lr           # every trial of the sweep
+      pyrecover cancel runs/tiny-lr/trial-3   # one trial
     """
     from pyrecover import status as status_mod
     from pyrecover.rundir import RunDir
     from pyrecover.slurm.query import LIVE_STATES, cancel_job, queued_jobs, squeue_state
+    from pyrecover.sweep.record import trial_task
 
+    if RunDir(run_dir).is_sweep() and not RunDir(run_dir).config.is_file():
+        _cancel_sweep(run_dir)
+        return
     job = status_mod.slurm_job(run_dir)  # the newest job that started the run, if any
     state = squeue_state(job) if job is not None else None
     jobs = [(job, state)] if job is not None and state in LIVE_STATES else []
-    # and jobs submitted for it that have not started yet (launch's job.sbatch)
+    # and jobs submitted for it that have not started yet (launch's job.sbatch; a trial's
+    # task in its sweep's newest array)
     jobs += [q for q in queued_jobs(RunDir(run_dir).job_script) or [] if q[0] != job]
+    task = trial_task(run_dir)
+    task_state = squeue_state(task) if task is not None and task != job else None
+    if task_state in LIVE_STATES:
+        jobs.append((task, task_state))
     if not jobs and job is None:
         raise status_mod.StatusError(f"{run_dir} has no SLURM job to cancel (none started it "
                                      "and none is queued for it); stop a local run with Ctrl-C")
@@ -108,3 +122,44 @@ def cancel(
             "it saves a checkpoint at its next step and is not requeued; `pyrecover status` "
             "shows when it has ended"),
             err=True)
+
+
+def _cancel_sweep(sweep_dir: Path) -> None:
+    """_cancel_sweep ends a sweep's live job array for good: each trial whose task is queued
+    or running records the cancel (as a run's cancel does), then the array is made
+    non-requeueable and cancelled as one job."""
+    from pyrecover import status as status_mod
+    from pyrecover.rundir import RunDir
+    from pyrecover.slurm.query import LIVE_STATES, array_states, cancel_job, queued_jobs
+    from pyrecover.sweep.trials import trial_name
+
+    queued = queued_jobs(RunDir(sweep_dir).root / "job.sbatch")
+    if queued is None:
+        raise status_mod.StatusError(f"squeue did not answer, so whether sweep {sweep_dir} "
+                                     "has a job array in the queue is unknown: try again once "
+                                     "SLURM answers (`squeue --me`)")
+    arrays = list(dict.fromkeys(job.split("_")[0] for job, _ in queued))
+    if not arrays:
+        raise status_mod.StatusError(f"sweep {sweep_dir} has no job array queued or running; "
+                                     "nothing to cancel")
+    for array in arrays:
+        live = {int(task.split("_")[1]): state for task, state in array_states(array).items()
+                if state in LIVE_STATES}
+        for index, state in sorted(live.items()):
+            RunDir(Path(sweep_dir) / trial_name(index)).event(
+                "cancel", job_id=f"{array}_{index}", slurm_state=state)
+        said = cancel_job(array)
+        if said:
+            raise status_mod.StatusError(f"could not cancel job array {array}: {said}")
+        running = [f"{trial_name(i)} ({s})" for i, s in sorted(live.items()) if s != "PENDING"]
+        waiting = [trial_name(i) for i, s in sorted(live.items()) if s == "PENDING"]
+        parts = []
+        if running:
+            parts.append(", ".join(running) + (
+                " saves a checkpoint at its next step and is not requeued" if len(running) == 1
+                else " each save a checkpoint at their next step and are not requeued"))
+        if waiting:
+            parts.append(", ".join(waiting) + " waiting in the queue will not start")
+        parts = parts or ["no task of it requeues"]  # (SLURM listed none of its tasks)
+        typer.echo(f"cancelled job array {array}: {'; '.join(parts)}; `pyrecover sweep status "
+                   f"{sweep_dir}` shows when they have ended", err=True)

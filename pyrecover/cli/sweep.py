@@ -246,4 +246,5 @@ def _refuse_a_second_live_array(sweep_dir: Path) -> None:
         job = jobs[0][0].split("_")[0]  # ARRAYID_TASKID, or ARRAYID_[1-5] while pending
         raise LaunchError(f"sweep {sweep_dir.name}'s job array {job} is still queued or "
                           f"running ({jobs[0][1]}); wait for it (pyrecover sweep status "
-                          f"{sweep_dir}) or scancel {job} first")
+                          f"{sweep_dir}) or end it for good with `pyrecover cancel "
+                          f"{sweep_dir}`")

@@ -152,3 +152,18 @@ def last_job(sweep_dir: str | Path) -> str | None:
     path = Path(sweep_dir) / JOBS
     lines = path.read_text().split() if path.is_file() else []
     return lines[-1] if lines else None
+
+
+def trial_task(trial_dir: str | Path) -> str | None:
+    """trial_task is how SLURM names trial `trial_dir`'s task in its sweep's newest array
+    (ARRAYID_INDEX), also before the task has started and written anything; None when the
+    folder is no trial of a launched sweep."""
+    trial, sweep_dir = Path(trial_dir), Path(trial_dir).parent
+    array = last_job(sweep_dir) if (sweep_dir / RECORD).is_file() else None
+    if array is None:
+        return None
+    try:
+        index = next(t["index"] for t in read(sweep_dir).trials if t["dir"] == trial.name)
+    except (SweepError, StopIteration):
+        return None
+    return f"{array}_{index}"

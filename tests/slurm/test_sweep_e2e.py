@@ -159,3 +159,60 @@ def sweep_status(sweep_dir: Path, env: dict[str, str]) -> dict:
                           timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+def test_a_sweep_is_cancelled_for_good_and_so_is_one_trial_still_in_the_queue(
+        local_slurm: LocalSlurm, corpus: Path, tmp_path: Path):
+    """A plain `scancel` of the array is taken for a preemption: each running trial saves and
+    requeues itself. `pyrecover cancel TRIAL_DIR` ends one trial that is still waiting (no
+    event of its own names its task yet), and `pyrecover cancel SWEEP_DIR` ends every task for
+    good: the running trial saves at its next step and is not requeued, the waiting ones never
+    start. A second launch while the array is queued names that command."""
+    (tmp_path / "sweep.yaml").write_text(
+        SWEEP.replace("lr-seed", "ended").replace("max_parallel: 2", "max_parallel: 1"))
+    storage = tmp_path / "storage"
+    argv = sweep_launch_argv(tmp_path / "sweep.yaml", storage, corpus, SETS)
+    env = launch_env(local_slurm, {"PYRECOVER_STEP_DELAY": "0.5"})
+    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    array = int(re.search(r"^submitted job array (\d+) ", done.stdout, re.M).group(1))
+    sweep_dir = storage / "ended"
+    tasks = [f"{array}_{i}" for i in range(4)]
+
+    def cancel(path: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pyrecover", "cancel", str(path)],
+                              env=env, capture_output=True, text=True, timeout=60)
+    try:
+        wait_for(lambda: local_slurm.job_state(tasks[0]) == "RUNNING"
+                 and last_step(sweep_dir / "trial-0") >= 2, 240, "trial 0 at step 2",
+                 lambda: explain(sweep_dir))
+        again = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
+                               timeout=60)
+        assert again.returncode == 2, again.stderr
+        assert again.stderr.splitlines()[-1].endswith(
+            f"wait for it (pyrecover sweep status {sweep_dir}) or end it for good with "
+            f"`pyrecover cancel {sweep_dir}`"), again.stderr
+
+        one = cancel(sweep_dir / "trial-3")
+        assert one.returncode == 0, one.stderr
+        assert f"cancelled job {array}_3 (PENDING): it was waiting in the queue" in one.stderr
+        assert local_slurm.wait_job(tasks[3], timeout=60) == "CANCELLED"
+        assert local_slurm.job_state(tasks[0]) == "RUNNING"
+
+        every = cancel(sweep_dir)
+        assert every.returncode == 0, every.stderr
+        assert every.stderr.startswith(f"cancelled job array {array}: trial-0 (RUNNING) saves"), \
+            every.stderr
+        wait_for(lambda: all(local_slurm.job_state(t) in TERMINAL_STATES for t in tasks), 120,
+                 "every task ended", lambda: explain(sweep_dir))
+    finally:
+        local_slurm.cancel(str(array))
+
+    assert {local_slurm.job_state(t) for t in tasks} == {"CANCELLED"}
+    assert local_slurm.job_info(tasks[0])["Restarts"] == "0"
+    assert kinds(sweep_dir / "trial-0") == ["start", "stop", "no_requeue"], explain(sweep_dir)
+    assert [kinds(sweep_dir / f"trial-{i}") for i in (1, 2, 3)] == [[], [], []]
+    states = {t["index"]: t["state"] for t in sweep_status(sweep_dir, env)["trials"]}
+    assert states == {0: "ended: cancelled; the job may not requeue", 1: "cancelled",
+                      2: "cancelled", 3: "cancelled"}
