@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -152,6 +153,7 @@ def launch(
         check_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()), trials.RENAME)
     rec, cfgs = wandb_sweep.attach(sweep_file, sweep_dir, rec, cfgs or [cfg], os.environ)
     notes()
+    new_sweep = not sweep_dir.exists()
     note = record.write(sweep_dir, rec)
     if note:
         typer.echo(note, err=True)
@@ -164,7 +166,13 @@ def launch(
         for trial_cfg in cfgs:
             prepare_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()), rename=trials.RENAME)
     job.run.job_script.write_text(script)
-    job_id = submit.submit(argv, cwd=job.run_dir)
+    try:
+        job_id = submit.submit(argv, cwd=job.run_dir)
+    except LaunchError as exc:
+        # Refused, so no trial runs from it: a new sweep's folder would keep its name taken.
+        if new_sweep and not isinstance(exc, submit.MaybeSubmitted):
+            shutil.rmtree(sweep_dir, ignore_errors=True)
+        raise
     record.add_job(sweep_dir, job_id)
     listed = "\n".join(line.replace("#   ", "  ", 1) for line in table.splitlines())
     typer.echo(f"submitted job array {job_id} ({count} trials):\n{listed}")  # (no script)

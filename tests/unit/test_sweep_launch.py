@@ -355,3 +355,31 @@ def test_status_of_a_sweep_and_sweep_status_of_a_trial_point_at_each_other(tmp_p
     assert of_trial.stderr.splitlines() == [
         f"error: {trial} is a trial of sweep {sweep}, a run: `pyrecover status {trial}` shows "
         f"it, `pyrecover sweep status {sweep}` the sweep"]
+
+
+def test_a_sweep_sbatch_refused_leaves_no_folder_so_its_name_stays_free(tmp_path, corpus):
+    """sbatch refused the array (a wrong partition): the new sweep's folder, sweep.yaml and
+    trials, stayed behind, and the fixed sweep file was then refused, "holds sweep 'lr' with
+    other trials; give this sweep another name", for a sweep that never ran. A folder that
+    was there before (a relaunch) is kept."""
+    env = stub_slurm(tmp_path)
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified' >&2\n"
+                      "exit 1\n")
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump({**GRID, "name": "lr"}, sort_keys=False))
+    argv = ["sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
+            "--set", f"run.storage={tmp_path / 'st'}", "--set", f"data.path={corpus}"]
+    done = pyrecover(*argv, env=env, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1].startswith("error: sbatch refused the job: "), done.stderr
+    assert not (tmp_path / "st" / "lr").exists()
+
+    sbatch.write_text("#!/bin/sh\necho 79\n")
+    fixed = {**GRID, "name": "lr", "parameters": {"train.lr": {"values": [1e-3]}}}
+    path.write_text(yaml.safe_dump(fixed, sort_keys=False))
+    assert pyrecover(*argv, env=env, cwd=tmp_path).returncode == 0
+    sbatch.write_text("#!/bin/sh\nexit 1\n")
+    assert pyrecover(*argv, env=env, cwd=tmp_path).returncode == 2
+    assert (tmp_path / "st" / "lr" / "trial-0" / "run.yaml").is_file()
+    assert (tmp_path / "st" / "lr" / "jobs").read_text() == "79\n"
