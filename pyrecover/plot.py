@@ -25,6 +25,7 @@ from typing import Any
 
 from pyrecover.checkpoint.listing import outside_checkpoints
 from pyrecover.checkpoint.store import CheckpointError
+from pyrecover.phases import JOB_SCRIPT_EVENTS
 from pyrecover.records import well_formed
 from pyrecover.rundir import RunDir, read_jsonl
 
@@ -89,7 +90,9 @@ def marks(events: Iterable[Mapping[str, Any]],
           metrics: Sequence[Mapping[str, Any]] = ()) -> list[Mark]:
     """marks lists checkpoints and interruptions with their step.
 
-    An event without a step (a crash) is placed at the last step logged before it.
+    An event without a step (a crash) is placed at the last step logged before it; one the
+    job script recorded (a requeue) carries `date +%s`, the second it happened in cut down,
+    so it is placed at the last step logged before that second ended.
     """
     timeline = sorted((float(m.get("time", 0.0)), int(m["step"])) for m in metrics
                       if isinstance(m.get("step"), int))
@@ -100,7 +103,7 @@ def marks(events: Iterable[Mapping[str, Any]],
             continue
         step = e.get("step")
         if not isinstance(step, int):
-            t = float(e.get("time", 0.0))
+            t = float(e.get("time", 0.0)) + (1.0 if kind in JOB_SCRIPT_EVENTS else 0.0)
             before = [s for when, s in timeline if when <= t]
             if not before:
                 continue

@@ -81,6 +81,29 @@ def test_marks_sit_at_the_steps_of_their_events_and_nowhere_else(interrupted_run
     assert plot.LOSS in near
 
 
+def test_a_requeue_the_job_script_records_in_whole_seconds_sits_at_the_step_it_followed(
+        tmp_path):
+    """The job script writes its requeue record with `date +%s`: the second it happened in,
+    cut down. A run stopped at step 10 a few tenths of a second into that second, steps 9 and
+    10 logged in it too, gets its requeue mark at 10 with the stop, not at step 8."""
+    run = RunDir(tmp_path / "run")
+    run.create()
+    for step in range(1, 21):
+        run.metric(step=step, loss=5.0 - step * 0.1, tokens_per_s=1000.0,
+                   time=1000.5 + 0.3 * step if step <= 10 else 1020.0 + 0.3 * step)
+    run.event("stop", step=10, reason="SIGUSR2", time=1003.6)
+    run.event("requeue", job_id="7", exit_code=75, reason="stopped cleanly", time=1003)
+    run.event("resume", step=10, steps_lost=0, time=1020.0)
+    assert [(m.step, m.kind) for m in plot.marks(*records(run))] == [
+        (10, "stop"), (10, "requeue"), (10, "resume")]
+
+
+def records(run: RunDir) -> tuple[list[dict], list[dict]]:
+    from pyrecover.rundir import read_jsonl
+
+    return read_jsonl(run.events), read_jsonl(run.metrics)
+
+
 def test_foreign_lines_in_the_run_records_are_left_out_of_the_plot(interrupted_run, tmp_path):
     clean = plot.write(interrupted_run.root, tmp_path / "clean.png", width=800, height=400)
     for path in (interrupted_run.events, interrupted_run.metrics):
