@@ -130,7 +130,10 @@ def render(s: SweepStatus) -> str:
     if s.method == "bayes":
         lines.append("values: from wandb's bayes controller at each trial's first start "
                      f"('-' and {NO_VALUES!r}: not started yet)")
-    if s.best is None:
+    if s.best is None and any(t.diverged for t in s.trials):
+        lines.append(f"best: none (every trial that logged {s.metric} diverged: its last "
+                     f"{s.metric} is not finite)")
+    elif s.best is None:
         lines.append(f"best: none yet (no trial has logged {s.metric})")
     else:
         top = s.trials[0]

@@ -274,3 +274,20 @@ def test_a_trial_that_diverged_is_ranked_after_the_others_and_never_named_best(t
         raise ValueError(f"not JSON: {token}")
     report = json.loads(done.stdout, parse_constant=strict)
     assert report["best"] == 2 and report["trials"][2]["diverged"] is True
+
+
+def test_a_sweep_whose_every_trial_diverged_says_so_not_that_none_logged_the_metric(tmp_path):
+    """Every lr too high: each trial logged losses, the last NaN. The last line said "best:
+    none yet (no trial has logged loss)", which sends a person looking for a logging fault."""
+    sweep = sweep_of({"method": "grid", "parameters": {"train.lr": {"values": [1, 2, 3]}}})
+    record.write(tmp_path, record.make(sweep, trials.choose(sweep)))
+    fake_trial(tmp_path, 0, [5.0, float("nan")], False)
+    fake_trial(tmp_path, 1, [5.0, 4.0, float("nan")], False)
+    # trial 2 never started
+    lines = sweep_status.render(sweep_status.read(tmp_path)).splitlines()
+    assert lines[-1] == "best: none (every trial that logged loss diverged: its last loss is " \
+        "not finite)"
+    empty = tmp_path / "empty"
+    record.write(empty, record.make(sweep, trials.choose(sweep)))
+    lines = sweep_status.render(sweep_status.read(empty)).splitlines()
+    assert lines[-1] == "best: none yet (no trial has logged loss)"
