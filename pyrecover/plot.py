@@ -219,9 +219,10 @@ def _draw(title: str, losses: list[Series], speed: list[Series], found: list[Mar
         if m.kind not in MARKS:
             continue
         name = {"error": "crash", "requeue": "stop", "signal": "stop"}.get(m.kind, m.kind)
-        for ax in (top, low):
+        for ax in (top, low):  # a requeue under the crash or stop it followed, same step
             ax.axvline(m.step, color=_rgb(MARKS[m.kind]), linewidth=2, antialiased=False,
-                       zorder=5, label=None if name in shown or ax is low else name)
+                       zorder=4.5 if m.kind == "requeue" else 5,
+                       label=None if name in shown or ax is low else name)
         shown.add(name)
         if m.kind == "resume":
             top.annotate(f"resume at {m.step}" + (f", {m.label} steps" if m.label else ""),

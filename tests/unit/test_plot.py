@@ -98,6 +98,24 @@ def test_a_requeue_the_job_script_records_in_whole_seconds_sits_at_the_step_it_f
         (10, "stop"), (10, "requeue"), (10, "resume")]
 
 
+def test_a_crash_stays_red_under_the_requeue_that_followed_it(tmp_path):
+    """The job script's requeue after a crash lands on the crash's step; drawn after it, in
+    orange, it hid the red line: a sweep trial killed at step 6 read as stopped there."""
+    run = RunDir(tmp_path / "run")
+    run.create()
+    for step in range(1, 13):
+        run.metric(step=step, loss=5.0 - step * 0.1, tokens_per_s=1000.0,
+                   time=1000.0 + step if step <= 6 else 1030.0 + step)
+    run.event("crash", rank=1, error="RuntimeError: Connection reset by peer", time=1006.2)
+    run.event("requeue", job_id="7", exit_code=137, reason="crash", time=1006)
+    run.event("resume", step=4, steps_lost=2, time=1030.0)
+    out = tmp_path / "run.png"
+    layout = plot.write(run.root, out, width=800, height=400)
+    pixels = read_png(out).load()
+    assert {pixels[layout.x(6), y] for y in range(layout.top + 1, layout.bottom)} == \
+        {plot.CRASH}
+
+
 def records(run: RunDir) -> tuple[list[dict], list[dict]]:
     from pyrecover.rundir import read_jsonl
 
