@@ -144,7 +144,7 @@ def _cancel_sweep(sweep_dir: Path) -> None:
                                      "nothing to cancel")
     for array in arrays:
         live = {int(task.split("_")[1]): state for task, state in array_states(array).items()
-                if state in LIVE_STATES}
+                if state in LIVE_STATES and task.split("_")[1].isdigit()}
         for index, state in sorted(live.items()):
             RunDir(Path(sweep_dir) / trial_name(index)).event(
                 "cancel", job_id=f"{array}_{index}", slurm_state=state)
