@@ -185,6 +185,34 @@ def check_corpus(run: RunDir, corpus: dict, data_path: str) -> dict:
         "on with this data")
 
 
+def hold_same_corpus(corpus: dict, env: DistEnv, data_path: str, run: RunDir) -> None:
+    """hold_same_corpus refuses a start whose ranks read other data at `data_path` (`corpus`:
+    this rank's data.fingerprint): a node whose local copy is stale or another file, or a
+    relative path read from another folder, would train its ranks on other windows than the
+    global data order says, without a word. Every rank compares its fingerprint with rank
+    0's once the group is up; rank 0 records and raises the DataError (one line, exit 2),
+    the others exit 2 without a line."""
+    from pyrecover.datasource import DataError  # pyarrow: the trainer has it loaded
+
+    seen = dist.gather_objects((corpus, dist.node_name()), env.world_size)
+    odd = next((r for r, (fp, _) in enumerate(seen) if fp != seen[0][0]), None)
+    if odd is None:
+        return
+    (ours, here), (theirs, there) = seen[0], seen[odd]
+    what = (f"the same {ours['tokens']} tokens, other text" if ours["tokens"] == theirs["tokens"]
+            else f"{theirs['tokens']} tokens there, {ours['tokens']} on rank 0")
+    exc = DataError(f"{data_path} holds other data on rank {odd} (node {there}) than on rank 0 "
+                    f"(node {here}) ({what}); every rank must read the same corpus: give every "
+                    "node the same file, or put data.path on storage they share")
+    with contextlib.suppress(Exception):
+        dist.teardown()
+    if env.rank == 0:
+        run.event("error", rank=0, error=f"DataError: {exc}")  # no requeue: the job script
+        raise exc
+    wait_for_start_error(run)  # (SLURM would end rank 0 before it recorded why)
+    raise SystemExit(2)
+
+
 def _holds_checkpoints(run: RunDir) -> bool:
     """Anything under checkpoints/ may be resumed: a committed step, a memory-mode snapshot or
     a save whose manifest landed (both made into steps once the run's lock is held)."""

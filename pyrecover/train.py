@@ -52,6 +52,7 @@ from pyrecover.devices import autocast_for, device_kind, kind_name
 from pyrecover.experiment import (
     check_corpus,
     hold_run_dir,
+    hold_same_corpus,
     prepare_run_dir,
     record_start_error,
     recorded_global_batch,
@@ -134,6 +135,7 @@ def main(cfg: Config, run_dir: Path) -> None:
         device = dist.setup(env, kind, timeout_s=watchdog.backstop_seconds(rule, state))
         phases.mark("group_up")
         hold_run_dir(refused, env)
+        hold_same_corpus(corpus, env, cfg.data.path, run)
         if checks:
             health.after_group(run, env, dist.node_name(), health_s)
     except BaseException as exc:
