@@ -199,3 +199,21 @@ def test_storage_failing_on_a_survivors_snapshot_keeps_the_snapshot_for_the_next
     events = []
     resume.tidy(run.checkpoints, lambda kind, **fields: events.append((kind, fields["step"])))
     assert ("snapshot_recovered", 14) in events  # the next start, on storage that answers
+
+
+def test_a_snapshot_whose_persist_did_not_finish_is_named_as_such_not_as_dead_holders(tmp_path):
+    """A full disk tore the survivors' part files before any done marker: the start said
+    "slices [-1] were held only by ranks that died", of a run in which no rank had died."""
+    root = tmp_path / "checkpoints"
+    torn = root / f"{memory.SNAP_PREFIX}30"
+    torn.mkdir(parents=True)
+    (torn / "part-s0-r0.bin").write_bytes(bytes(32768))
+    (torn / "part-s0-r1.bin").write_bytes(b"")
+    said = []
+    memory.finalize_snapshots(root, lambda kind, **fields: said.append((kind, fields)))
+    assert [(kind, fields["step"]) for kind, fields in said] == [("checkpoint_invalid", 30)]
+    reason = said[0][1]["reason"]
+    assert reason == ("the surviving ranks' snapshot of step 30 is incomplete: no rank's "
+                      "persisted files of it verify (a write that did not finish, as on a "
+                      "full disk)"), reason
+    assert not torn.exists()

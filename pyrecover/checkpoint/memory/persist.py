@@ -182,8 +182,10 @@ def finalize_snapshots(root: Path, on_event) -> None:
             done = True
             continue
         if missing and step not in committed and not done:
-            reason = (f"the surviving ranks' snapshot of step {step} is incomplete: slices "
-                      f"{missing} were held only by ranks that died")
+            reason = f"the surviving ranks' snapshot of step {step} is incomplete: " + (
+                "no rank's persisted files of it verify (a write that did not finish, as on a "
+                "full disk)" if not meta else f"slices {missing} were held only by ranks "
+                "that died")
             log.warning("%s; falling back to the newest disk checkpoint", reason)
             on_event("checkpoint_invalid", step=step, path=str(folder), reason=reason)
         shutil.rmtree(folder, ignore_errors=True)
