@@ -99,11 +99,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config):
 
 def apply_changes(optimizer: torch.optim.Optimizer, scheduler, cfg: Config) -> list[str]:
     """apply_changes makes a restored optimizer and schedule use the config's train.lr,
-    weight_decay and betas where a restart changed them, and returns what changed
+    weight_decay and betas where a restart changed them, and the lr its schedule gives the
+    resumed step (train.min_lr, warmup_steps and max_steps shape it), and returns what changed
     (`train.lr: 0.001 -> 0.01`; [] leaves both untouched, so a resume stays bitwise).
 
     Loading the state restores the saved values: the schedule kept the old base lr while its
-    factor used the new min_lr / lr, so a raised lr was ignored and the run ended below min_lr.
+    factor used the new min_lr / lr, so a raised lr was ignored and the run ended below min_lr;
+    and the first step after the resume trained at the lr the old schedule gave it (a
+    finished run continued with a raised max_steps took that step at min_lr).
     """
     t = cfg.train
     decay = optimizer.param_groups[0]  # build_optimizer's: matrices, with weight decay
@@ -113,10 +116,13 @@ def apply_changes(optimizer: torch.optim.Optimizer, scheduler, cfg: Config) -> l
     now = {"train.lr": t.lr, "train.weight_decay": t.weight_decay, "train.beta1": t.beta1,
            "train.beta2": t.beta2}
     changed = [f"{k}: {was[k]:g} -> {now[k]:g}" for k in was if was[k] != now[k]]
+    factor = lr_factor(scheduler.last_epoch, cfg)
+    if not changed and decay["lr"] != t.lr * factor:  # as LambdaLR computes it: bitwise
+        changed = [f"the schedule's lr at step {scheduler.last_epoch + 1}: {decay['lr']:g} -> "
+                   f"{t.lr * factor:g} (train.min_lr, warmup_steps or max_steps)"]
     if not changed:
         return []
     scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
-    factor = lr_factor(scheduler.last_epoch, cfg)
     for i, group in enumerate(optimizer.param_groups):
         group["initial_lr"], group["lr"] = t.lr, t.lr * factor
         group["betas"] = (t.beta1, t.beta2)

@@ -101,8 +101,11 @@ def test_a_restart_with_another_lr_weight_decay_or_betas_trains_with_them(tmp_pa
                         weights_only=True)["optimizer"]["param_groups"]
     assert [(g["weight_decay"], tuple(g["betas"])) for g in groups] == [
         (0.5, (0.9, 0.9)), (0.0, (0.9, 0.9))]  # norms and biases stay without decay
-    again = train(tmp_path, corpus, "train.max_steps=25", *new)  # nothing changed now
-    assert again.returncode == 0 and "from step 20 on" not in again.stderr, again.stderr
+    again = train(tmp_path, corpus, "train.max_steps=25", *new)  # only the schedule's length
+    assert again.returncode == 0 and "train.lr:" not in again.stderr, again.stderr
+    assert "from step 20 on: the schedule's lr at step 21: 0.001 -> " in again.stderr
+    lrs = [m["lr"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")][-5:]
+    assert lrs == sorted(lrs, reverse=True) and lrs[0] > 1e-3, lrs  # no step back at min_lr
 
 
 def test_a_start_refused_for_a_data_error_is_an_attempt_of_its_own(tmp_path, corpus):
