@@ -261,4 +261,6 @@ def _fail(run: RunDir, failure: Failure) -> None:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """_gib is a size for people: GiB, or MiB below one GiB (a small disk's "0.00 GiB free,
+    a checkpoint needs 0.00 GiB" said nothing)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -65,6 +65,13 @@ def test_memory_is_compared_with_what_the_state_needs():
     assert health.mem_available() is None or health.mem_available() > 0
 
 
+def test_sizes_under_a_gib_are_said_in_mib():
+    """A small disk said "0.00 GiB free ..., a checkpoint needs 0.00 GiB"."""
+    assert health._gib(3 * 2**20) == "3.0 MiB" and health._gib(3 * 2**30) == "3.00 GiB"
+    said = health.check_memory(300 * 2**20, available=200 * 2**20)
+    assert said == "200.0 MiB host memory available, the configured state needs 300.0 MiB"
+
+
 def test_memory_mode_needs_room_for_its_snapshots_and_replicas():
     plain = health.state_bytes(1000, "dcp", 2, 4)
     assert plain == 4 * 1000 * health.BYTES_PER_PARAM
