@@ -20,6 +20,7 @@ from pyrecover import faults, flops, optim, parallel
 from pyrecover.checkpoint import CheckpointManager
 from pyrecover.config import Config
 from pyrecover.data import Batches
+from pyrecover.oneline import said_once
 from pyrecover.preempt import Stopper, StopRequested
 from pyrecover.progress import Progress
 from pyrecover.rundir import RunDir
@@ -261,9 +262,10 @@ class Loop:
         checked where every rank has read the same steps, so all stop at the same one."""
         t = self.cfg.train
         if self.state.bad_steps >= t.max_bad_steps:
-            raise TrainingError(
+            raise said_once(TrainingError(
                 f"{self.state.bad_steps} consecutive steps had a non-finite loss or gradient "
-                f"(train.max_bad_steps={t.max_bad_steps}); lower train.lr or check the data")
+                f"(train.max_bad_steps={t.max_bad_steps}); lower train.lr or check the data"),
+                self.rank)
 
     def settled_state(self) -> dict[str, int]:
         """settled_state is the train state with every step's outcome counted (a checkpoint

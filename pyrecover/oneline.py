@@ -4,6 +4,10 @@ ranks' own errors, which say more than the wrapper's "CheckpointException ranks:
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
+
 LIMIT = 300  # characters: an error line stays one line on a terminal's few widths
 WEIGHTS_ONLY = "Weights only load failed"  # torch.load(weights_only=True) refused a file
 
@@ -40,3 +44,17 @@ def not_a_file(path, kind: str) -> str:
     if path.exists():
         return f"is not a regular file (a FIFO, a device or a socket), not {kind}"
     return "does not exist"
+
+
+def said_once(exc: E, rank: int) -> E:
+    """said_once marks `exc` as one every rank raises alike, agreed on through a collective
+    (the final save failed on some rank, too many non-finite steps): rank 0 prints its line,
+    the others end with the same exit code without one, so a job of 512 ranks says it once.
+    Returns `exc`, to raise."""
+    exc.quiet = rank != 0  # type: ignore[attr-defined]
+    return exc
+
+
+def quiet(exc: BaseException) -> bool:
+    """quiet tells whether `exc`'s line is rank 0's to print (said_once), not this rank's."""
+    return bool(getattr(exc, "quiet", False))

@@ -44,6 +44,7 @@ from pyrecover.checkpoint.resume import (
 )
 from pyrecover.checkpoint.stall import StallClock
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
+from pyrecover.oneline import said_once
 from pyrecover.rundir import RunDir
 
 log = logging.getLogger("pyrecover")
@@ -172,11 +173,11 @@ class CheckpointManager:
         self.retention.wait()
         if self.last_saved_step != step and step > 0:
             newest = store.committed_steps(self.root)
-            raise SaveFailed(
+            raise said_once(SaveFailed(  # every rank's error, gathered at the commit
                 f"the checkpoint of step {step} could not be written ({self.last_error}); "
                 + (f"the newest valid one is step {newest[0][0]}" if newest
                    else "there is no valid checkpoint yet")
-                + ". Fix the storage, then run the same command again to resume")
+                + ". Fix the storage, then run the same command again to resume"), self.rank)
 
     def persist_after_failure(self) -> None:
         """persist_after_failure saves what this rank holds after a peer died (memory mode).

@@ -23,6 +23,7 @@ from pyrecover.cli.plot import plot
 from pyrecover.cli.status import cancel, status
 from pyrecover.cli.sweep import sweep_app
 from pyrecover.cli.train import demo, train
+from pyrecover.oneline import quiet
 
 app = typer.Typer(
     help="Train PyTorch models on SLURM clusters through time limits, preemption and crashes.",
@@ -137,14 +138,16 @@ def _main() -> None:
                 typer.echo(f"error: {exc.format_message().rstrip('.')}{hint}", err=True)
             sys.exit(exc.exit_code)
         if isinstance(exc, loaded(USER_ERRORS)):
-            typer.echo(f"error: {exc}", err=True)
+            if not quiet(exc):  # (every rank raised it: rank 0 says it, said_once)
+                typer.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_USER_ERROR)
         from pyrecover.preempt import EXIT_STOPPED, StopRequested
 
         if isinstance(exc, StopRequested):  # saved; the job script requeues on this code
             sys.exit(EXIT_STOPPED)  # (rank 0 logged it once; every rank would say it again)
         if isinstance(exc, loaded(FAULTS)):
-            typer.echo(f"error: {exc}", err=True)
+            if not quiet(exc):
+                typer.echo(f"error: {exc}", err=True)
             sys.exit(1)
         if isinstance(exc, OSError):  # the file system's answer, not a bug: one line
             typer.echo(f"error: {os_error_line(exc)}", err=True)

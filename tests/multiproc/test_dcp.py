@@ -101,7 +101,8 @@ def test_a_final_checkpoint_that_cannot_be_written_fails_the_run_and_keeps_the_l
         max_file_bytes=300_000)
     assert full.returncode == 1, full.stderr
     error = [line for line in full.stderr.splitlines() if line.startswith("error:")]
-    assert error and "checkpoint of step 20 could not be written" in error[0], full.stderr
+    assert len(error) == 1, full.stderr  # every rank's failure, said once, by rank 0
+    assert "checkpoint of step 20 could not be written" in error[0], full.stderr
     assert "File too large" in error[0] and "newest valid one is step 10" in error[0]
     assert "Traceback" not in full.stderr
     run_dir = tmp_path / "run"

@@ -15,12 +15,17 @@ def train(tmp_path, corpus, *extra, name="run"):
     return pyrecover("train", *tiny_args(tmp_path, corpus, name, *extra))
 
 
-def test_a_diverging_run_stops_with_one_clear_line_and_records_it(tmp_path, corpus):
-    done = train(tmp_path, corpus, "train.lr=1e12", "train.min_lr=0", "train.warmup_steps=0",
-                 "train.max_bad_steps=3")
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_diverging_run_stops_with_one_clear_line_and_records_it(tmp_path, corpus, nproc):
+    """Every rank stops at the same step; rank 0 alone says why (a job of 512 ranks printed
+    the line 512 times)."""
+    done = pyrecover("train", "--nproc", str(nproc), *tiny_args(
+        tmp_path, corpus, "run", "train.lr=1e12", "train.min_lr=0", "train.warmup_steps=0",
+        "train.max_bad_steps=3"))
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith(
-        "error: 3 consecutive steps had a non-finite loss")
+    said = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and said[0].startswith(
+        "error: 3 consecutive steps had a non-finite loss"), done.stderr
     events = [e["event"] for e in read_jsonl(tmp_path / "run" / "events.jsonl")
               if e["event"] != "phase"]  # phases.py: the exit phase comes after the error
     assert events.count("bad_step") == 3 and events[-1] == "error"
