@@ -73,6 +73,7 @@ def launch(
     from pyrecover.experiment import check_run_dir, prepare_run_dir
     from pyrecover.rundir import RunDir
     from pyrecover.slurm import LaunchError, submit
+    from pyrecover.slurm.query import slow_note
     from pyrecover.slurm.render import absolute_paths
     from pyrecover.sweep import SweepError, bayes, record, render, spec, trials, wandb_sweep
 
@@ -146,6 +147,7 @@ def launch(
         raise LaunchError(f"image {job.image!r} does not exist: build it with `make image`, "
                           "fix image/--image, or use --dry-run")
     submit.require_sbatch(os.environ)
+    timeout = submit.sbatch_timeout(os.environ)  # a bad value refused before anything is written
     sweep_dir = Path(job.run_dir)
     _refuse_a_second_live_array(sweep_dir)
     record.check(sweep_dir, rec)  # before wandb is asked: a refused launch registers nothing
@@ -167,7 +169,8 @@ def launch(
             prepare_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()), rename=trials.RENAME)
     job.run.job_script.write_text(script)
     try:
-        job_id = submit.submit(argv, cwd=job.run_dir)
+        with slow_note("sbatch"):  # as launch's: a SLURM that does not answer is said
+            job_id = submit.submit(argv, cwd=job.run_dir, timeout=timeout)
     except LaunchError as exc:
         # Refused, so no trial runs from it: a new sweep's folder would keep its name taken.
         if new_sweep and not isinstance(exc, submit.MaybeSubmitted):

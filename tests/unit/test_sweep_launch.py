@@ -383,3 +383,24 @@ def test_a_sweep_sbatch_refused_leaves_no_folder_so_its_name_stays_free(tmp_path
     assert pyrecover(*argv, env=env, cwd=tmp_path).returncode == 2
     assert (tmp_path / "st" / "lr" / "trial-0" / "run.yaml").is_file()
     assert (tmp_path / "st" / "lr" / "jobs").read_text() == "79\n"
+
+
+def test_a_sweep_s_sbatch_answers_within_pyrecover_sbatch_timeout_as_launch_s_does(
+        tmp_path, corpus):
+    """sweep launch waited up to 120 s for sbatch whatever PYRECOVER_SBATCH_TIMEOUT said, and
+    said nothing while it waited; a bad value is refused before anything is written."""
+    env = stub_slurm(tmp_path)
+    (tmp_path / "bin" / "sbatch").write_text("#!/bin/sh\nsleep 30\n")
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump({**GRID, "name": "lr"}, sort_keys=False))
+    argv = ["sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
+            "--set", f"run.storage={tmp_path / 'st'}", "--set", f"data.path={corpus}"]
+    bad = pyrecover(*argv, env={**env, "PYRECOVER_SBATCH_TIMEOUT": "soon"}, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.splitlines()[-1] == (
+        "error: PYRECOVER_SBATCH_TIMEOUT='soon': expected seconds, e.g. 300"), bad.stderr
+    assert not (tmp_path / "st" / "lr").exists()
+    slow = pyrecover(*argv, env={**env, "PYRECOVER_SBATCH_TIMEOUT": "5"}, cwd=tmp_path)
+    assert slow.returncode == 2, slow.stderr
+    assert "pyrecover: waiting for SLURM (sbatch) to answer" in slow.stderr
+    assert slow.stderr.splitlines()[-1].startswith("error: sbatch did not answer within 5s")
+    assert (tmp_path / "st" / "lr").is_dir()  # the array may be queued: its folder stays
