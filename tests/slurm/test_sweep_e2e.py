@@ -54,6 +54,19 @@ def sweep_launch_argv(sweep_file: Path, storage: Path, corpus: Path, sets) -> li
     return argv
 
 
+def launch_sweep(local_slurm: LocalSlurm, tmp_path: Path, corpus: Path, text: str
+                 ) -> tuple[list[str], dict[str, str], str]:
+    """launch_sweep writes `text` to sweep.yaml and launches it into tmp_path/storage with a
+    0.5 s step; returns the argv, the environment and what the launch printed."""
+    (tmp_path / "sweep.yaml").write_text(text)
+    argv = sweep_launch_argv(tmp_path / "sweep.yaml", tmp_path / "storage", corpus, SETS)
+    env = launch_env(local_slurm, {"PYRECOVER_STEP_DELAY": "0.5"})
+    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return argv, env, done.stdout
+
+
 def explain(sweep_dir: Path) -> str:
     parts = []
     for trial in sorted(sweep_dir.glob("trial-*")):
@@ -65,15 +78,10 @@ def explain(sweep_dir: Path) -> str:
 
 def test_a_grid_sweep_runs_as_one_array_and_a_preempted_trial_requeues_alone(
         local_slurm: LocalSlurm, corpus: Path, tmp_path: Path):
-    (tmp_path / "sweep.yaml").write_text(SWEEP)
+    argv, env, said = launch_sweep(local_slurm, tmp_path, corpus, SWEEP)
     storage = tmp_path / "storage"
-    argv = sweep_launch_argv(tmp_path / "sweep.yaml", storage, corpus, SETS)
-    env = launch_env(local_slurm, {"PYRECOVER_STEP_DELAY": "0.5"})
-    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    match = re.search(r"^submitted job array (\d+) \(4 trials\)", done.stdout, re.M)
-    assert match, done.stdout
+    match = re.search(r"^submitted job array (\d+) \(4 trials\)", said, re.M)
+    assert match, said
     array = int(match.group(1))
     sweep_dir = storage / "lr-seed"
     tasks = [f"{array}_{i}" for i in range(4)]
@@ -168,15 +176,10 @@ def test_a_sweep_is_cancelled_for_good_and_so_is_one_trial_still_in_the_queue(
     event of its own names its task yet), and `pyrecover cancel SWEEP_DIR` ends every task for
     good: the running trial saves at its next step and is not requeued, the waiting ones never
     start. A second launch while the array is queued names that command."""
-    (tmp_path / "sweep.yaml").write_text(
-        SWEEP.replace("lr-seed", "ended").replace("max_parallel: 2", "max_parallel: 1"))
+    argv, env, said = launch_sweep(local_slurm, tmp_path, corpus, SWEEP.replace(
+        "lr-seed", "ended").replace("max_parallel: 2", "max_parallel: 1"))
     storage = tmp_path / "storage"
-    argv = sweep_launch_argv(tmp_path / "sweep.yaml", storage, corpus, SETS)
-    env = launch_env(local_slurm, {"PYRECOVER_STEP_DELAY": "0.5"})
-    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    array = int(re.search(r"^submitted job array (\d+) ", done.stdout, re.M).group(1))
+    array = int(re.search(r"^submitted job array (\d+) ", said, re.M).group(1))
     sweep_dir = storage / "ended"
     tasks = [f"{array}_{i}" for i in range(4)]
 
