@@ -2,8 +2,8 @@
 
 `local_checks` runs on each task before the process group: the GPUs the task expects are
 visible and a small matrix product on its GPU matches the CPU's; host memory and the
-storage's free space hold the configured state and a checkpoint; the storage takes a small
-write + fsync within a bound. `first_collective` then runs one all-reduce over every rank
+checkpoints' filesystem has room for a checkpoint; the run folder and checkpoints/ each take
+a small write + fsync within a bound. `first_collective` then runs one all-reduce over every rank
 within a bound. A failure is a `Failure` naming the node and the check; the trainer writes
 it as one line and a `health` event and exits with `EXIT_HEALTH`, which the job script reads
 to exclude the node (pyrecover/slurm/render.py).
@@ -217,11 +217,30 @@ def checks_for(cfg: Config, env: DistEnv, run: RunDir, device_kind: str
     return {
         "gpu": lambda: check_gpu(device_kind, env.local_rank, env.local_world_size),
         "memory": lambda: check_memory(memory),
-        # One checkpoint in flight beside the kept ones: the space for one more.
-        "storage_space": lambda: check_storage_space(run.root,
+        # One checkpoint in flight beside the kept ones: the space for one more, where the
+        # saves go (checkpoints/ may be a link to another filesystem, e.g. a scratch one).
+        "storage_space": lambda: check_storage_space(_saves_folder(run),
                                                      params * CHECKPOINT_BYTES_PER_PARAM),
-        "storage_write": lambda: check_storage_write(run.root, f"rank{env.rank}"),
+        "storage_write": lambda: check_storage_writes(run, f"rank{env.rank}"),
     }
+
+
+def _saves_folder(run: RunDir) -> Path:
+    """_saves_folder is checkpoints/ where it is already made (every start makes it before
+    the checks), else the run folder that will hold it."""
+    return run.checkpoints if run.checkpoints.is_dir() else run.root
+
+
+def check_storage_writes(run: RunDir, tag: str) -> str | None:
+    """check_storage_writes: the run folder (events, metrics) and checkpoints/ (the saves)
+    each take a write + fsync. A checkpoints/ that refuses writes under a writable run
+    folder (a link to a read-only or full filesystem, other permissions) would otherwise
+    train to the end with no checkpoint and fail only at its final save."""
+    said = check_storage_write(run.root, tag)
+    saves = _saves_folder(run)
+    if said is None and saves != run.root:
+        said = check_storage_write(saves, tag)
+    return said
 
 
 def before_group(cfg: Config, env: DistEnv, run: RunDir, device_kind: str, node: str) -> float:

@@ -46,3 +46,18 @@ def test_the_check_can_be_turned_off(tmp_path, corpus):
                      env={"PYRECOVER_HEALTH_FAIL": socket.gethostname()})
     assert done.returncode == 0, done.stderr[-3000:]
     assert events(tmp_path / "off", "health") == []
+
+
+def test_a_checkpoints_folder_on_a_filesystem_with_no_room_fails_before_training(tmp_path,
+                                                                                 corpus):
+    """checkpoints/ a link to another filesystem (here /proc/1: no space, nothing can be
+    created) under a writable run folder: the start fails its check at once, where it used
+    to train to the end and fail only at its final save."""
+    run = tmp_path / "linked"
+    run.mkdir()
+    (run / "checkpoints").symlink_to("/proc/1")
+    done = pyrecover("train", *tiny_args(tmp_path, corpus, "linked", *SHORT))
+    assert done.returncode == 77, done.stderr[-3000:]
+    [line] = [line for line in done.stderr.splitlines() if "health check failed" in line]
+    assert f"storage_space: 0.0 MiB free under {run / 'checkpoints'}" in line, line
+    assert not events(run, "start") and not (run / "metrics.jsonl").exists()

@@ -156,6 +156,23 @@ def test_a_storage_that_refuses_the_write_fails_the_write_check(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
+def test_a_checkpoints_folder_that_refuses_writes_fails_under_a_writable_run_folder(
+        tmp_path: Path):
+    """checkpoints/ linked to a folder nothing can be created in (/proc/1, as for root too):
+    the run folder takes the write, the saves' folder is named as the one that refused."""
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    assert health.check_storage_writes(run, "rank0") is None
+    run.checkpoints.rmdir()
+    run.checkpoints.symlink_to("/proc/1")
+    said = health.check_storage_writes(run, "rank0")
+    assert said is not None
+    assert said.startswith(f"cannot write and fsync a file in {run.checkpoints}:"), said
+    assert sorted(p.name for p in run.root.iterdir()) == ["checkpoints", "logs"]
+
+
 def test_a_write_slower_than_its_bound_fails(tmp_path: Path):
     said = health.check_storage_write(tmp_path, "rank0", bound_s=-1.0)
     assert said is not None and "bound" in said
