@@ -42,10 +42,10 @@ def train(
 
     Stopping: USR2 (run.stop_signal), TERM or Ctrl-C makes every rank stop after the same
     step with a checkpoint and exit 75 ("run me again"); a second Ctrl-C quits at once. Exit
-    codes: 0 finished, 1 crash (or a peer died), 2 config or data error, 75 stopped cleanly,
-    76 a rank hung, 77 a health check failed. Checkpoints every checkpoint.interval steps, or
-    `--set checkpoint.interval=auto` for the Young/Daly interval from the measured save time
-    and the run's failures.
+    codes: 0 finished, 1 crash (or a peer died), 2 config, data or training error (a loss
+    that stays NaN), 75 stopped cleanly, 76 a rank hung, 77 a health check failed.
+    Checkpoints every checkpoint.interval steps, or `--set checkpoint.interval=auto` for the
+    Young/Daly interval from the measured save time and the run's failures.
 
     Where torch has no compiled bytecode and none can be written next to it, every start
     would compile torch again: train caches it in PYRECOVER_PYCACHE (default

@@ -30,12 +30,13 @@ trap 'echo "pyrecover: batch shell got SIGTERM; waiting for the training step" >
         "$STOP_SIGNAL"
 
 # ---- after the training step: the requeue decision ----------------------------------
-# Exit 0: finished. 2: a config or data error, which a requeue cannot fix. 75: stopped
-# cleanly with a checkpoint (signal or deadline). 76: a rank hung (the watchdog fired), a
-# crash recorded as hang. 77: a task's health check failed. Anything else: a crash. A clean
-# stop that trained some steps always requeues (a long run stops at every time limit); a
-# failure, or a clean stop that made no progress (a stop that repeats at once), requeues
-# while this job's earlier failures are fewer than MAX_RESTARTS. Each decision is recorded.
+# Exit 0: finished. 2: a config, data or training error (a diverged loss), which a
+# requeue cannot fix. 75: stopped cleanly with a checkpoint (signal or deadline). 76: a rank
+# hung (the watchdog fired), a crash recorded as hang. 77: a task's health check failed.
+# Anything else: a crash. A clean stop that trained some steps always requeues (a long run
+# stops at every time limit); a failure, or a clean stop that made no progress (a stop that
+# repeats at once), requeues while this job's earlier failures are fewer than MAX_RESTARTS.
+# Each decision is recorded.
 record() {
     local fmt='{"event": "%s", "time": %s, "job_id": "%s", "restart_count": %s, '
     fmt+='"in_job_restart": %s, "exit_code": %s, "reason": "%s"}\n'
@@ -120,7 +121,7 @@ after_training() {
     reason=$(reason_for "$code")
     case $code in
         0) exit 0 ;;
-        2) record no_requeue "$code" "config or data error"; exit 2 ;;
+        2) record no_requeue "$code" "config, data or training error"; exit 2 ;;
     esac
     if cancelled; then
         record no_requeue "$code" "cancelled; the job may not requeue"

@@ -324,9 +324,9 @@ def test_a_data_error_in_the_job_exits_2_and_is_not_requeued(local_slurm, jobs, 
     # srun may return a SIGTERMed peer's 143 rather than the failing rank's 2; the script
     # then finds this attempt's `error` event and still does not requeue.
     assert [(d["event"], d["exit_code"], d["reason"]) for d in decisions] == [
-        ("no_requeue", 2, "config or data error")]
+        ("no_requeue", 2, "config, data or training error")]
     assert (info["ExitCode"], info["Restarts"]) == ("2:0", "0")
-    assert report["state"] == "ended: config or data error"
+    assert report["state"] == "ended: config, data or training error"
 
 
 def test_a_run_longer_than_the_time_limit_stops_on_the_warning_signal_and_completes(
