@@ -92,9 +92,12 @@ def parse(raw: Any, default_name: str, source: str = "sweep") -> Sweep:
     if unknown:
         raise SweepError(f"{source}: unknown key {short(unknown[0])}; known: "
                          f"{', '.join(_TOP_KEYS)}")
-    name = str(raw.get("name") or default_name)
-    if not _NAME.fullmatch(name) or ".." in name:
-        raise SweepError(f"{source}: name={short(name)} is not allowed: letters, digits, '.', '_' "
+    given = raw.get("name")  # absent or null: the file's name; "", a list or true: a mistake
+    name = default_name if given is None else str(given)
+    if isinstance(given, bool) or not isinstance(given, (str, int, type(None))) or \
+            not _NAME.fullmatch(name) or ".." in name:
+        shown = short(name if given is None else given)
+        raise SweepError(f"{source}: name={shown} is not allowed: letters, digits, '.', '_' "
                          "and '-' (it names the sweep's folder)")
     method = raw.get("method")
     if method not in METHODS:

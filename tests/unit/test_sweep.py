@@ -110,6 +110,9 @@ def test_log_uniform_draws_spread_evenly_over_the_decades():
     ({"metric": {"name": "loss", "goal": "lowest"}}, "metric.goal='lowest'"),
     ({"name": "a/b"}, "name='a/b' is not allowed"),
     ({"name": "ab\n"}, "name='ab\\n' is not allowed"),  # `$` alone lets a newline end it
+    ({"name": ""}, "name='' is not allowed"),  # not the file's name in silence
+    ({"name": ["a"]}, "name=['a'] is not allowed"),
+    ({"name": True}, "name=True is not allowed"),
     ({"early_terminate": {}}, "unknown key 'early_terminate'"),
 ])
 def test_a_bad_sweep_file_is_refused_naming_the_key(change, message):
