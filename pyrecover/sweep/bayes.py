@@ -73,10 +73,13 @@ def check_launch(sweep: spec.Sweep, base: Config, world_size: int | None) -> Non
     before anything is written or submitted."""
     trials.check_owned(sweep)
     first = {p.key: edges(p)[0] for p in sweep.params}
+    built = {}
     for p in sweep.params:
         for value in edges(p):
-            trials.trial_config(sweep.name, base, 0, {**first, p.key: value}, world_size,
-                                f"parameters.{p.key}={value!r} (a value wandb may choose)")
+            built[f"a trial with {p.key}={value!r}"] = trials.trial_config(
+                sweep.name, base, 0, {**first, p.key: value}, world_size,
+                f"parameters.{p.key}={value!r} (a value wandb may choose)")
+    trials.check_metric(sweep, built)
 
 
 def check_values(sweep: spec.Sweep, args: Any) -> dict[str, Any]:

@@ -134,7 +134,10 @@ def render(s: SweepStatus) -> str:
         lines.append(f"best: none (every trial that logged {s.metric} diverged: its last "
                      f"{s.metric} is not finite)")
     elif s.best is None:
-        lines.append(f"best: none yet (no trial has logged {s.metric})")
+        why = ("; mfu is logged only on a GPU whose bf16 peak pyrecover knows "
+               "(pyrecover/flops.py), never on the CPU"
+               if s.metric == "mfu" and any(t.step for t in s.trials) else "")
+        lines.append(f"best: none yet (no trial has logged {s.metric}{why})")
     else:
         top = s.trials[0]
         where = "" if top.state == "finished" else f" at step {top.step}, not finished"

@@ -70,8 +70,21 @@ def configs(sweep: Sweep, base: Config, chosen: list[dict[str, Scalar]],
     """configs builds and validates each trial's Config; raises SweepError for the first bad
     trial, naming it and the config's complaint. `base` has absolute paths."""
     check_owned(sweep)
-    return [trial_config(sweep.name, base, index, values, world_size)
+    cfgs = [trial_config(sweep.name, base, index, values, world_size)
             for index, values in enumerate(chosen)]
+    check_metric(sweep, {f"trial {i}": c for i, c in enumerate(cfgs)})
+    return cfgs
+
+
+def check_metric(sweep: Sweep, cfgs: dict[str, Config]) -> None:
+    """check_metric refuses a ranking by a metric that trials (named by the keys) never log:
+    MFU on the CPU, which has no bf16 peak to measure it against (a sweep said "best: none
+    yet" for ever)."""
+    on_cpu = next((what for what, c in cfgs.items() if c.train.device == "cpu"), None)
+    if sweep.metric == "mfu" and on_cpu is not None:
+        raise SweepError(f"metric.name='mfu': {on_cpu} trains on the CPU (train.device=cpu), "
+                         "where no MFU is measured (it needs a GPU's bf16 peak); rank by "
+                         "tokens_per_s instead")
 
 
 def check_owned(sweep: Sweep) -> None:

@@ -294,3 +294,23 @@ def test_a_sweep_whose_every_trial_diverged_says_so_not_that_none_logged_the_met
     record.write(empty, record.make(sweep, trials.choose(sweep)))
     lines = sweep_status.render(sweep_status.read(empty)).splitlines()
     assert lines[-1] == "best: none yet (no trial has logged loss)"
+
+
+def test_ranking_by_mfu_is_refused_for_cpu_trials_and_explained_where_none_is_logged(
+        tmp_path):
+    """MFU needs a GPU's bf16 peak: a sweep ranked by it on the CPU said "best: none yet"
+    for ever."""
+    sweep = sweep_of({"method": "grid", "metric": {"name": "mfu", "goal": "maximize"},
+                      "parameters": {"train.lr": {"values": [1e-3, 2e-3]}}})
+    cpu = absolute_paths(config_mod.load(TINY, ["run.storage=/s", "train.device=cpu"]),
+                         FIXED_CWD)
+    with pytest.raises(SweepError) as err:
+        trials.configs(sweep, cpu, trials.choose(sweep))
+    assert "metric.name='mfu': trial 0 trains on the CPU" in str(err.value)
+    assert "rank by tokens_per_s" in str(err.value)
+    assert len(trials.configs(sweep, base_config(), trials.choose(sweep))) == 2  # auto: a GPU
+    record.write(tmp_path, record.make(sweep, trials.choose(sweep)))
+    fake_trial(tmp_path, 0, [5.0, 4.0], False)  # logged steps, no mfu: an unknown GPU
+    lines = sweep_status.render(sweep_status.read(tmp_path)).splitlines()
+    assert lines[-1].startswith("best: none yet (no trial has logged mfu; mfu is logged only "
+                                "on a GPU whose bf16 peak pyrecover knows")

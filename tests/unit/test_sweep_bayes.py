@@ -119,6 +119,16 @@ def test_the_launch_checks_every_value_wandb_may_choose_against_the_config(chang
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_bayes_sweep_ranked_by_mfu_on_the_cpu_is_refused_at_launch():
+    sweep = spec.parse({**BAYES, "metric": {"name": "mfu", "goal": "maximize"}}, "bo")
+    cpu = config_mod.load(TINY, ["run.storage=/s", "train.device=cpu"])
+    with pytest.raises(SweepError) as err:
+        bayes.check_launch(sweep, trials.base_for(sweep, cpu), 1)
+    assert str(err.value).startswith("metric.name='mfu': a trial with train.lr=0.0001 trains "
+                                     "on the CPU (train.device=cpu)"), err.value
+    bayes.check_launch(sweep, trials.base_for(sweep, base_config()), 1)  # auto: a GPU
+
+
 @pytest.mark.parametrize("sets, env, why", [
     (["tracking.wandb=offline"], {"WANDB_API_KEY": KEY}, "tracking.wandb=offline resolves to "
                                                          "offline"),
