@@ -17,6 +17,7 @@ from typing import Any
 from pyrecover import ledger as ledger_mod
 from pyrecover import phases
 from pyrecover.badnodes import read_bad_nodes
+from pyrecover.health import Failure
 from pyrecover.profiling import describe
 from pyrecover.records import is_number, well_formed
 from pyrecover.rundir import RunDir, live_holder, read_jsonl
@@ -92,8 +93,8 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
     job_id = next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
     began = max((i for i, e in enumerate(events) if e.get("event") in ("start", "resume")),
                 default=-1)  # an error is shown until the run starts again
-    last_error = next((e.get("error") for e in reversed(events[began + 1:])
-                       if e.get("event") in ("error", "crash")), None)
+    last_error = next((_error_of(e) for e in reversed(events[began + 1:])
+                       if e.get("event") in ("error", "crash") or _health_failed(e)), None)
     state = _state(events)
     if state == RUNNING_OR_KILLED:  # a held lock: running; free, holder here and gone: killed
         holder = live_holder(run)
@@ -216,6 +217,8 @@ def _state(events: list[dict[str, Any]]) -> str:
             return "crashed"
         if kind == "hang":  # the watchdog ended it (exit 76); `hang` lines say where
             return "hung"
+        if _health_failed(e):  # exit 77, before training (a job excludes the node, requeues)
+            return "health check failed"
         if kind == "no_requeue":
             return "ended: " + str(e.get("reason", ""))
         if kind == "cancel":
@@ -223,6 +226,20 @@ def _state(events: list[dict[str, Any]]) -> str:
         if kind in ("start", "resume"):
             return RUNNING_OR_KILLED
     return "not started"
+
+
+def _health_failed(e: dict[str, Any]) -> bool:
+    return e.get("event") == "health" and e.get("ok") is False
+
+
+def _error_of(e: dict[str, Any]) -> Any:
+    """_error_of is an `error` or `crash` event's error, or a failed health check's line."""
+    if _health_failed(e):
+        rank = e.get("rank")
+        return Failure(str(e.get("check")), str(e.get("node")),
+                       rank if isinstance(rank, int) else -1,
+                       str(e.get("error"))).line().removeprefix("pyrecover: ")
+    return e.get("error")
 
 
 def _logged_error(run: RunDir) -> str | None:

@@ -4,6 +4,7 @@ naming the node and the check, before training starts; `run.health_check=false` 
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -61,3 +62,8 @@ def test_a_checkpoints_folder_on_a_filesystem_with_no_room_fails_before_training
     [line] = [line for line in done.stderr.splitlines() if "health check failed" in line]
     assert f"storage_space: 0.0 MiB free under {run / 'checkpoints'}" in line, line
     assert not events(run, "start") and not (run / "metrics.jsonl").exists()
+    shown = pyrecover("status", str(run), "--json")  # what failed, not "not started"
+    assert shown.returncode == 0, shown.stderr
+    report = json.loads(shown.stdout)
+    assert report["state"] == "health check failed"
+    assert report["last_error"] == line.removeprefix("pyrecover: ")
