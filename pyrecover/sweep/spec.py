@@ -40,6 +40,9 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # always fullmatch: `$`
 _TOP_KEYS = ("name", "method", "metric", "parameters", "run_cap", "max_parallel", "seed",
              "description", "program", "command", "project", "entity")
 Scalar = str | int | float | bool
+_USES = {"categorical": ("values",), "constant": ("value",), "q_uniform": ("min", "max", "q")}
+_USES.update(dict.fromkeys(("uniform", "log_uniform_values", "int_uniform"), ("min", "max")))
+"""The keys each distribution reads (besides `distribution`): any other is refused."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,11 @@ def _param(key: str, raw: Any, source: str) -> Param:
     if dist not in DISTRIBUTIONS:
         raise SweepError(f"{where}: distribution={short(dist)} is not supported: expected one of "
                          f"{', '.join(DISTRIBUTIONS)}")
+    unused = sorted(set(map(str, raw)) - {"distribution", *_USES[dist]})
+    if unused:  # silently dropped, it would change the sweep without a word
+        raise SweepError(f"{where}: {short(unused[0])} does not apply to distribution {dist} "
+                         f"(it reads {', '.join(_USES[dist])}); remove it or change the "
+                         "distribution")
     if dist == "categorical":
         values = raw.get("values")
         if not isinstance(values, list) or not values:

@@ -114,6 +114,16 @@ def test_log_uniform_draws_spread_evenly_over_the_decades():
     ({"name": ["a"]}, "name=['a'] is not allowed"),
     ({"name": True}, "name=True is not allowed"),
     ({"early_terminate": {}}, "unknown key 'early_terminate'"),
+    # A key the distribution does not read would be dropped without a word: refused.
+    ({"parameters": {"train.lr": {"values": [1e-3], "value": 2e-3}}},
+     "parameters.train.lr: 'value' does not apply to distribution categorical (it reads values)"),
+    ({"parameters": {"train.lr": {"values": [1e-3], "min": 0.1, "max": 1}}},
+     "'max' does not apply to distribution categorical"),
+    ({"parameters": {"train.lr": {"distribution": "constant", "value": 1, "values": [2]}}},
+     "'values' does not apply to distribution constant (it reads value)"),
+    ({"method": "random", "run_cap": 2, "parameters": {"train.lr": {
+        "distribution": "uniform", "min": 1e-3, "max": 1e-2, "q": 1e-3}}},
+     "'q' does not apply to distribution uniform (it reads min, max)"),
 ])
 def test_a_bad_sweep_file_is_refused_naming_the_key(change, message):
     with pytest.raises(SweepError, match=".*") as err:
