@@ -100,8 +100,9 @@ def parse(raw: Any, default_name: str, source: str = "sweep") -> Sweep:
     if isinstance(given, bool) or not isinstance(given, (str, int, type(None))) or \
             not _NAME.fullmatch(name) or ".." in name:
         shown = short(name if given is None else given)
-        raise SweepError(f"{source}: name={shown} is not allowed: letters, digits, '.', '_' "
-                         "and '-' (it names the sweep's folder)")
+        raise SweepError(f"{source}: name={shown} is not allowed: up to 128 letters, digits, "
+                         "'.', '_' and '-', the first a letter or digit, no '..' (it names the "
+                         "sweep's folder)")
     method = raw.get("method")
     if method not in METHODS:
         raise SweepError(f"{source}: method={short(method)} is not allowed: expected grid, random "

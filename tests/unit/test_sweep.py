@@ -113,6 +113,11 @@ def test_log_uniform_draws_spread_evenly_over_the_decades():
     ({"name": ""}, "name='' is not allowed"),  # not the file's name in silence
     ({"name": ["a"]}, "name=['a'] is not allowed"),
     ({"name": True}, "name=True is not allowed"),
+    # Every character of these is allowed: the message says what else a name must be.
+    ({"name": ".."}, "name='..' is not allowed: up to 128 letters, digits, '.', '_' and '-', "
+                     "the first a letter or digit, no '..'"),
+    ({"name": "-x"}, "name='-x' is not allowed: up to 128 letters, digits, '.', '_' and '-', "
+                     "the first a letter or digit"),
     ({"early_terminate": {}}, "unknown key 'early_terminate'"),
     # A key the distribution does not read would be dropped without a word: refused.
     ({"parameters": {"train.lr": {"values": [1e-3], "value": 2e-3}}},
