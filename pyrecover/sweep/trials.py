@@ -94,6 +94,20 @@ def check_owned(sweep: Sweep) -> None:
                          f"<run.storage>/{sweep.name}/{TRIAL_PREFIX}<i>)")
 
 
+def check_sets(sweep: Sweep, source: object, sets: list[str]) -> None:
+    """check_sets refuses a --set that no trial would keep: a swept key (each trial's value
+    replaces it) or run.exp_name (the sweep's name names the folder)."""
+    swept = {p.key for p in sweep.params}
+    for item in sets:
+        key = config_mod.parse_override(item)[0]
+        if key in swept:
+            raise SweepError(f"--set {key}: {source} sweeps it, so every trial would replace "
+                             "it with its own value; leave out one or the other")
+        if key == "run.exp_name":
+            raise SweepError(f"--set {key}: the sweep's name names its folder ({sweep.name}); "
+                             f"set name: in {source} instead")
+
+
 def trial_config(name: str, base: Config, index: int, values: dict[str, Any],
                  world_size: int | None = None, what: str | None = None) -> Config:
     """trial_config is trial `index` of sweep `name`: `base` (run dir: the sweep's folder) in

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import yaml
-from helpers import TINY, pyrecover
+from helpers import TINY, default_cluster, pyrecover
 from sbatch_support import FIXED_CWD, HOSTILE, PYTHON, check_golden, run_step, shellcheck
 
 from pyrecover import config as config_mod
@@ -180,6 +180,25 @@ def test_an_unknown_key_or_impossible_value_names_the_trial_and_the_key(params, 
     with pytest.raises(SweepError) as err:
         trials.configs(sweep, base_config(), trials.choose(sweep), world_size=2)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("item, message", [
+    ("train.lr=0.1", "--set train.lr: s.yaml sweeps it, so every trial would replace it"),
+    (" train.seed = 3", "--set train.seed: s.yaml sweeps it"),
+    ("run.exp_name=x", "--set run.exp_name: the sweep's name names its folder (s); set name: "
+                       "in s.yaml instead"),
+])
+def test_a_set_no_trial_would_keep_is_one_line_exit_2_and_writes_nothing(tmp_path, item,
+                                                                         message):
+    """A --set of a swept key (or of the run's name) was dropped without a word: every trial
+    ran with its own value."""
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(GRID))
+    done = pyrecover("sweep", "launch", "s.yaml", "--config", str(TINY), "--set", item,
+                     "--set", f"run.storage={tmp_path / 'st'}", "--dry-run", cwd=tmp_path,
+                     env=default_cluster(tmp_path))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and message in lines[0], done.stderr
+    assert not (tmp_path / "st").exists()
 
 
 def test_relaunching_records_the_same_trials_and_refuses_other_ones(tmp_path):
