@@ -17,6 +17,9 @@ from pyrecover import status as run_status
 from pyrecover.rundir import RunDir, read_jsonl
 from pyrecover.sweep import bayes, record
 
+DIVERGED_ERROR = "TrainingError:"
+"""How the error of a run that train.max_bad_steps ended begins (loop.TrainingError; not
+imported: it would import torch into `sweep status`)."""
 NO_VALUES = "no values yet"
 """A bayes trial's state before wandb handed it its values (at its first start)."""
 
@@ -89,7 +92,10 @@ def _trial(path: Path, index: int, params: dict[str, Any] | None, rec: record.Re
         return Trial(index, str(path), params, "missing", slurm_state, 0, None, 0, None, None)
     s = run_status.read(path)
     best = (min(finite) if rec.goal == "minimize" else max(finite)) if finite else None
-    diverged = bool(values) and not math.isfinite(values[-1])
+    # NaN gradients under finite losses end a trial too (train.max_bad_steps): its last loss
+    # (say 7e9) is no result, and ranked by tokens_per_s it could have been named best.
+    diverged = (bool(values) and not math.isfinite(values[-1])) or \
+        str(s.last_error).startswith(DIVERGED_ERROR)
     return Trial(index=index, run_dir=str(path), params=params, state=s.state,
                  slurm_state=slurm_state, step=s.step, max_steps=s.max_steps,
                  restarts=_restarts(run), last=values[-1] if values and not diverged else None,

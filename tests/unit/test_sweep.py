@@ -313,6 +313,25 @@ def test_a_trial_that_diverged_is_ranked_after_the_others_and_never_named_best(t
     assert report["best"] == 2 and report["trials"][2]["diverged"] is True
 
 
+def test_a_trial_the_nan_guard_ended_under_finite_losses_is_diverged_not_ranked(tmp_path):
+    """NaN gradients with finite losses (lr 1e5, no clipping) end a trial by
+    train.max_bad_steps with a last loss of 7e9: it was ranked as a result, and by a metric
+    to maximize it could have been named best."""
+    from pyrecover.loop import TrainingError
+
+    sweep = sweep_of({"method": "grid", "metric": {"name": "loss", "goal": "maximize"},
+                      "parameters": {"train.lr": {"values": [1, 2]}}})
+    record.write(tmp_path, record.make(sweep, trials.choose(sweep)))
+    fake_trial(tmp_path, 0, [5.0, 7.5e9], False)
+    RunDir(tmp_path / "trial-0").event("error", rank=0, error=f"{TrainingError.__name__}: 5 "
+                                       "consecutive steps had a non-finite loss or gradient")
+    fake_trial(tmp_path, 1, [5.0, 4.0], True)
+    s = sweep_status.read(tmp_path)
+    assert [(t.index, t.diverged, t.last) for t in s.trials] == [(1, False, 4.0),
+                                                                  (0, True, None)]
+    assert s.best == 1
+
+
 def test_a_sweep_whose_every_trial_diverged_says_so_not_that_none_logged_the_metric(tmp_path):
     """Every lr too high: each trial logged losses, the last NaN. The last line said "best:
     none yet (no trial has logged loss)", which sends a person looking for a logging fault."""
