@@ -6,8 +6,9 @@ imported only when a plot is drawn. The top panel is the loss with the run's mar
 - checkpoint: a green tick along the bottom and a faint dotted line;
 - resume: blue, at the step the run resumed from, labelled with the steps it had to redo,
   which are shaded (the lost work);
-- crash / error: red, at the last step logged before the event;
-- stop / requeue / signal: orange.
+- crash / error, and the job script's requeue or restart after a failure (a task SIGKILLed
+  records no event of its own): red, at the last step logged before the event;
+- stop / signal, and a requeue after a clean stop: orange.
 
 The bottom panel is the training throughput (tokens/s) and, on its right axis, how long each
 checkpoint stalled the loop. A resumed run redoes the steps after its checkpoint: each
@@ -41,7 +42,9 @@ LOST: Color = (198, 219, 239)
 
 # Which events mark an interruption, and in which color.
 MARKS: dict[str, Color] = {"resume": RESUME, "crash": CRASH, "error": CRASH, "stop": STOP,
-                           "requeue": STOP, "signal": STOP}
+                           "requeue": STOP, "signal": STOP, "failed_requeue": CRASH}
+NAMES = {"error": "crash", "failed_requeue": "crash", "requeue": "stop", "signal": "stop"}
+"""The legend's word for a mark of each kind that has another."""
 FORMATS = (".png", ".svg", ".pdf")
 MAX_SIDE = 8192  # pixels: a 4K or print-size image fits; 100000 would need 40 GB
 DPI = 100
@@ -62,7 +65,7 @@ class Series:
 @dataclass(frozen=True)
 class Mark:
     step: int
-    kind: str  # checkpoint, resume, crash, error, stop, requeue, signal
+    kind: str  # checkpoint, resume, crash, error, stop, requeue, signal, failed_requeue
     label: str = ""  # drawn beside the mark: the steps a resume had to redo
     lost: int = 0  # steps a resume redoes
     stall: float | None = None  # seconds a checkpoint blocked the loop
@@ -99,6 +102,9 @@ def marks(events: Iterable[Mapping[str, Any]],
     out = []
     for e in events:
         kind = e.get("event")
+        if kind in ("requeue", "restart_in_job") and not str(e.get("reason", "")).startswith(
+                "stopped cleanly"):  # a crash, hang or failed check: the job script's word
+            kind = "failed_requeue"
         if kind != "checkpoint" and kind not in MARKS:
             continue
         step = e.get("step")
@@ -218,10 +224,10 @@ def _draw(title: str, losses: list[Series], speed: list[Series], found: list[Mar
     for m in found:
         if m.kind not in MARKS:
             continue
-        name = {"error": "crash", "requeue": "stop", "signal": "stop"}.get(m.kind, m.kind)
+        name = NAMES.get(m.kind, m.kind)
         for ax in (top, low):  # a requeue under the crash or stop it followed, same step
             ax.axvline(m.step, color=_rgb(MARKS[m.kind]), linewidth=2, antialiased=False,
-                       zorder=4.5 if m.kind == "requeue" else 5,
+                       zorder=4.5 if m.kind.endswith("requeue") else 5,
                        label=None if name in shown or ax is low else name)
         shown.add(name)
         if m.kind == "resume":

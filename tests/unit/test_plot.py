@@ -116,6 +116,30 @@ def test_a_crash_stays_red_under_the_requeue_that_followed_it(tmp_path):
         {plot.CRASH}
 
 
+def test_a_task_killed_with_no_event_of_its_own_is_red_from_the_job_script_s_requeue(
+        tmp_path):
+    """SIGKILL leaves no `crash` event, only the job script's requeue (exit 137, reason
+    crash): drawn orange and called a stop, the kill read as a clean stop."""
+    run = RunDir(tmp_path / "run")
+    run.create()
+    for step in range(1, 13):
+        run.metric(step=step, loss=5.0 - step * 0.1, tokens_per_s=1000.0,
+                   time=1000.0 + step if step <= 6 else 1030.0 + step)
+    run.event("requeue", job_id="7", exit_code=137, reason="crash", time=1006)
+    run.event("resume", step=4, steps_lost=2, time=1030.0)
+    assert [(m.step, m.kind) for m in plot.marks(*records(run))] == [
+        (6, "failed_requeue"), (4, "resume")]
+    out = tmp_path / "run.png"
+    layout = plot.write(run.root, out, width=800, height=400)
+    pixels = read_png(out).load()
+    assert {pixels[layout.x(6), y] for y in range(layout.top + 1, layout.bottom)} == \
+        {plot.CRASH}
+    svg = tmp_path / "run.svg"
+    plot.write(run.root, svg)
+    legend = svg.read_text()
+    assert "crash" in legend and "stop" not in legend  # named as drawn
+
+
 def records(run: RunDir) -> tuple[list[dict], list[dict]]:
     from pyrecover.rundir import read_jsonl
 
