@@ -76,6 +76,9 @@ class Sweep:
 def load(path: str | Path) -> Sweep:
     """load reads a sweep file; its name defaults to the file's stem."""
     p = Path(path)
+    if p.is_dir():
+        raise SweepError(f"sweep file {str(p)!r} is a folder; give the sweep's YAML file (e.g. "
+                         "launch/sweeps/tiny-lr.yaml)")
     if not p.is_file():
         raise SweepError(f"sweep file {str(p)!r} does not exist")
     from pyrecover.config import ConfigError, read_yaml

@@ -136,6 +136,13 @@ def test_a_bad_sweep_file_is_refused_naming_the_key(change, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_folder_or_a_missing_file_given_as_the_sweep_file_says_which(tmp_path):
+    with pytest.raises(SweepError, match="is a folder; give the sweep's YAML file"):
+        spec.load(tmp_path)
+    with pytest.raises(SweepError, match="does not exist"):
+        spec.load(tmp_path / "nope.yaml")
+
+
 def test_min_and_max_without_a_distribution_infer_it_as_wandb_does():
     sweep = sweep_of({"method": "random", "run_cap": 1, "parameters": {
         "train.warmup_steps": {"min": 0, "max": 5}, "train.lr": {"min": 1e-4, "max": 1e-3}}})
