@@ -13,10 +13,15 @@ attempt (one process start, phases.py) is cut into spans that do not overlap:
 - `lost_work`: steps computed but not saved before an interruption, redone after it;
 - `productive`: the rest of the training span, which ends where a hung phase began (a
   `hang` event's time less its seconds): a hang's wait is no training;
+- `idle`: from an attempt that ended with nothing to start it again (it finished, was
+  refused or cancelled, or was stopped outside a job) to the next launch (its submit, where
+  SLURM gave times, else its start): a finished run extended days later was no less
+  productive for the days;
 - `remainder`: everything else (stopping, exit, the scheduler's requeue delay where SLURM gave
   no times, gaps without records): the wall time minus all of the above.
 
-The causes add up to `wall_seconds`, the first record (or submit) to the last.
+The causes add up to `wall_seconds`, the first record (or submit) to the last. The
+effective share is productive over `launched_seconds`: the wall time less `idle`.
 """
 
 from __future__ import annotations
@@ -30,7 +35,12 @@ from pyrecover.phases import attempts
 from pyrecover.records import well_formed
 
 CAUSES = ("queue_wait", "start_up", "restore", "checkpoint_stall", "lost_work", "productive",
-          "remainder")
+          "idle", "remainder")
+FOR_GOOD = ("finish", "error", "no_requeue", "cancel")
+"""An attempt whose last end is one of these started nothing again (nor does a `stop`
+outside a job); an end of ENDS that is not, a requeue or a restart did (or a crash did
+outside a job: its restart's delay is the remainder's)."""
+ENDS = (*FOR_GOOD, "stop", "crash", "hang", "requeue", "restart_in_job")
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,9 @@ class Ledger:
     wall_seconds: float = 0.0
     causes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0.0))
     effective_share: float | None = None
-    """productive / wall_seconds."""
+    """productive / launched_seconds."""
+    launched_seconds: float = 0.0
+    """wall_seconds less `idle`: the time something was launched to train the run."""
     queue_from_slurm: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,6 +85,13 @@ def _hung_from(attempt: list[dict[str, Any]]) -> float:
     began = [float(e["time"]) - float(e.get("seconds") or 0.0) for e in attempt
              if e.get("event") == "hang" and "time" in e]
     return min(began, default=float("inf"))
+
+
+def _ended_for_good(attempt: list[dict[str, Any]]) -> bool:
+    """_ended_for_good: nothing was left to start the run again after this attempt."""
+    last = next((e for e in reversed(attempt) if e.get("event") in ENDS), None)
+    return last is not None and (last["event"] in FOR_GOOD or (
+        last["event"] == "stop" and not last.get("job_id")))
 
 
 def _times(records: list[dict[str, Any]]) -> list[float]:
@@ -175,6 +194,8 @@ def ledger(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
         following = starts[i + 1] if i + 1 < len(runs) else float("inf")
         last = max(_times(attempt) + _times(mine))
         job = _job_of(jobs, float("-inf") if i == 0 else previous_end, started)
+        if i > 0 and _ended_for_good(runs[i - 1]):  # launched again by someone, later
+            causes["idle"] += _span(previous_end, job.submit if job is not None else started)
         if job is not None:  # the queue wait that led to this attempt, after the one before
             used.append(job)
             queued_from = job.submit if i == 0 else max(job.submit, previous_end)
@@ -214,9 +235,10 @@ def ledger(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
     wall = round(end - begin, 3)
     causes = {k: round(v, 3) for k, v in causes.items()}
     causes["remainder"] = round(wall - sum(v for k, v in causes.items() if k != "remainder"), 3)
-    return Ledger(wall_seconds=wall, causes=causes,
-                  effective_share=round(causes["productive"] / wall, 4) if wall > 0 else None,
-                  queue_from_slurm=bool(jobs))
+    launched = round(wall - causes["idle"], 3)
+    return Ledger(wall_seconds=wall, causes=causes, launched_seconds=launched,
+                  effective_share=round(causes["productive"] / launched, 4) if launched > 0
+                  else None, queue_from_slurm=bool(jobs))
 
 
 def steps_lost(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]]) -> int:

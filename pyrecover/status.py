@@ -18,8 +18,7 @@ from pyrecover import ledger as ledger_mod
 from pyrecover import phases
 from pyrecover.badnodes import read_bad_nodes
 from pyrecover.health import Failure
-from pyrecover.profiling import describe
-from pyrecover.records import is_number, well_formed
+from pyrecover.records import well_formed
 from pyrecover.rundir import RunDir, live_holder, read_jsonl
 from pyrecover.slurm.query import LIVE_STATES
 
@@ -293,103 +292,3 @@ def _last_checkpoint(run: RunDir, now: float
                      "age_s": round(now - float(ckpt.manifest.get("time", now)), 1)}, invalid)
         invalid.append({"step": step, "path": str(folder), "problem": problem})
     return None, invalid
-
-
-SHOWN = 3  # of the requeue decisions and the hangs, the newest; --json has them all
-
-
-def _earlier(items: list, label: str, what: str) -> list[str]:
-    """_earlier is the line saying how many of `items` are older than the ones shown."""
-    hidden = len(items) - SHOWN
-    return [f"{label}{hidden} earlier {what} in --json"] if hidden > 0 else []
-
-
-def render(s: Status) -> str:
-    """render is the human view of a Status, a few aligned lines."""
-    ck = s.last_checkpoint
-    lines = [
-        f"run         {s.run_dir} ({s.exp_name})",
-        f"state       {s.state}" + (f"; SLURM job {s.job_id}: {s.slurm_state}" + (
-            f" ({s.slurm_reason})" if s.slurm_reason else "") if s.slurm_state else (
-            f"; SLURM job {s.job_id}" if s.job_id else "")),
-        f"progress    step {s.step}" + (f" of {s.max_steps}" if s.max_steps else ""),
-        f"starts      {s.starts}" + (": restarts " + ", ".join(
-            f"{n} x {cause}" for cause, n in sorted(s.restarts_by_cause.items()))
-            if s.restarts_by_cause else ""),
-        "checkpoint  " + (f"step {ck['step']} ({ck['mode']}, {ck['bytes'] / 1e6:.1f} MB, "
-                          f"{ck['age_s']:.0f}s old; sizes checked, `ckpt verify` reads "
-                          "checksums)" if ck else "none"),
-        f"lost        {s.steps_lost} steps redone after interruptions",
-        f"overhead    {s.checkpoint_seconds:.1f}s checkpointing (loop blocked), "
-        f"{s.restore_seconds:.1f}s choosing and restoring checkpoints",
-        "goodput     " + (f"{s.goodput:.1%} of {s.wall_seconds:.0f}s wall time in productive "
-                          "training (the ledger below)" if s.goodput is not None else "n/a"),
-    ]
-    for bad in s.invalid_checkpoints[:3]:
-        lines.append(f"invalid     checkpoint step {bad['step']}: {bad['problem']}")
-    lines += _earlier(s.requeue_decisions, "requeue     ", "decisions")
-    for d in s.requeue_decisions[-SHOWN:]:
-        in_job = f" (in the job {d['in_job_restart']})" if d.get("in_job_restart") else ""
-        lines.append(f"requeue     job {d.get('job_id')} restart {d.get('restart_count')}"
-                     f"{in_job}: exit {d.get('exit_code')} -> {d.get('event')} "
-                     f"({d.get('reason')})")
-    lines += _earlier(s.hangs, "hang        ", "hangs")
-    for h in s.hangs[-SHOWN:]:
-        lines.append(f"hang        rank {h.get('rank')} on {h.get('node')}: phase {h.get('phase')} "
-                     f"of step {h.get('step')} ran {h.get('seconds')}s (limit {h.get('limit')}s)")
-    for g in s.stragglers:
-        lines.append(f"straggler   rank {g.get('rank')} on {g.get('node')}: {g.get('seconds')}s "
-                     f"own compute per step, "
-                     + (f"the other ranks' {g['reference']}s" if "reference" in g else
-                        f"median {g.get('median')}s") + f" (step {g.get('step')}, "
-                     f"{g.get('windows')} windows in a row)")
-    for n in s.excluded_nodes:
-        lines.append(f"excluded    {n['node']} since {n['time']}: {n['reason']}")
-    if s.profile:
-        p = s.profile
-        figures = describe({k: v for k, v in p.items() if is_number(v)}) or "no figures"
-        lines.append(f"profile     steps {p.get('first')}-{p.get('last')}, per step: {figures}; "
-                     f"trace {p.get('trace')}")
-    if s.last_error:
-        lines.append(f"last error  {s.last_error}")
-    if s.skipped_records:
-        lines.append(f"skipped     {s.skipped_records} records of events.jsonl/metrics.jsonl "
-                     "that are not as pyrecover writes them")
-    lines += _ledger_lines(s.ledger, s.job_id) + _interruption_lines(s.interruption)
-    return "\n".join(lines)
-
-
-def _ledger_lines(book: dict[str, Any], job_id: str | None) -> list[str]:
-    """_ledger_lines: the wall time by cause, each with its share, adding up to the wall."""
-    wall = book.get("wall_seconds") or 0.0
-    if wall <= 0:
-        return []
-    share = book.get("effective_share") or 0.0
-    out = [f"wall time   {wall:.1f}s across all attempts, {share:.1%} effective training; "
-           "by cause" + (" (no queue times: sacct did not answer)"
-                         if job_id and not book["queue_from_slurm"] else "") + ":"]
-    for cause, seconds in book["causes"].items():
-        out.append(f"  {cause.replace('_', ' '):<18} {seconds:9.1f}s  {seconds / wall:6.1%}")
-    return out
-
-
-def _interruption_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """_interruption_lines: one line per phase of the last interruption, with the seconds since
-    the phase before and since the first."""
-    if not rows:
-        return []
-    first = rows[0]["time"]
-    out = ["last interruption (seconds: since the phase before, since the first)"]
-    for row in rows:
-        clock = time.strftime("%H:%M:%S", time.localtime(row["time"]))
-        cache = row.get("compile_cache")
-        note = (f"  (compile cache: {cache['hits']} hits, {cache['misses']} misses)"
-                if cache else "")
-        if "built_s" in row:  # checkpoint_chosen: where its seconds went (phases.CHOICE_TIMES)
-            beside = (f", checksums beside it {row['verify_s']:.2f}s"
-                      if "verify_s" in row else "")
-            note = (f"  (model built {row['built_s']:.2f}s{beside}, then waited "
-                    f"{row.get('wait_s', 0.0):.2f}s)")
-        out.append(f"  {row['phase']:<18} {clock}  +{row['gap']:7.3f}  "
-                   f"{row['time'] - first:8.3f}{note}")
-    return out

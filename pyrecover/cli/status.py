@@ -42,6 +42,7 @@ def status(
     import json
 
     from pyrecover import status as status_mod
+    from pyrecover import status_text
     from pyrecover.badnodes import clear_bad_nodes as clear
     from pyrecover.rundir import RunDir
     from pyrecover.slurm.query import (
@@ -65,7 +66,7 @@ def status(
         return call
     report = status_mod.read(run_dir, squeue=slow(squeue_state), sacct=slow(job_times),
                              queued=slow(queued_jobs), reason=slow(pending_reason))
-    typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_mod.render(report))
+    typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_text.render(report))
 
 
 def cancel(

@@ -16,6 +16,7 @@ from helpers import pyrecover
 from sbatch_support import TINY_SETS, spec_for
 
 from pyrecover import status as status_mod
+from pyrecover import status_text
 from pyrecover.dist import port_for_job
 from pyrecover.slurm import render
 
@@ -267,7 +268,7 @@ def test_status_lists_the_excluded_nodes_and_clears_them(tmp_path):
         {"node": "node2", "time": "2026-11-24T05:07:17Z", "reason": "health check failed: gpu"},
         {"node": "node5", "time": "2026-11-24T05:09:00Z", "reason": "task Killed"}]
     assert "excluded    node2 since 2026-11-24T05:07:17Z: health check failed: gpu" in \
-        status_mod.render(report)
+        status_text.render(report)
     done = pyrecover("status", str(run), "--clear-bad-nodes", "--json")
     assert done.returncode == 0, done.stderr
     assert "cleared 2 excluded node(s): node2, node5" in done.stderr

@@ -189,3 +189,43 @@ def test_the_time_a_rank_hung_is_not_productive_and_still_adds_up():
     assert c["productive"] == (127.0 - 112.0) - 0.5  # the steps before the hung phase
     assert sum(c.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
     assert c["remainder"] >= 500.0
+
+
+def finished(events: list[dict], job_id: str | None = None) -> list[dict]:
+    """finished: an attempt's events as a run that ended with its last step, or (job_id) as
+    a job's stop that its script then requeued."""
+    last = events[-1]
+    if job_id is None:
+        return [*events, {"event": "finish", "time": last["time"] + 1.0}]
+    return [*events[:-1], {**last, "job_id": job_id},
+            {"event": "requeue", "time": last["time"] + 1.0, "job_id": job_id}]
+
+
+def test_the_time_between_a_finish_and_a_later_launch_is_idle_and_no_share_of_it_is_lost():
+    """A finished run extended days later (more steps) fell from 79% to 9% effective training
+    in a sweep: the days counted as its remainder."""
+    a = attempt(0, 0, 20, stopped=True)
+    b = attempt(10_000, 20, 40, stopped=True)
+    events, metrics = run_of((finished(a[0]), a[1]), b)
+    book = ledger(events, metrics)
+    c = book.causes
+    end_a = max(e["time"] for e in finished(a[0]))
+    assert c["idle"] == pytest.approx(10_000 - end_a)
+    assert sum(c.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
+    assert book.launched_seconds == pytest.approx(book.wall_seconds - c["idle"])
+    assert book.effective_share == round(c["productive"] / book.launched_seconds, 4)
+    assert book.effective_share > 0.6
+    # Relaunched as a SLURM job: idle until its submit, then the queue.
+    jobs = [JobTimes(-5.0, -1.0, end_a + 1.0), JobTimes(9_000.0, 9_990.0, None)]
+    queued = ledger(events, metrics, jobs)
+    assert queued.causes["idle"] == pytest.approx(9_000.0 - end_a)
+    assert queued.causes["queue_wait"] == pytest.approx(4.0 + 990.0)
+    assert sum(queued.causes.values()) == pytest.approx(queued.wall_seconds, abs=1e-6)
+
+
+def test_a_requeue_inside_a_job_or_a_crash_is_no_idle_time():
+    a = attempt(0, 0, 20, stopped=True)
+    events, metrics = run_of((finished(a[0], job_id="7"), a[1]), attempt(300, 20, 30))
+    assert ledger(events, metrics).causes["idle"] == 0.0  # the job's own requeue
+    events, metrics = run_of(attempt(0, 0, 20), attempt(300, 10, 30))  # killed, restarted
+    assert ledger(events, metrics).causes["idle"] == 0.0

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from pyrecover import status
+from pyrecover import status, status_text
 from pyrecover.rundir import RunDir, RunLock, live_holder
 
 OTHER_HOST = socket.gethostname() + "-other-node"
@@ -64,7 +64,7 @@ def test_a_free_lock_last_held_from_another_host_is_not_called_killed(tmp_path):
     assert live_holder(run) is None
     s = status.read(run.root)
     assert s.state == "running or killed"
-    assert "killed (no end recorded)" not in status.render(s)
+    assert "killed (no end recorded)" not in status_text.render(s)
 
 
 def test_a_free_lock_whose_holder_on_another_host_had_this_hosts_dead_pid_is_not_killed(
@@ -86,7 +86,7 @@ def test_a_free_lock_last_held_on_this_host_by_a_dead_process_is_killed(tmp_path
     assert live_holder(run) == ""
     s = status.read(run.root)
     assert s.state == "killed (no end recorded)"
-    assert "state       killed (no end recorded)" in status.render(s)
+    assert "state       killed (no end recorded)" in status_text.render(s)
 
 
 def test_a_zombie_holder_on_this_host_is_dead(tmp_path):

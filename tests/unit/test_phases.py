@@ -34,7 +34,7 @@ def test_the_choice_of_the_checkpoint_says_where_its_seconds_went():
     """checkpoint_chosen's own times (the model built, the checksum pass beside it, the wait
     for that pass) come through to the interruption's rows and `pyrecover status`'s lines;
     a field of the wrong type is left out, as any record not as pyrecover writes it."""
-    from pyrecover.status import _interruption_lines
+    from pyrecover.status_text import _interruption_lines
 
     chosen = {**ph("checkpoint_chosen", 21.0), "built_s": 0.4, "verify_s": 0.7,
               "wait_s": 0.25, "step": 10}

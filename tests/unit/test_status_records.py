@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from pyrecover import status
+from pyrecover import status, status_text
 from pyrecover.rundir import RunDir
 
 # Values of every JSON type, including the ones a float() or int() of a field chokes on.
@@ -44,7 +44,7 @@ def test_a_record_with_a_value_of_the_wrong_type_is_left_out_and_counted(tmp_pat
     s = status.read(run.root)
     assert s.skipped_records == 2
     assert (s.starts, s.checkpoint_seconds) == (clean.starts, clean.checkpoint_seconds)
-    assert "skipped     2 records" in status.render(s)
+    assert "skipped     2 records" in status_text.render(s)
 
 
 def test_lines_that_are_no_record_at_all_are_counted_and_never_stop_status_or_a_resume(
@@ -67,7 +67,7 @@ def test_lines_that_are_no_record_at_all_are_counted_and_never_stop_status_or_a_
     s = status.read(run.root)
     assert s.skipped_records == 5
     assert (s.starts, s.checkpoint_seconds) == (clean.starts, clean.checkpoint_seconds)
-    assert "skipped     5 records" in status.render(s)
+    assert "skipped     5 records" in status_text.render(s)
     interval.for_config("auto", 1.0, 100, list(run.read_events()))  # what a resume reads
 
 
@@ -95,7 +95,7 @@ def test_status_never_fails_on_any_field_of_any_record_set_to_any_json_value(tmp
         (run.root / other).write_text("\n".join(files[other]) + "\n")
         s = status.read(run.root)
         assert s.skipped_records <= 1, (name, record)
-        status.render(s)
+        status_text.render(s)
 
 
 def test_a_damaged_run_yaml_leaves_out_max_steps_and_status_still_reads(tmp_path):
@@ -129,7 +129,7 @@ def test_every_start_after_the_first_is_a_restart_with_its_cause_and_its_lost_st
     assert s.restarts_by_cause == {"killed (no record)": 1, "ended during start-up": 1}
     assert s.wall_seconds == s.ledger["wall_seconds"] == 38.0
     assert s.goodput == s.ledger["effective_share"]
-    assert "restarts 1 x ended during start-up, 1 x killed (no record)" in status.render(s)
+    assert "restarts 1 x ended during start-up, 1 x killed (no record)" in status_text.render(s)
 
     # A start refused for a config or data error records its start-up phases, then the
     # error: an attempt of its own, not the end of the finished one before it.
@@ -179,7 +179,7 @@ def test_the_ledger_takes_the_queue_times_of_the_jobs_that_ran_the_run_not_the_o
     said = status.read(run.root, now=200.0, squeue=lambda name: None,
                        queued=lambda script: [("57", "PENDING")],
                        reason={"57": "QOSMaxJobsPerUserLimit"}.get)
-    assert "; SLURM job 57: PENDING (QOSMaxJobsPerUserLimit)\n" in status.render(said)
+    assert "; SLURM job 57: PENDING (QOSMaxJobsPerUserLimit)\n" in status_text.render(said)
     assert asked == ["40_1"]
     assert s.ledger["causes"]["queue_wait"] == 899.0 + 8.0
     assert s.ledger["queue_from_slurm"]
@@ -201,4 +201,29 @@ def test_status_names_the_run_by_its_recorded_exp_name_and_survives_a_damaged_ru
     run.config.write_text(recorded)
     s = status.read(run.root)
     assert (s.exp_name, s.max_steps) == shown
-    assert status.render(s).splitlines()[0] == f"run         {run.root} ({shown[0]})"
+    assert status_text.render(s).splitlines()[0] == f"run         {run.root} ({shown[0]})"
+
+
+def test_idle_time_between_launches_is_its_own_row_and_left_out_of_each_share(tmp_path):
+    """A run finished, then extended 10,000 s later: the ledger's shares are of the launched
+    time, so productive and the effective share agree; idle has a row and no share."""
+    from pyrecover.rundir import append_jsonl
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    for t0, began, kind in ((1000.0, 0, "start"), (11000.0, 20, "resume")):
+        append_jsonl(run.events, {"event": "phase", "phase": "process_start", "time": t0})
+        append_jsonl(run.events, {"event": kind, "step": began, "time": t0 + 1.0})
+        append_jsonl(run.events, {"event": "phase", "phase": "first_step", "time": t0 + 2.0})
+        for s in range(1, 21):
+            append_jsonl(run.metrics, {"step": began + s, "time": t0 + 2.0 + s,
+                                       "step_time": 1.0})
+        append_jsonl(run.events, {"event": "finish", "step": began + 20, "time": t0 + 23.0})
+    s = status.read(run.root)
+    text = status_text.render(s).splitlines()
+    wall = next(line for line in text if line.startswith("wall time"))
+    assert wall.startswith(f"wall time   {s.ledger['wall_seconds']:.1f}s across all attempts, "
+                           "9977.0s of it idle between launches; of the 46.0s launched, ")
+    assert f"{s.goodput:.1%} effective training" in wall and s.goodput > 0.8
+    rows = {line.split()[0]: line.split()[-1] for line in text if line.startswith("  ")}
+    assert rows["idle"] == "-" and rows["productive"] == f"{s.goodput:.1%}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pyrecover import status
+from pyrecover import status, status_text
 from pyrecover.rundir import RunDir
 
 
@@ -21,14 +21,14 @@ def test_status_names_the_hung_rank_the_straggler_and_the_restart_cause(tmp_path
     assert s.restarts_by_cause == {"hang": 1}
     assert [h["phase"] for h in s.hangs] == ["allreduce"] and "stacks" not in s.hangs[0]
     assert [(g["rank"], g["step"]) for g in s.stragglers] == [(2, 60)]
-    text = status.render(s)
+    text = status_text.render(s)
     assert "restarts 1 x hang" in text
     assert "hang        rank 1 on n1: phase allreduce of step 64 ran 61.0s (limit 60.0s)" in text
     assert "straggler   rank 2 on n2: 0.5s own compute per step, the other ranks' 0.1s (step " \
         "60" in text
     # A record an earlier version wrote names the reference `median`.
     run.event("straggler", rank=3, node="n3", seconds=0.7, median=0.2, windows=3, step=61)
-    assert "rank 3 on n3: 0.7s own compute per step, median 0.2s" in status.render(
+    assert "rank 3 on n3: 0.7s own compute per step, median 0.2s" in status_text.render(
         status.read(run.root))
 
 
@@ -42,7 +42,7 @@ def test_a_run_the_watchdog_ended_is_shown_hung_not_killed(tmp_path):
     run.event("hang", rank=0, node="n0", phase="forward", step=12, seconds=31.0, limit=30.0)
     s = status.read(run.root)
     assert s.state == "hung"
-    assert "state       hung" in status.render(s)
+    assert "state       hung" in status_text.render(s)
     run.event("resume", step=10)
     assert status.read(run.root).state != "hung"
 
@@ -60,7 +60,7 @@ def test_status_says_how_many_decisions_and_hangs_it_leaves_out_and_tells_in_job
     for n in (1, 2):  # the same restart count: only the in-job count tells them apart
         run.event("restart_in_job", job_id="7", restart_count=3, in_job_restart=n,
                   exit_code=76, reason="hang")
-    text = status.render(status.read(run.root))
+    text = status_text.render(status.read(run.root))
     assert "requeue     2 earlier decisions in --json" in text
     assert "hang        2 earlier hangs in --json" in text
     assert text.count("hang        rank 1 on n1") == 3 and "of step 14" in text
