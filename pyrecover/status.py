@@ -287,8 +287,9 @@ def _last_checkpoint(run: RunDir, now: float
 
     invalid = []
     for step, folder, ckpt, problem in store.scan(run.checkpoints, checksums=False):
-        if ckpt is not None:
+        if ckpt is not None:  # stamped by the saving node's clock, maybe ahead: never < 0
+            age = max(0.0, now - float(ckpt.manifest.get("time", now)))
             return ({"step": step, "mode": ckpt.mode, "bytes": ckpt.size, "path": str(folder),
-                     "age_s": round(now - float(ckpt.manifest.get("time", now)), 1)}, invalid)
+                     "age_s": round(age, 1)}, invalid)
         invalid.append({"step": step, "path": str(folder), "problem": problem})
     return None, invalid

@@ -63,7 +63,8 @@ def list_checkpoints(run: RunDir, checksums: bool = True, steps: set[int] | None
             manifest = ckpt.manifest if ckpt else store.read_manifest(folder)
             mode, world = manifest["mode"], manifest["world_size"]
             size = sum(int(f["size"]) for f in manifest["files"].values())
-            age = now - float(manifest.get("time", folder.stat().st_mtime))
+            # a clock ahead (the saving node), or a save committed since `now`: not -5s
+            age = max(0.0, now - float(manifest.get("time", folder.stat().st_mtime)))
         except CheckpointError:
             mode, world, size, age = "?", "?", _du(folder), None
         rows.append(Row(step, mode, world, size, age, problem))

@@ -227,3 +227,24 @@ def test_idle_time_between_launches_is_its_own_row_and_left_out_of_each_share(tm
     assert f"{s.goodput:.1%} effective training" in wall and s.goodput > 0.8
     rows = {line.split()[0]: line.split()[-1] for line in text if line.startswith("  ")}
     assert rows["idle"] == "-" and rows["productive"] == f"{s.goodput:.1%}"
+
+
+def test_a_checkpoint_stamped_after_now_is_0s_old_in_status_and_ckpt_ls_never_negative(
+        tmp_path):
+    """A manifest's time comes from the node that saved it (a clock a little ahead of this
+    one), or from a save committed while status reads: `-0s old` and `-5s` said otherwise."""
+    from pyrecover.checkpoint import listing, store
+
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    run.event("start", step=0)
+    pending = store.begin(run.checkpoints, 10)
+    with pending.open("state.pt") as f:
+        f.write(b"x" * 100)
+    folder = pending.commit("vanilla", 1, {"step": 10})
+    saved = store.read_manifest(folder)["time"]
+    s = status.read(run.root, now=saved - 5.0)
+    assert s.last_checkpoint["age_s"] == 0
+    assert ", 0s old;" in status_text.render(s)
+    (row,) = listing.list_checkpoints(run, checksums=False, now=saved - 5.0)
+    assert row.age_s == 0 and listing.human_age(row.age_s) == "0s"
