@@ -59,13 +59,14 @@ def status(
         typer.echo(f"cleared {len(cleared)} excluded node(s)" +
                    (f": {', '.join(cleared)}" if cleared else ""), err=True)
 
-    def slow(ask):  # said only where SLURM itself is slow, not the run's files
+    def slow(ask, command):  # said only where SLURM itself is slow, not the run's files
         def call(*args):
-            with slow_note(ask.__name__):
+            with slow_note(command):  # the SLURM command the user can run, not our function
                 return ask(*args)
         return call
-    report = status_mod.read(run_dir, squeue=slow(squeue_state), sacct=slow(job_times),
-                             queued=slow(queued_jobs), reason=slow(pending_reason))
+    report = status_mod.read(run_dir, squeue=slow(squeue_state, "squeue"),
+                             sacct=slow(job_times, "sacct"), queued=slow(queued_jobs, "squeue"),
+                             reason=slow(pending_reason, "squeue"))
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_text.render(report))
 
 
