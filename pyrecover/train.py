@@ -7,6 +7,7 @@ Every rank runs `main`. The process group is joined in one place and always left
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import importlib
@@ -89,6 +90,9 @@ def main(cfg: Config, run_dir: Path) -> None:
     phases.mark("imports_done", **bytecode_note())  # where torch was compiled from
     setup_logging(env.rank)
     run = RunDir(run_dir)
+    # The run is named by its folder (--run-dir too), as run.yaml records it and as a restart
+    # from run.yaml names it: the wandb run and the logged config, of the first start too.
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, exp_name=run.root.name))
     try:  # config and data errors surface here, on every rank, before any collective
         cfg, batch_note = batch.resolve(cfg, env.world_size, recorded_global_batch(run))
         kind = device_kind(cfg)

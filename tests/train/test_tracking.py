@@ -307,3 +307,23 @@ def test_starting_a_finished_run_again_opens_no_wandb_run_and_logs_no_restart(tm
     longer = pyrecover(*args, "--set", "train.max_steps=6")  # raised: a continued run, logged
     assert longer.returncode == 0, longer.stderr
     assert len(offline_runs(tmp_path / "run")) == 2
+
+
+def test_a_run_started_with_run_dir_keeps_its_wandb_name_when_restarted_from_run_yaml(
+        tmp_path, corpus):
+    """`train --run-dir DIR` records DIR's name as run.exp_name in run.yaml, but the first
+    start named its wandb run (and logged its config) after the config's exp_name; the
+    restart a job makes, `--config DIR/run.yaml`, renamed the same wandb run to DIR's name."""
+    run_dir = tmp_path / "elsewhere"
+    args = [*tiny_args(tmp_path, corpus, "tiny", "tracking.wandb=offline"),
+            "--run-dir", str(run_dir)]
+    first = pyrecover("train", *args, "--set", "train.max_steps=2")
+    assert first.returncode == 0, first.stderr
+    assert "config run: exp_name=elsewhere " in first.stderr
+    again = pyrecover("train", "--config", str(run_dir / "run.yaml"),
+                      "--set", "train.max_steps=4")
+    assert again.returncode == 0, again.stderr
+    names = [record.run.display_name for start in offline_runs(run_dir)
+             for record in wandb_records(next(start.glob("run-*.wandb")))
+             if record.WhichOneof("record_type") == "run"]
+    assert names and set(names) == {"elsewhere"}, names
