@@ -18,7 +18,10 @@ suffix picks the format: `.png`, `.svg` or `.pdf`.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +31,7 @@ from pyrecover.checkpoint.listing import outside_checkpoints
 from pyrecover.checkpoint.store import CheckpointError
 from pyrecover.phases import JOB_SCRIPT_EVENTS
 from pyrecover.records import well_formed
-from pyrecover.rundir import RunDir, read_jsonl
+from pyrecover.rundir import RunDir, read_jsonl, storage_error
 
 Color = tuple[int, int, int]
 LOSS: Color = (40, 40, 40)
@@ -174,19 +177,46 @@ def write(run_dir: str | Path, out: str | Path, width: int = 960, height: int = 
     found = marks(well_formed(read_jsonl(run.events), needs_time=True)[0], metrics)
     fig, layout = _draw(run.root.name, series, segments(metrics, "tokens_per_s"), found,
                         width, height)
+    # Written beside and renamed: a failed write (a full disk) leaves the old plot whole.
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format=out.suffix.lower()[1:], dpi=DPI)
+        if out.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a folder; name a file")
+        try:
+            fig.savefig(tmp, format=out.suffix.lower()[1:], dpi=DPI)
+            os.replace(tmp, out)
+        except Exception as exc:  # the PDF writer's zlib.error, raised while its ENOSPC was
+            err = _os_error(exc)  # handled: the OSError behind it is what went wrong
+            if err is None or err is exc:
+                raise
+            raise err from None
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
     except (FileExistsError, NotADirectoryError):  # a file where a folder of --out should be
         raise PlotError(f"{out}: cannot create its folder {out.parent}: a file is in the "
                         "way") from None
-    except OSError as exc:
+    except (IsADirectoryError, PermissionError) as exc:  # the user's path: exit 2
         raise PlotError(f"{out}: {exc.strerror or exc}") from None
+    except OSError as exc:  # the storage (full, read-only, I/O error): a fault, exit 1
+        raise storage_error("write", out, exc) from None
     finally:
         import matplotlib.pyplot as plt
 
         plt.close(fig)
     return layout
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    """_os_error is `exc` or the OSError it was raised while handling, if any."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _rgb(color: Color) -> tuple[float, float, float]:

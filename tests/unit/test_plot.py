@@ -270,3 +270,40 @@ def test_out_in_a_new_folder_is_written_and_one_below_a_file_is_one_clear_error(
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines() == [
         f"error: {blocked}: cannot create its folder {blocked.parent}: a file is in the way"]
+
+
+def test_a_full_disk_is_a_storage_fault_that_leaves_the_old_plot_as_it_was(
+        interrupted_run, tmp_path, monkeypatch):
+    """A plot that cannot be written (ENOSPC) ended with exit 2, a user's mistake, and left
+    the file it was replacing cut off at 0 bytes: it is written beside and renamed, and the
+    failure is a fault (StorageError: exit 1), as for `ckpt export`."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    from pyrecover.rundir import StorageError
+
+    out = tmp_path / "run.png"
+    plot.write(interrupted_run.root, out)
+    before = out.read_bytes()
+
+    def full(self, fname, **kwargs):
+        Path(fname).write_bytes(b"\x89PNG")  # what got out before the disk filled up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    with pytest.raises(StorageError, match="storage: cannot write .*No space left on device"):
+        plot.write(interrupted_run.root, out)
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "run.png"]
+
+    def pdf_full(self, fname, **kwargs):  # matplotlib's PDF writer, as it fails on ENOSPC
+        import zlib
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise zlib.error("Error -2 while flushing: inconsistent stream state") from None
+
+    monkeypatch.setattr(Figure, "savefig", pdf_full)
+    with pytest.raises(StorageError, match="No space left on device"):  # not a traceback
+        plot.write(interrupted_run.root, tmp_path / "run.pdf")
