@@ -117,9 +117,12 @@ def apply_changes(optimizer: torch.optim.Optimizer, scheduler, cfg: Config) -> l
            "train.beta2": t.beta2}
     changed = [f"{k}: {was[k]:g} -> {now[k]:g}" for k in was if was[k] != now[k]]
     factor = lr_factor(scheduler.last_epoch, cfg)
-    if not changed and decay["lr"] != t.lr * factor:  # as LambdaLR computes it: bitwise
-        changed = [f"the schedule's lr at step {scheduler.last_epoch + 1}: {decay['lr']:g} -> "
-                   f"{t.lr * factor:g} (train.min_lr, warmup_steps or max_steps)"]
+    if decay["lr"] != t.lr * factor:  # as LambdaLR computes it: bitwise. Said beside a new
+        # train.lr too: min_lr is absolute, so the step's lr is not the old one scaled, and
+        # with a shorter max_steps a raised lr can even lower it.
+        changed.append(f"the schedule's lr at step {scheduler.last_epoch + 1}: "
+                       f"{decay['lr']:g} -> {t.lr * factor:g}" + (
+                           "" if changed else " (train.min_lr, warmup_steps or max_steps)"))
     if not changed:
         return []
     scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)

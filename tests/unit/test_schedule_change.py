@@ -59,3 +59,27 @@ def test_a_restart_that_changes_nothing_leaves_the_optimizer_as_it_was():
     before = optimizer.state_dict()
     assert apply_changes(optimizer, scheduler, cfg) == []
     assert optimizer.state_dict()["param_groups"] == before["param_groups"]
+
+
+def test_a_raised_lr_with_a_shorter_schedule_says_the_lower_lr_the_step_now_trains_at():
+    """lr 0.001 -> 0.002 with max_steps 300 -> 60 at step 53: the start said only the lr's
+    rise, yet step 54 trained at a tenth of the lr before it."""
+    old, new = with_train(max_steps=300), with_train(max_steps=60, lr=0.002)
+    optimizer, scheduler = restored(old, new, steps=53)
+    changed = apply_changes(optimizer, scheduler, new)
+    before, after = old.train.lr * lr_factor(53, old), new.train.lr * lr_factor(53, new)
+    assert after < before / 2
+    assert changed == ["train.lr: 0.001 -> 0.002",
+                       f"the schedule's lr at step 54: {before:g} -> {after:g}"]
+    assert optimizer.param_groups[0]["lr"] == after
+
+
+def test_a_new_lr_says_the_lr_its_resumed_step_trains_at():
+    """min_lr is absolute: doubling the lr does not double the step's lr."""
+    old, new = with_train(), with_train(lr=0.002)
+    optimizer, scheduler = restored(old, new)
+    after = 0.002 * lr_factor(10, new)
+    assert apply_changes(optimizer, scheduler, new) == [
+        "train.lr: 0.001 -> 0.002",
+        f"the schedule's lr at step 11: {0.001 * lr_factor(10, old):g} -> {after:g}"]
+    assert optimizer.param_groups[0]["lr"] == after
