@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pyrecover.oneline import first_line, not_a_file
+from pyrecover.rundir import storage_error
 
 
 class DataError(ValueError):
@@ -125,8 +126,12 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         out_path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.table({"path": paths, "text": texts}), tmp)
         os.replace(tmp, out_path)
-    except OSError as exc:  # a read-only or missing place, a full disk: say where, no traceback
+    except OSError as exc:  # say where, no traceback, nothing half-written left
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        raise DataError(f"cannot write {out_path}: {exc.strerror or exc}") from None
+        if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError,
+                            FileExistsError)):  # the user's path: exit 2
+            raise DataError(f"cannot write {out_path}: {exc.strerror or exc}") from None
+        # A full disk, a quota, an I/O error: the storage's fault (exit 1), as other writes.
+        raise storage_error("write", out_path, exc) from None
     return Prepared(len(texts), total, not_utf8, links)

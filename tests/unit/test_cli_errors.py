@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -141,6 +143,22 @@ def test_data_prepare_into_a_folder_or_an_unwritable_place_is_one_line_and_leave
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith("error: ") and said in done.stderr, done.stderr
         assert len(done.stderr.splitlines()) == 1
+    assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
+
+
+def test_data_prepare_on_a_full_disk_is_a_storage_fault_that_keeps_the_old_corpus(tmp_path):
+    """A full disk is no mistake of the user's: exit 1 with a `storage:` line, as export and
+    plot say it (it was exit 2), and the corpus already there stays whole."""
+    src = tmp_path / "texts"
+    src.mkdir()
+    (src / "a.py").write_text(os.urandom(50_000).hex())  # text no compression makes small
+    out = tmp_path / "c.parquet"
+    out.write_bytes(b"the old corpus")
+    done = pyrecover("data", "prepare", str(src), str(out), "--force", max_file_bytes=4096)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith(f"error: storage: cannot write {out}: "), done.stderr
+    assert len(done.stderr.splitlines()) == 1
+    assert out.read_bytes() == b"the old corpus"
     assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
 
 
