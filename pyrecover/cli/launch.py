@@ -145,7 +145,7 @@ def launch(
     timeout = submit.sbatch_timeout(os.environ)
     with query.slow_note("squeue"):
         _refuse_live(spec.run)
-    new_run = not spec.run.root.exists()
+    made = submit.made_for(spec.run.root.absolute())
     prepare_run_dir(cfg, spec.run, batch_note)
     spec.run.job_script.write_text(script)
     try:
@@ -153,8 +153,8 @@ def launch(
             job_id = submit.submit(argv, cwd=spec.run_dir, timeout=timeout)
     except LaunchError as exc:
         # Refused, so no job runs from it: no new run folder is left to look "not started".
-        if new_run and not isinstance(exc, submit.MaybeSubmitted):
-            shutil.rmtree(spec.run.root, ignore_errors=True)
+        if made is not None and not isinstance(exc, submit.MaybeSubmitted):
+            shutil.rmtree(made, ignore_errors=True)
         raise
     log = spec.run.logs / f"{job_id}.out"
     typer.echo(f"submitted job {job_id}")

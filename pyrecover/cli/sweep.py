@@ -150,13 +150,13 @@ def launch(
     submit.require_sbatch(os.environ)
     timeout = submit.sbatch_timeout(os.environ)  # a bad value refused before anything is written
     sweep_dir = Path(job.run_dir)
+    made = submit.made_for(sweep_dir.absolute())  # before anything is written
     _refuse_a_second_live_array(sweep_dir)
     record.check(sweep_dir, rec)  # before wandb is asked: a refused launch registers nothing
     for trial_cfg in cfgs:  # (what prepare_run_dir would refuse, too)
         check_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()), trials.RENAME)
     rec, cfgs = wandb_sweep.attach(sweep_file, sweep_dir, rec, cfgs or [cfg], os.environ)
     notes()
-    new_sweep = not sweep_dir.exists()
     note = record.write(sweep_dir, rec)
     if note:
         typer.echo(note, err=True)
@@ -174,8 +174,8 @@ def launch(
             job_id = submit.submit(argv, cwd=job.run_dir, timeout=timeout)
     except LaunchError as exc:
         # Refused, so no trial runs from it: a new sweep's folder would keep its name taken.
-        if new_sweep and not isinstance(exc, submit.MaybeSubmitted):
-            shutil.rmtree(sweep_dir, ignore_errors=True)
+        if made is not None and not isinstance(exc, submit.MaybeSubmitted):
+            shutil.rmtree(made, ignore_errors=True)
         raise
     record.add_job(sweep_dir, job_id)
     listed = "\n".join(line.replace("#   ", "  ", 1) for line in table.splitlines())

@@ -34,6 +34,18 @@ class MaybeSubmitted(LaunchError):
 TIMEOUT_ENV = "PYRECOVER_SBATCH_TIMEOUT"  # seconds sbatch may take to answer (default 120)
 
 
+def made_for(folder: Path) -> Path | None:
+    """made_for is the highest folder that writing `folder` will create (itself, or the
+    storage folder above it too), or None where it exists: what a refused submission removes,
+    so that it leaves nothing behind."""
+    missing = None
+    for path in (folder, *folder.parents):
+        if path.exists():
+            return missing
+        missing = path
+    return missing
+
+
 def sbatch_timeout(environ: Mapping[str, str]) -> float:
     """sbatch_timeout is $PYRECOVER_SBATCH_TIMEOUT (seconds, > 0), else 120."""
     text = environ.get(TIMEOUT_ENV, "")

@@ -394,3 +394,4 @@ def test_a_job_sbatch_refused_leaves_no_run_folder_and_a_slow_one_is_said(
     assert done.returncode == 2, done.stderr
     assert "pyrecover: waiting for SLURM (squeue) to answer" in done.stderr
     assert (tmp_path / "store" / "new").exists() is kept, done.stderr
+    assert (tmp_path / "store").exists() is kept  # the storage folder it made for the run

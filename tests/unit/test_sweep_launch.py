@@ -373,7 +373,7 @@ def test_a_sweep_sbatch_refused_leaves_no_folder_so_its_name_stays_free(tmp_path
     done = pyrecover(*argv, env=env, cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.splitlines()[-1].startswith("error: sbatch refused the job: "), done.stderr
-    assert not (tmp_path / "st" / "lr").exists()
+    assert not (tmp_path / "st").exists()  # nor the storage folder the launch made for it
 
     sbatch.write_text("#!/bin/sh\necho 79\n")
     fixed = {**GRID, "name": "lr", "parameters": {"train.lr": {"values": [1e-3]}}}
