@@ -6,7 +6,7 @@ imported only when a plot is drawn. The top panel is the loss with the run's mar
 - checkpoint: a green tick along the bottom and a faint dotted line;
 - resume: blue, at the step the run resumed from, labelled with the steps it had to redo,
   which are shaded (the lost work);
-- crash / error, and the job script's requeue or restart after a failure (a task SIGKILLed
+- crash, error, and the job script's requeue or restart after a failure (a task SIGKILLed
   records no event of its own): red, at the last step logged before the event;
 - stop / signal, and a requeue after a clean stop: orange.
 
@@ -46,7 +46,7 @@ LOST: Color = (198, 219, 239)
 # Which events mark an interruption, and in which color.
 MARKS: dict[str, Color] = {"resume": RESUME, "crash": CRASH, "error": CRASH, "stop": STOP,
                            "requeue": STOP, "signal": STOP, "failed_requeue": CRASH}
-NAMES = {"error": "crash", "failed_requeue": "crash", "requeue": "stop", "signal": "stop"}
+NAMES = {"failed_requeue": "crash", "requeue": "stop", "signal": "stop"}
 """The legend's word for a mark of each kind that has another."""
 FORMATS = (".png", ".svg", ".pdf")
 MAX_SIDE = 8192  # pixels: a 4K or print-size image fits; 100000 would need 40 GB

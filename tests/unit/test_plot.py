@@ -307,3 +307,16 @@ def test_a_full_disk_is_a_storage_fault_that_leaves_the_old_plot_as_it_was(
     monkeypatch.setattr(Figure, "savefig", pdf_full)
     with pytest.raises(StorageError, match="No space left on device"):  # not a traceback
         plot.write(interrupted_run.root, tmp_path / "run.pdf")
+
+
+def test_an_error_is_red_and_named_an_error_not_a_crash(tmp_path):
+    """A run refused for its data (exit 2) said "crash" in the legend: no process crashed."""
+    run = RunDir(tmp_path / "run")
+    run.create()
+    for step in range(1, 6):
+        run.metric(step=step, loss=5.0 - step * 0.1, tokens_per_s=1000.0, time=1000.0 + step)
+    run.event("error", rank=0, error="DataError: the corpus changed", time=1005.5)
+    svg = tmp_path / "run.svg"
+    plot.write(run.root, svg)
+    text = svg.read_text()
+    assert "error" in text and "crash" not in text
