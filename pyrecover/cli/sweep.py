@@ -125,6 +125,8 @@ def launch(
         for note in site.job_notes(job, [c.data.path for c in cfgs] or [cfg.data.path],
                                    spare=False):
             typer.echo(f"note: {note}", err=True)
+        for note in trials.repeats([t["params"] for t in rec.trials if t["params"]]):
+            typer.echo(f"note: {note}", err=True)
 
     if dry_run:  # what the launch itself would refuse
         record.check(Path(job.run_dir), rec)

@@ -153,6 +153,22 @@ def describe(values: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in values.items())
 
 
+def repeats(chosen: list[dict[str, Any]]) -> list[str]:
+    """repeats says each trial whose values an earlier one has (a grid's list that names a
+    value twice, random draws of discrete values that met): with the same seed it would
+    train the very same run again."""
+    first: dict[str, int] = {}
+    said = []
+    for index, values in enumerate(chosen):
+        key = describe(values)
+        if key in first:
+            said.append(f"trial {index} has the values of trial {first[key]} ({key}): it "
+                        "trains the same run again; drop the repeated value, or sweep "
+                        "train.seed too")
+        first.setdefault(key, index)
+    return said
+
+
 PATH_KEYS = ("data.path",)
 """Swept keys that name a file: a trial starts in its sweep's folder, not where `sweep
 launch` ran, so a relative value must not reach its run.yaml."""

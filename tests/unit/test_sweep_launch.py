@@ -32,6 +32,20 @@ def test_dry_run_prints_the_array_script_and_the_trial_table_and_writes_nothing(
     assert not (tmp_path / "st").exists()
 
 
+def test_a_trial_that_repeats_another_s_values_is_said_before_it_runs(tmp_path):
+    """values: [0.001, 0.001] (or random draws of discrete values that meet) launched two
+    identical trials without a word: the same seed trains the very same run twice."""
+    path = tmp_path / "lr.yaml"
+    path.write_text("method: grid\nparameters:\n  train.lr: {values: [1e-3, 0.002, 0.001]}\n")
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--dry-run",
+                     "--launcher", "none", "--set", f"run.storage={tmp_path / 'st'}",
+                     cwd=tmp_path, env=default_cluster(tmp_path))
+    assert done.returncode == 0, done.stderr
+    notes = [line for line in done.stderr.splitlines() if "has the values of" in line]
+    assert notes == ["note: trial 2 has the values of trial 0 (train.lr=0.001): it trains the "
+                     "same run again; drop the repeated value, or sweep train.seed too"]
+
+
 def test_a_profile_s_spare_nodes_are_not_asked_for_by_every_trial(tmp_path):
     profile_file = tmp_path / "cluster.yaml"
     profile_file.write_text("nodes: 1\ngpus_per_node: 2\nspare_nodes: 1\n")
