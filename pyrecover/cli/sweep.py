@@ -258,7 +258,8 @@ def _refuse_a_second_live_array(sweep_dir: Path) -> None:
                           "(`squeue --me`)")
     if jobs:
         job = jobs[0][0].split("_")[0]  # ARRAYID_TASKID, or ARRAYID_[1-5] while pending
+        states = ", ".join(sorted({state for _, state in jobs}))  # its tasks' (not the first's)
         raise LaunchError(f"sweep {sweep_dir.name}'s job array {job} is still queued or "
-                          f"running ({jobs[0][1]}); wait for it (pyrecover sweep status "
+                          f"running ({states}); wait for it (pyrecover sweep status "
                           f"{sweep_dir}) or end it for good with `pyrecover cancel "
                           f"{sweep_dir}`")

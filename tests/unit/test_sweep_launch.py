@@ -159,13 +159,14 @@ def test_launch_writes_the_sweep_and_every_trial_then_refuses_a_second_live_arra
     assert (trial.train.lr, trial.train.seed, trial.run.exp_name) == (0.01, 2, "trial-5")
 
     script = sweep_dir / "job.sbatch"  # squeue --me -o %i|%T|%o: the array's tasks
-    for live in ("RUNNING", "REQUEUE_HOLD", "SUSPENDED"):
+    for live in ("RUNNING", "REQUEUE_HOLD", "SUSPENDED"):  # every task's state is said
         (tmp_path / "squeue-says").write_text(f"5|RUNNING|/elsewhere/job.sbatch\n"
-                                              f"77_0|{live}|{script}\n"
-                                              f"77_[1-5]|PENDING|{script}\n")
+                                              f"77_[1-5]|PENDING|{script}\n"
+                                              f"77_0|{live}|{script}\n")
         done = pyrecover(*args, env=env, cwd=tmp_path)
         assert done.returncode == 2, done.stderr
-        assert f"job array 77 is still queued or running ({live})" in done.stderr
+        states = ", ".join(sorted({live, "PENDING"}))
+        assert f"job array 77 is still queued or running ({states})" in done.stderr
     (bin_dir / "squeue").write_text("#!/bin/sh\nexit 1\n")  # SLURM does not answer
     done = pyrecover(*args, env=env, cwd=tmp_path)
     assert done.returncode == 2 and "squeue did not answer" in done.stderr, done.stderr
