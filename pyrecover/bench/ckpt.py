@@ -254,6 +254,7 @@ def bench_ckpt(directory: Path, size_gb: float, repeat: int = 3,
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise BenchError(f"unknown mode {unknown[0]!r}; known: {', '.join(MODES)}")
+    modes = tuple(dict.fromkeys(modes))  # a mode named twice is measured once, --repeat times
     if system_drop and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         raise BenchError("--drop-all-caches needs root (write access to /proc/sys/vm/drop_caches)")
     directory = Path(directory)

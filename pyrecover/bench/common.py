@@ -44,6 +44,9 @@ def make_dir(path: Path, option: str = "--dir") -> Path | None:
     writable is one BenchError line, not a traceback. Returns the topmost folder it created
     (for `remove_made` once the benchmark is done), None where `path` existed."""
     missing = [p for p in (path, *path.parents) if not p.exists()]
+    if path.exists() and not path.is_dir():  # mkdir's own word for it: "File exists"
+        raise BenchError(f"{option} {path}: cannot be used (a file, not a folder); give a "
+                         "writable folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".pyrecover-bench-{os.getpid()}"

@@ -21,7 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from pyrecover import phases
-from pyrecover.bench.common import BenchError, Note, at_least, machine, num, quiet
+from pyrecover.bench.common import (
+    BenchError,
+    Note,
+    at_least,
+    machine,
+    make_dir,
+    num,
+    quiet,
+    remove_made,
+)
 from pyrecover.rundir import read_jsonl
 
 CACHED, UNCACHED, FIRST = "restart, run's cache", "restart, empty cache", "first start"
@@ -35,9 +44,12 @@ def bench_compile(directory: Path, config: Path | None, overrides: list[str], re
 
     at_least(1, repeat=repeat)
     config_mod.load(config, overrides)  # a bad config is one line here, not a failed attempt
-    if not Path(directory).is_dir():
-        raise BenchError(f"--dir {str(directory)!r} is not a directory")
-    work = Path(tempfile.mkdtemp(prefix="bench-compile-", dir=directory))
+    made = make_dir(Path(directory))  # made where missing, as bench ckpt and restart do
+    try:
+        work = Path(tempfile.mkdtemp(prefix="bench-compile-", dir=directory))
+    except OSError:
+        remove_made(Path(directory), made)
+        raise
     try:
         rows = [_attempt(work, config, overrides, FIRST, 1, note)]
         for i in range(repeat):
@@ -46,6 +58,7 @@ def bench_compile(directory: Path, config: Path | None, overrides: list[str], re
                 rows.append(_attempt(work, config, overrides, kind, len(rows) + 1, note))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        remove_made(Path(directory), made)
     cached = [r["to_first_step"] for r in rows if r["attempt"] == CACHED]
     uncached = [r["to_first_step"] for r in rows if r["attempt"] == UNCACHED]
     return {"kind": "bench-compile", "machine": machine(directory), "config": str(config),

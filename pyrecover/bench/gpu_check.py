@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pyrecover import startup
-from pyrecover.bench.common import num
+from pyrecover.bench.common import BenchError, at_least, make_dir, num
 from pyrecover.bench.steps import Step, run_step
 
 Note = Callable[[str], None]
@@ -145,6 +145,17 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
     if unknown:
         raise GpuCheckError(f"--only {unknown[0]!r}: no such step; the steps are "
                             + ", ".join(STEPS))
+    # Each step's own bench refuses these too, but only once the check is under way: a
+    # corpus built, a report written, the step failed and exit 1 instead of one line.
+    try:
+        at_least(1, steps=steps, interval=interval, cpu_repeat=cpu_repeat, cpu_steps=cpu_steps)
+        at_least(0, warmup=warmup)
+    except BenchError as exc:
+        raise GpuCheckError(str(exc)) from None
+    if not size_gb > 0:
+        raise GpuCheckError(f"--size-gb must be > 0 (got {size_gb:g})")
+    if not 0 < cpu_state_gb <= 64:  # bench memory's --size-gb and bench restart's --state-gb
+        raise GpuCheckError(f"--cpu-state-gb must be in (0, 64] (got {cpu_state_gb:g})")
 
     if not torch.cuda.is_available() and not allow_cpu:
         raise GpuCheckError(
@@ -152,7 +163,10 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
             "none; run this on a GPU machine with a CUDA build of torch")
     if not config.is_file():
         raise GpuCheckError(f"config {str(config)!r} does not exist")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        make_dir(out, "--out")
+    except BenchError as exc:
+        raise GpuCheckError(str(exc)) from None
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     own_data = any(item.startswith("data.path=") for item in overrides)
     corpus = out / "corpus.parquet"

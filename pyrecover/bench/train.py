@@ -53,6 +53,7 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     unknown = [m for m in modes if m not in TRAIN_MODES]
     if unknown:
         raise BenchError(f"unknown mode {unknown[0]!r}; known: {', '.join(TRAIN_MODES)}")
+    modes = tuple(dict.fromkeys(modes))  # a mode named twice is one row of --repeat runs
     if "none" not in modes:
         modes = ("none", *modes)
     from pyrecover import dist

@@ -227,7 +227,7 @@ def restart(
     if nproc is not None and not local:
         raise user_error("--nproc is for --local; a job's processes are --nodes x "
                          "--gpus-per-node")
-    kinds = tuple(interrupt or bench_restart.KINDS)
+    kinds = tuple(dict.fromkeys(interrupt or bench_restart.KINDS))  # --repeat per kind, once
     # A SIGTERM (gpu-check's step timeout, a job's end) must reach the `finally` that stops the
     # trainer the bench started in a session of its own, or that trainer outlives the bench.
     before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -1,0 +1,103 @@
+"""What the benches do with what a user may type: a mode or kind named twice, a gpu-check
+argument out of range, a folder that is a file or does not exist yet."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import TINY, pyrecover
+from typer.testing import CliRunner
+
+from pyrecover.bench import train as bench_train
+from pyrecover.cli import app
+
+
+def test_bench_ckpt_measures_a_mode_named_twice_once_per_repeat(tmp_path):
+    """`--mode vanilla --mode vanilla --repeat 1` measured vanilla twice into one row: a
+    min-max of two runs under "median of 1"."""
+    done = pyrecover("bench", "ckpt", "--dir", str(tmp_path / "b"), "--size-gb", "0.002",
+                     "--repeat", "1", "--mode", "vanilla", "--mode", "vanilla", "--json")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("repeat 1/1: vanilla") == 1, done.stderr
+    rows = [r for r in json.loads(done.stdout)["rows"] if r["method"] == "vanilla"]
+    assert rows and all(r["min_s"] == r["median_s"] == r["max_s"] for r in rows), rows
+
+
+def test_bench_train_shows_a_mode_named_twice_as_one_row(tmp_path, monkeypatch):
+    """It was two identical rows, each the median of both modes' runs."""
+    runs = []
+    monkeypatch.setattr(bench_train, "_train_once", lambda c, o, run_dir: runs.append(run_dir))
+    monkeypatch.setattr(bench_train, "_throughput", lambda *a: {
+        "tokens_per_s": 100.0, "saves": 1, "blocked_s": 0.0, "blocked_share": 0.0,
+        "mfu": None, "checkpoint_bytes": 1})
+    report = bench_train.bench_train(TINY, ["train.device=cpu"], 1, 1, 0, repeat=1,
+                                     modes=("vanilla", "vanilla"), workdir=tmp_path)
+    assert [r["mode"] for r in report["rows"]] == ["none", "vanilla"]
+    assert len(runs) == 2  # none and vanilla, once each
+
+
+def test_bench_restart_interrupts_each_kind_named_twice_repeat_times(tmp_path, monkeypatch):
+    from pyrecover.bench import restart_local
+
+    seen = {}
+
+    def fake(directory, config, overrides, nproc, kinds, *args, **kwargs):
+        seen["kinds"] = kinds
+        raise restart_local.BenchError("stop here")
+
+    monkeypatch.setattr(restart_local, "bench_restart_local", fake)
+    result = CliRunner().invoke(app, ["bench", "restart", "--local", "--dir", str(tmp_path),
+                                      "--interrupt", "signal", "--interrupt", "signal"])
+    assert result.exit_code == 2, result.output
+    assert seen["kinds"] == ("signal",)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--size-gb", "0"], "error: --size-gb must be > 0 (got 0)"),
+    (["--steps", "0"], "error: --steps must be >= 1 (got 0)"),
+    (["--interval", "0"], "error: --interval must be >= 1 (got 0)"),
+    (["--warmup", "-1"], "error: --warmup must be >= 0 (got -1)"),
+    (["--cpu-repeat", "0"], "error: --cpu-repeat must be >= 1 (got 0)"),
+    (["--cpu-state-gb", "0"], "error: --cpu-state-gb must be in (0, 64] (got 0)"),
+    (["--cpu-state-gb", "65"], "error: --cpu-state-gb must be in (0, 64] (got 65)"),
+])
+def test_gpu_check_refuses_a_number_out_of_range_before_any_step(tmp_path, corpus, args,
+                                                                 line):
+    """Each used to run the check, fail its own step and end with exit 1 (kept small here,
+    with --only ckpt at 1 MB, in case it runs again)."""
+    out = tmp_path / "check"
+    done = pyrecover("bench", "gpu-check", "--allow-cpu", "--no-tests", "--out", str(out),
+                     "--config", str(TINY), "--set", f"data.path={corpus}", "--only", "ckpt",
+                     "--size-gb", "0.001", *args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [["gpu-check", "--allow-cpu", "--no-tests", "--out"],
+                                     ["ckpt", "--size-gb", "0.001", "--dir"]])
+def test_a_file_given_as_the_folder_is_one_line_saying_so(tmp_path, command):
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    extra = ["--config", str(TINY)] if command[0] == "gpu-check" else []
+    done = pyrecover("bench", *command, str(taken), *extra)
+    assert done.returncode == 2, done.stderr
+    flag = command[-1]
+    assert done.stderr.strip() == (f"error: {flag} {taken}: cannot be used (a file, not a "
+                                   "folder); give a writable folder")
+
+
+def test_bench_compile_makes_its_folder_and_removes_it_again(tmp_path, monkeypatch):
+    """It refused a --dir that did not exist yet, where every other bench makes it."""
+    from pyrecover.bench import compile as bench_compile
+
+    def fake(work, *args):
+        assert work.parent == tmp_path / "new" / "bench"
+        raise bench_compile.BenchError("stop here")
+
+    monkeypatch.setattr(bench_compile, "_attempt", fake)
+    with pytest.raises(bench_compile.BenchError, match="stop here"):
+        bench_compile.bench_compile(tmp_path / "new" / "bench", TINY, [], 1)
+    assert list(tmp_path.iterdir()) == []
+
