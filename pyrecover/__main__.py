@@ -11,6 +11,15 @@ if sys.argv[1:2] == ["train"]:
 
     preempt.catch_early()  # a stop signal during start-up is a clean stop (preempt.py)
 
-from pyrecover.cli import main  # noqa: E402
+try:
+    from pyrecover.cli import main  # noqa: E402
+except ModuleNotFoundError as missing:  # run from a source tree over a Python without them
+    top = (missing.name or "").split(".")[0]  # (`make gpu-check` where pip could not install)
+    if not top or top == "pyrecover":
+        raise
+    print(f"error: {missing}: {sys.executable} lacks pyrecover's dependencies; install them "
+          f"with `{sys.executable} -m pip install -e .` (a torch already installed in range "
+          "is kept)", file=sys.stderr)
+    sys.exit(2)
 
 main()

@@ -1,9 +1,13 @@
 """What the benches do with what a user may type: a mode or kind named twice, a gpu-check
-argument out of range, a folder that is a file or does not exist yet."""
+argument out of range, a folder that is a file or does not exist yet, a Python without
+pyrecover's dependencies."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import venv
+from pathlib import Path
 
 import pytest
 from helpers import TINY, pyrecover
@@ -11,6 +15,8 @@ from typer.testing import CliRunner
 
 from pyrecover.bench import train as bench_train
 from pyrecover.cli import app
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bench_ckpt_measures_a_mode_named_twice_once_per_repeat(tmp_path):
@@ -101,3 +107,16 @@ def test_bench_compile_makes_its_folder_and_removes_it_again(tmp_path, monkeypat
         bench_compile.bench_compile(tmp_path / "new" / "bench", TINY, [], 1)
     assert list(tmp_path.iterdir()) == []
 
+
+def test_a_python_without_the_dependencies_is_told_what_to_install(tmp_path):
+    """`make gpu-check` runs the source tree where pip could not install the package: a
+    machine's own Python without typer ended in a traceback."""
+    venv.create(tmp_path / "bare", with_pip=False)
+    python = tmp_path / "bare" / "bin" / "python"
+    done = subprocess.run([str(python), "-m", "pyrecover", "bench", "gpu-check"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: No module named "), lines
+    assert f"{python} -m pip install -e ." in lines[0]
