@@ -333,8 +333,9 @@ def gpu_check(
     cores), bench compile, bench restart --local (CPU at world sizes 2 and 4, and the GPU);
     bounds checked.
 
-    Needs only a CUDA build of torch and this package (`pip install --no-deps -e .`); no
-    container, SLURM, network, wandb or spython. `make gpu-check` runs it.
+    Needs a CUDA build of torch, typer, pyyaml and pyarrow, and this package (`pip install
+    --no-deps -e .`); no container, SLURM, network, wandb or spython. `make gpu-check` runs
+    it.
     """
     from pyrecover.bench import gpu_check as check
 
