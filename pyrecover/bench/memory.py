@@ -213,7 +213,10 @@ def bench_memory(directory: Path, size_gb: float = 1.0, repeat: int = 3,
 
     directory = Path(directory)
     target = int(size_gb * 1e9)
-    at_least(1, snapshot_interval=snapshot_interval)
+    at_least(1, steps=steps, snapshot_interval=snapshot_interval)
+    if snapshot_interval > steps:  # the window would hold no snapshot, its ratio "met"
+        raise BenchError(f"--snapshot-interval {snapshot_interval} takes no snapshot in the "
+                         f"{steps} steps measured; give --steps {snapshot_interval} or more")
     made = _check(directory, target, repeat, steps, warmup)
     try:
         _train_config(config, overrides, steps, warmup)  # a bad config or corpus fails first

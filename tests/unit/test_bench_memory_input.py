@@ -40,3 +40,13 @@ def test_bench_memory_refuses_a_snapshot_interval_below_one(tmp_path):
                      "--config", str(TINY))
     assert done.returncode == 2
     assert done.stderr.strip() == "error: --snapshot-interval must be >= 1 (got 0)"
+
+
+def test_bench_memory_refuses_an_interval_that_takes_no_snapshot_in_the_window(tmp_path):
+    """--snapshot-interval 100 --steps 3 measured no snapshot, and said its ratio was met."""
+    done = pyrecover("bench", "memory", "--dir", str(tmp_path / "b"), "--snapshot-interval",
+                     "100", "--steps", "3", "--config", str(TINY))
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: --snapshot-interval 100 takes no snapshot in the 3 "
+                                   "steps measured; give --steps 100 or more")
+    assert not (tmp_path / "b").exists()
