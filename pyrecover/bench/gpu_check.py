@@ -145,6 +145,9 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
     if unknown:
         raise GpuCheckError(f"--only {unknown[0]!r}: no such step; the steps are "
                             + ", ".join(STEPS))
+    if budget_s is not None and budget_s < MIN_STEP_S:  # else: a corpus built, nothing run
+        raise GpuCheckError(f"--budget {budget_s:g}: no step starts with less than "
+                            f"{MIN_STEP_S:.0f}s left; give --budget {MIN_STEP_S:.0f} or more")
     # Each step's own bench refuses these too, but only once the check is under way: a
     # corpus built, a report written, the step failed and exit 1 instead of one line.
     try:
@@ -242,6 +245,7 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
             "cuda": torch.version.cuda, "cpus": os.cpu_count(), "config": str(config),
             "bytecode": startup.bytecode_origin()}  # a restart's imports depend on it
     head["not_run"] = []
+    head["kept"] = sorted(done)  # from the earlier report, until run again
     started = clock()
     for step, json_out in plan:
         limit = step_timeout
@@ -254,6 +258,7 @@ def gpu_check(out: Path, config: Path, overrides: list[str], steps: int, warmup:
             limit = min(limit or left, left - BUDGET_MARGIN_S)
         note(f"{step.name}: {' '.join(step.argv[2:])}")
         done[step.name] = run_step(step, out, env, json_out, limit)
+        head["kept"] = [name for name in head["kept"] if name != step.name]
         status = "ok" if step.returncode == 0 else f"FAILED (exit {step.returncode})"
         note(f"{step.name}: {status} in {step.seconds:.0f}s")
         write_report(out, head, done)
@@ -301,28 +306,31 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"gpu-check on {report['device']}, torch {report['torch']} (CUDA {report['cuda']}), "
              f"{report['cpus']} CPUs; config {report['config']}",
              f"torch's bytecode: {report.get('bytecode', 'unknown')}", ""]
+    kept = set(report.get("kept", ()))
     for name, s in report["steps"].items():
         state = "ok" if s["returncode"] == 0 else f"FAILED (exit {s['returncode']})"
+        state += " (kept from an earlier call)" if name in kept else ""
         extra = f": {tests_summary(s['tail'])}" if name == "tests" else ""
         lines.append(f"{name:<18} {state}{extra} ({s['seconds']:.0f}s; log {name}.log)")
     if report.get("not_run"):
         again = " ".join(f"--only {name}" for name in report["not_run"])
         lines.append(f"not run (--budget spent): {', '.join(report['not_run'])}; "
                      f"next time: {again}")
-    lines += ["", f"{'figure':<58} {'value':>7} {'bound':>8}  verdict"]
+    w = max([58] + [len(b["figure"]) for b in report["bounds"]])  # every row lines up
+    lines += ["", f"{'figure':<{w}} {'value':>7} {'bound':>8}  verdict"]
     for b in report["bounds"]:
         value = "-" if b["value"] is None else f"{b['value']:.3f}"
         verdict = {True: "met", False: "NOT met", None: "not measured"}[b["met"]]
-        lines.append(f"{b['figure']:<58} {value:>7} {b['bound']:>8}  {verdict}")
+        lines.append(f"{b['figure']:<{w}} {value:>7} {b['bound']:>8}  {verdict}")
     ckpt_rows = ((report["steps"].get("ckpt") or {}).get("report") or {}).get("rows", [])
     floor = next((r["vs_torch"] for r in ckpt_rows
                   if r.get("method") == "raw" and r.get("metric") == "blocked"), None)
     if floor is not None:  # what the ckpt bound's blocked time cannot go below on this machine
-        lines.append(f"{'one copy of that state in memory vs torch.save + fsync':<58} "
+        lines.append(f"{'one copy of that state in memory vs torch.save + fsync':<{w}} "
                      f"{floor:>7.3f} {'':>8}  (the floor of the ckpt bound)")
     compiled = (report["steps"].get("compile") or {}).get("report")
     if compiled:
-        lines.append(f"{'first step of a restart, run compile cache vs empty (s/s)':<58} "
+        lines.append(f"{'first step of a restart, run compile cache vs empty (s/s)':<{w}} "
                      f"{compiled['cached_vs_uncached']:>7.3f} {'':>8}  "
                      f"({compiled['cached_s']:.1f}s vs {compiled['uncached_s']:.1f}s)")
     restarted = (report["steps"].get("restart-gpu") or {}).get("report")
@@ -333,7 +341,7 @@ def format_report(report: dict[str, Any]) -> str:
                 continue
             rest = (summary["figures"].get("rest_s") or {}).get("median")
             what = f"restart after a {kind}, GPU, world size 1, no SLURM (s)"
-            lines.append(f"{what:<58} {num(rest, 3):>7}")
+            lines.append(f"{what:<{w}} {num(rest, 3):>7}")
     for name in ("train", "memory-every-step"):
         step = report["steps"].get(name, {})
         if step.get("report"):

@@ -134,9 +134,24 @@ def test_a_budget_runs_the_steps_it_has_time_for_and_names_the_rest(tmp_path, co
     assert report["not_run"] == ["train"]
     assert "not run (--budget spent): train; next time: --only train" in (
         tmp_path / "report.txt").read_text()
+    # The next call, its budget spent before its one step: the report keeps ckpt and says it
+    # is an earlier call's (a FAILED kept step read beside "not run" as run now).
+    ticks = iter([0.0])
+    report = check.gpu_check(tmp_path, TINY, [f"data.path={corpus}"], 3, 1, 2, 0.01,
+                             run_tests=False, allow_cpu=True, only=("train",),
+                             budget_s=check.MIN_STEP_S + 20, clock=lambda: next(ticks, 30.0))
+    assert report["kept"] == ["ckpt"] and report["not_run"] == ["train"]
+    text = (tmp_path / "report.txt").read_text()
+    assert "ckpt" in text and " ok (kept from an earlier call) (" in text
     refused = pyrecover("bench", "gpu-check", "--out", str(tmp_path), "--allow-cpu",
                         "--budget", "-1")
     assert refused.returncode == 2 and "--budget -1" in refused.stderr, refused.stderr
+    short = pyrecover("bench", "gpu-check", "--out", str(tmp_path / "new"), "--allow-cpu",
+                      "--budget", "30")  # no step could start: nothing built or written
+    assert short.returncode == 2 and short.stderr.strip() == (
+        "error: --budget 30: no step starts with less than 60s left; give --budget 60 or "
+        "more"), short.stderr
+    assert not (tmp_path / "new").exists()
 
 
 def test_rounds_run_each_mode_again_in_a_rotated_order_and_report_medians(tmp_path, corpus):
