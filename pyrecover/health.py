@@ -163,6 +163,9 @@ def check_storage_write(folder: Path, tag: str, bound_s: float = WRITE_BOUND_S) 
         finally:
             os.close(fd)
             path.unlink(missing_ok=True)
+    except PermissionError as exc:  # this user's access, not the node's or the storage's:
+        # no requeue or other node gives it; the CLI says whose folder, exit 2 (cli/app.py)
+        raise PermissionError(exc.errno, exc.strerror, str(folder)) from None
     except OSError as exc:
         return f"cannot write and fsync a file in {folder}: {exc.strerror or exc}"
     took = time.monotonic() - began
@@ -180,6 +183,8 @@ def local_checks(checks: dict[str, Callable[[], str | None]], node: str, rank: i
     for name, check in checks.items():
         try:
             detail = "fault injected (PYRECOVER_HEALTH_FAIL)" if name == injected else check()
+        except PermissionError:  # the user's to fix (exit 2), not the node's (77)
+            raise
         except OSError as exc:  # e.g. storage that is not a folder: the check fails, says why
             detail = f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc)
         if detail is not None:

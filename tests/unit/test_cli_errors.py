@@ -261,6 +261,28 @@ def test_a_run_this_user_may_not_read_is_one_line_and_exit_2_never_a_traceback(t
             locked.chmod(mode)
 
 
+def test_a_checkpoints_folder_this_user_may_read_but_not_write_stops_the_start(tmp_path,
+                                                                               corpus):
+    """checkpoints/ readable but not writable (chmod 555, another user's copy): the resume
+    read it, trained to the end with every save refused and failed at the final save. The
+    health check's write now meets it first: one line naming the folder, exit 2."""
+    run = tmp_path / "theirs"
+    done = pyrecover("train", *tiny_args(tmp_path, corpus, "theirs", "train.max_steps=2"))
+    assert done.returncode == 0, done.stderr
+    rows = (run / "metrics.jsonl").read_text()
+    (run / "checkpoints").chmod(0o555)
+    try:
+        again = pyrecover("train", *tiny_args(tmp_path, corpus, "theirs", "train.max_steps=4"),
+                          file_permissions=True)
+    finally:
+        (run / "checkpoints").chmod(0o755)
+    assert again.returncode == 2, again.stderr
+    assert again.stderr.strip().splitlines()[-1] == (
+        f"error: permission denied: {run / 'checkpoints'}; give this user access to it (or "
+        "run as its owner)"), again.stderr
+    assert (run / "metrics.jsonl").read_text() == rows  # nothing trained
+
+
 @pytest.mark.parametrize("text, said", [
     ("train:\n  max_steps: 2\x00\n", "not valid YAML (character U+0000 at offset 21, which "
                                      "YAML forbids)"),
