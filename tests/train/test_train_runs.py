@@ -96,7 +96,8 @@ def test_a_restart_with_another_lr_weight_decay_or_betas_trains_with_them(tmp_pa
     done = train(tmp_path, corpus, "train.max_steps=20", *new)
     assert done.returncode == 0, done.stderr
     assert "from step 10 on: train.lr: 0.001 -> 0.01; train.weight_decay: 0.1 -> 0.5; " \
-        "train.beta2: 0.95 -> 0.9 (the config's, not the checkpoint's)" in done.stderr
+        "train.beta2: 0.95 -> 0.9; the schedule's lr at step 11: " in done.stderr
+    assert "(the config's, not the checkpoint's)" in done.stderr
     fresh = train(tmp_path, corpus, "train.max_steps=20", *new, name="fresh")
     assert fresh.returncode == 0, fresh.stderr
     lrs = {m["step"]: m["lr"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")}
