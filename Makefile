@@ -80,7 +80,7 @@ gpu-check:
 # Checkpoint speed on this machine's disk against its raw limit and torch.save/load, then
 # training throughput with each mode vs. none (README "Benchmarks"), on the tiny test model,
 # then memory mode at world size 2 (2 local processes).
-# About a minute on an idle 2-core machine; point `pyrecover bench ckpt --dir` at real
+# A few minutes on an idle 2-core machine; point `pyrecover bench ckpt --dir` at real
 # storage with a real --size-gb, and `bench train --config` at a real experiment.
 BENCH_DIR ?= runs/bench
 BENCH_CORPUS := $(BENCH_DIR)/stdlib.parquet
