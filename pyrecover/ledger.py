@@ -37,10 +37,11 @@ from pyrecover.records import well_formed
 CAUSES = ("queue_wait", "start_up", "restore", "checkpoint_stall", "lost_work", "productive",
           "idle", "remainder")
 FOR_GOOD = ("finish", "error", "no_requeue", "cancel")
-"""An attempt whose last end is one of these started nothing again (nor does a `stop`
-outside a job); an end of ENDS that is not, a requeue or a restart did (or a crash did
-outside a job: its restart's delay is the remainder's)."""
+"""Ends after which nothing starts the run again: the time to its next launch is `idle`. So
+does a `stop` outside a job (a person's Ctrl-C)."""
 ENDS = (*FOR_GOOD, "stop", "crash", "hang", "requeue", "restart_in_job")
+"""Every event that ends an attempt. The newest of an attempt's decides: after a requeue or an
+in-job restart, or a crash (a person or a job restarts it), the gap is the remainder's."""
 
 
 @dataclass(frozen=True)
