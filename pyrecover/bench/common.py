@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pyrecover.slurm.submit import made_for
+
 # A checkpoint mode joins the benchmark with one entry: its name here -> (checkpoint.mode,
 # checkpoint.async_save). Everything else is driven through CheckpointManager.
 MODES: dict[str, tuple[str, bool]] = {
@@ -43,7 +45,7 @@ def make_dir(path: Path, option: str = "--dir") -> Path | None:
     """make_dir creates the benchmark's folder; a path that is a file, under /proc or not
     writable is one BenchError line, not a traceback. Returns the topmost folder it created
     (for `remove_made` once the benchmark is done), None where `path` existed."""
-    missing = [p for p in (path, *path.parents) if not p.exists()]
+    top = made_for(path)
     if path.exists() and not path.is_dir():  # mkdir's own word for it: "File exists"
         raise BenchError(f"{option} {path}: cannot be used (a file, not a folder); give a "
                          "writable folder")
@@ -55,7 +57,7 @@ def make_dir(path: Path, option: str = "--dir") -> Path | None:
     except OSError as exc:
         raise BenchError(f"{option} {path}: cannot be used ({exc.strerror or exc}); give a "
                          "writable folder") from None
-    return missing[-1] if missing else None
+    return top
 
 
 def remove_made(path: Path, top: Path | None) -> None:

@@ -36,8 +36,8 @@ TIMEOUT_ENV = "PYRECOVER_SBATCH_TIMEOUT"  # seconds sbatch may take to answer (d
 
 def made_for(folder: Path) -> Path | None:
     """made_for is the highest folder that writing `folder` will create (itself, or the
-    storage folder above it too), or None where it exists: what a refused submission removes,
-    so that it leaves nothing behind."""
+    storage folder above it too), or None where it exists: what a refused submission (or a
+    benchmark, bench/common.py) removes, so that it leaves nothing behind."""
     missing = None
     for path in (folder, *folder.parents):
         if path.exists():
