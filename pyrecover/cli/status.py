@@ -21,7 +21,8 @@ def status(
     excluded nodes.
 
     State: finished, stopped (will resume; a run started by hand: resumes when started again),
-    crashed, hung (the watchdog ended a stuck rank, exit 76), error, cancelled, ended (the job
+    crashed, hung (the watchdog ended a stuck rank, exit 76), health check failed (exit 77,
+    before training; a job excludes the node and requeues), error, cancelled, ended (the job
     gave up: why), not started (no start recorded yet), running (who holds the run's lock),
     killed (no end recorded, and the lock is free and was last held by a process on this host
     that is gone), or "running or killed" (the lock's last holder was on another host, whose

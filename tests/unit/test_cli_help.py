@@ -95,7 +95,8 @@ def test_status_help_names_every_state_a_run_can_be_in():
     from pyrecover import status
 
     events = ["finish", "stop", "error", "crash", "hang", "no_requeue", "cancel", "start"]
-    states = {status._state([{"event": kind}]) for kind in events} | {status._state([])}
+    states = {status._state([{"event": kind}]) for kind in events} | {status._state([])} | {
+        status._state([{"event": "health", "ok": False}])}
     shown = " ".join(CliRunner().invoke(app, ["status", "--help"],
                                         terminal_width=100).output.split())
     for state in states:
