@@ -65,7 +65,7 @@ def list_checkpoints(run: RunDir, checksums: bool = True, steps: set[int] | None
             size = sum(int(f["size"]) for f in manifest["files"].values())
             # a clock ahead (the saving node), or a save committed since `now`: not -5s
             age = max(0.0, now - float(manifest.get("time", folder.stat().st_mtime)))
-        except CheckpointError:
+        except (CheckpointError, OSError):  # (OSError: a folder this user may not read)
             mode, world, size, age = "?", "?", _du(folder), None
         rows.append(Row(step, mode, world, size, age, problem))
     return rows
@@ -152,4 +152,13 @@ def human_age(seconds: float | None) -> str:
 
 
 def _du(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    """_du is the bytes of the files in `folder` that can be seen (a link: not walked into)."""
+    total = 0
+    for parent, _, files in ([] if folder.is_symlink() else os.walk(folder)):  # errors (a folder it may not read) are skipped
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(parent, name))
+            except OSError:
+                continue
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total

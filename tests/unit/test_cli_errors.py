@@ -350,3 +350,31 @@ def test_a_yaml_value_its_constructor_refuses_is_not_called_a_long_number(tmp_pa
     done = pyrecover("train", "--config", str(path))
     assert done.returncode == 2 and "not valid YAML" in done.stderr, done.stderr
     assert "digits" not in done.stderr
+
+
+def test_one_step_folder_this_user_may_not_read_is_one_invalid_row_not_the_end_of_ls(
+        tmp_path, corpus):
+    """A chmod 000 step folder (a colleague's copy, a half-restored backup): `ckpt ls` and
+    `verify` ended at its manifest with "permission denied", exit 2, hiding the checkpoints
+    that are fine, while export and a resume skip it and use the next one."""
+    run = tmp_path / "theirs"
+    done = pyrecover("train", *tiny_args(tmp_path, corpus, "theirs", "train.max_steps=2",
+                                         "checkpoint.interval=1"))
+    assert done.returncode == 0, done.stderr
+    locked = run / "checkpoints" / "step-2"
+    locked.chmod(0)
+    try:
+        listed = pyrecover("ckpt", "ls", str(run), file_permissions=True)
+        fast = pyrecover("ckpt", "ls", str(run), "--fast", file_permissions=True)
+        verified = pyrecover("ckpt", "verify", str(run), file_permissions=True)
+    finally:
+        locked.chmod(0o755)
+    for done in (listed, fast):
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+        rows = done.stdout.splitlines()[1:]
+        assert rows[0].split()[0] == "2" and "INVALID: " in rows[0], done.stdout
+        assert "Permission denied" in rows[0], done.stdout
+        assert rows[1].split()[0] == "1" and "ok" in rows[1], done.stdout
+    assert verified.returncode == 1 and "Traceback" not in verified.stderr, verified.stderr
+    assert verified.stdout.splitlines()[1] == "step 1: ok", verified.stdout
+    assert verified.stdout.startswith("step 2: INVALID: "), verified.stdout
