@@ -3,6 +3,8 @@ alignment of the tensors in the flat state, and the model's bytes not kept after
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,43 @@ def test_a_truncated_part_file_is_named_in_one_error(tmp_path):
     names = list(store.read_manifest(folder)["files"])
     with pytest.raises(store.CheckpointError, match="part-s0-r0.bin: .* bytes, the slice has"):
         memory.assemble(folder, names)
+
+
+def rewrite_manifest(folder, change) -> None:
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest["files"])
+    path.write_text(json.dumps(manifest))
+
+
+def test_ckpt_verify_refuses_a_memory_checkpoint_that_lacks_a_slice_or_has_a_bad_rng_record(
+        tmp_path):
+    """Its manifest fixed up as a broken tool would (a part file dropped; a meta whose RNG
+    record no generator takes): `ckpt ls` and `verify` said ok, export and a resume then
+    found it unreadable. They read the same as a dcp or vanilla checkpoint's check does."""
+    from pyrecover.checkpoint import listing
+
+    state = build_state(1_000_000)
+    run = RunDir(tmp_path / "run")
+    run.create()
+    manager = CheckpointManager(run, "memory", 2, 3, 0, 1, state.parts, torch.device("cpu"),
+                                False)
+    for step in (2, 4, 6):
+        manager.at_step(step)
+    manager.finish(6)
+    no_part, bad_rng = run.checkpoints / "step-6", run.checkpoints / "step-4"
+    (no_part / "part-s0-r0.bin").unlink()
+    rewrite_manifest(no_part, lambda files: files.pop("part-s0-r0.bin"))
+    meta = torch.load(bad_rng / "meta-r0.pt", weights_only=True)
+    meta["rngs"] = [{"python": 1, "torch": torch.zeros(3), "cuda": []}]
+    torch.save(meta, bad_rng / "meta-r0.pt")
+    data = (bad_rng / "meta-r0.pt").read_bytes()
+    rewrite_manifest(bad_rng, lambda files: files.__setitem__("meta-r0.pt", {
+        "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+    rows = {r.step: r.problem for r in listing.list_checkpoints(run)}
+    assert "slices [0] are in no part file" in rows[6], rows
+    assert "its RNG state (rank 0) cannot be restored" in rows[4], rows
+    assert rows[2] == "", rows
 
 
 def memory_run(tmp_path, interval: int, keep: int, state=None):

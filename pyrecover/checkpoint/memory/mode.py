@@ -46,10 +46,16 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
 from pyrecover import parallel
-from pyrecover.checkpoint import store
+from pyrecover.checkpoint import rng, store
 from pyrecover.checkpoint.memory.exchange import BACKGROUND_COPY_BYTES, Snapshots
 from pyrecover.checkpoint.memory.layout import NAME, SNAP_PREFIX, Snapshot, unflatten
-from pyrecover.checkpoint.memory.persist import all_rngs, assemble, first_meta, write_slices
+from pyrecover.checkpoint.memory.persist import (
+    all_rngs,
+    assemble,
+    first_meta,
+    part_files,
+    write_slices,
+)
 from pyrecover.checkpoint.mode import Restored, WriteResult
 from pyrecover.checkpoint.store import Checkpoint, Pending
 
@@ -162,7 +168,13 @@ class MemoryMode(Snapshots):
 # ---------------------------------------------------- offline: `pyrecover ckpt` (mode.Offline)
 
 def check_readable(ckpt: Checkpoint) -> None:
-    first_meta(ckpt.path, list(ckpt.manifest["files"]))["layout"]  # weights-only unpickler
+    names = list(ckpt.manifest["files"])
+    meta = first_meta(ckpt.path, names)  # the weights-only unpickler
+    meta["layout"]
+    part_files(ckpt.path, names, [tuple(b) for b in meta["bounds"]])  # sizes only: not read
+    for rank, saved in enumerate(all_rngs(ckpt.path, names, meta)):  # what a resume takes
+        if saved is not None:  # (None: no writer held it; a resume goes on without it)
+            rng.check(saved, rank)
 
 
 def read_config(ckpt: Checkpoint) -> dict[str, Any]:

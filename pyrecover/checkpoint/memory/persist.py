@@ -69,6 +69,22 @@ def all_rngs(folder: Path, names: list[str], meta: dict[str, Any] | None = None
     return rngs
 
 
+def part_files(folder: Path, names: list[str], bounds: list[tuple[int, int]]
+               ) -> dict[int, list[str]]:
+    """part_files names the part files of each slice; a CheckpointError where a slice is in
+    none, or where its first has not the slice's size."""
+    copies = {s: sorted(n for n in names if n.startswith(f"part-s{s}-r"))
+              for s in range(len(bounds))}
+    missing = [s for s, found in copies.items() if not found]
+    if missing:
+        raise CheckpointError(f"{folder}: slices {missing} are in no part file")
+    for s, (a, b) in enumerate(bounds):
+        size = (folder / copies[s][0]).stat().st_size
+        if size != b - a:
+            raise CheckpointError(f"{folder / copies[s][0]}: {size} bytes, the slice has {b - a}")
+    return copies
+
+
 def assemble(folder: Path, names: list[str]) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """assemble rebuilds the state's bytes from the part files named in `names`.
 
@@ -81,15 +97,7 @@ def assemble(folder: Path, names: list[str]) -> tuple[list[torch.Tensor], dict[s
     meta = first_meta(folder, names)
     meta["rngs"] = all_rngs(folder, names, meta)
     bounds = [tuple(b) for b in meta["bounds"]]
-    copies = {s: sorted(n for n in names if n.startswith(f"part-s{s}-r"))
-              for s in range(len(bounds))}
-    missing = [s for s, found in copies.items() if not found]
-    if missing:
-        raise CheckpointError(f"{folder}: slices {missing} are in no part file")
-    for s, (a, b) in enumerate(bounds):
-        size = (folder / copies[s][0]).stat().st_size
-        if size != b - a:
-            raise CheckpointError(f"{folder / copies[s][0]}: {size} bytes, the slice has {b - a}")
+    copies = part_files(folder, names, bounds)
     total = bounds[-1][1]
     split = min((e["offset"] for e in meta["layout"] if e["key"].startswith("optim/")),
                 default=total)
