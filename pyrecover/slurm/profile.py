@@ -210,8 +210,9 @@ def parse_bind(text: str, cwd: str | Path) -> Bind:
 
 
 def absolute(profile: ClusterProfile, cwd: str | Path) -> ClusterProfile:
-    """absolute makes the image path absolute, taken from `cwd` when relative."""
-    if profile.image is None:
+    """absolute makes the image path absolute, taken from `cwd` when relative. A blank one
+    stays as it is, for validate to refuse (made absolute, it would name `cwd`)."""
+    if profile.image is None or not profile.image.strip():
         return profile
     return dataclasses.replace(profile, image=os.path.abspath(os.path.join(cwd, profile.image)))
 

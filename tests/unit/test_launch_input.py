@@ -49,6 +49,8 @@ def files_under(path: Path) -> list[Path]:
     (["--time", "2"], "time='2' is not allowed: expected a limit longer than signal_seconds"),
     (["--launcher", "mpirun"], "launcher='mpirun' is not allowed: expected one of srun"),
     (["--image", "missing.sif", "--launcher", "srun"], "image "),
+    # An unset variable (`--image "$SIF"`) was taken as the folder launch ran in.
+    (["--image", ""], "image='' is not allowed: expected the path of an apptainer image"),
     (["--cluster", "nowhere.yaml"], "cluster profile 'nowhere.yaml' does not exist"),
     (["--cluster", "bad.yaml"], "unknown cluster profile key 'gpus'; known keys: account"),
     (["--exp-name", "a b"], "run.exp_name='a b'"),
