@@ -59,7 +59,11 @@ def from_dict(raw: Any, source: str = "config") -> Config:
     """from_dict builds and validates a Config from nested mappings, rejecting unknown keys."""
     cfg = _build(Config, raw if raw is not None else {}, "", source)
     validate(cfg)
-    return cfg
+    # `~/corpus.parquet` in a YAML file, or after `--set key=` (no shell expands it there),
+    # means the home folder, not a folder named `~` in the working directory.
+    return dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, storage=os.path.expanduser(cfg.run.storage)),
+        data=dataclasses.replace(cfg.data, path=os.path.expanduser(cfg.data.path)))
 
 
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -180,6 +180,9 @@ def absolute_values(sweep: Sweep, cwd: str) -> Sweep:
     trial by wandb's controller as the sweep file gives them: a relative one is refused."""
     params = []
     for p in sweep.params:
+        if p.key in PATH_KEYS:  # `~/c.parquet` is in the home folder, as in the config
+            p = dataclasses.replace(p, values=tuple(
+                os.path.expanduser(v) if isinstance(v, str) else v for v in p.values))
         relative = [v for v in p.values if p.key in PATH_KEYS and isinstance(v, str)
                     and not os.path.isabs(v)]
         if relative and sweep.method == "bayes":

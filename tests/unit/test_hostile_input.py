@@ -129,3 +129,18 @@ def test_a_corpus_error_with_two_local_ranks_is_said_once_and_writes_nothing(tmp
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("error: ") == 1 and "fewer than one window" in done.stderr
     assert not (tmp_path / "store").exists()
+
+
+def test_a_path_under_the_home_folder_written_with_a_tilde_is_read_from_there(tmp_path):
+    """`data.path: ~/corpus.parquet` in a YAML file (or `--set`, where the shell does not expand
+    it) was said not to exist, and `run.storage: ~/runs` made a folder named `~` in the working
+    directory."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    write_corpus(home, [list(range(1, 300))])
+    done = pyrecover("train", "--config", str(TINY), "--set", "data.path=~/tok.parquet",
+                     "--set", "data.column=ids", "--set", "run.storage=~/runs", "--set",
+                     "train.max_steps=1", env={"HOME": str(home)}, cwd=work)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (home / "runs" / "tiny" / "checkpoints" / "step-1").is_dir()
+    assert files_under(work) == []

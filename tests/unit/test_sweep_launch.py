@@ -266,6 +266,21 @@ def test_a_swept_relative_data_path_is_made_absolute_so_the_trial_finds_it(tmp_p
     assert trained.returncode == 0, trained.stderr[-2000:]
 
 
+def test_a_swept_data_path_under_the_home_folder_written_with_a_tilde_is_read_there(tmp_path,
+                                                                                    corpus):
+    """`~/a.parquet` was taken as relative: the trial looked for `<cwd>/~/a.parquet`."""
+    path = tmp_path / "home.yaml"
+    path.write_text(yaml.safe_dump({"name": "home", "method": "grid", "parameters": {
+        "data.path": {"values": ["~/a.parquet"]}}}, sort_keys=False))
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--launcher", "none",
+                     "--set", f"run.storage={tmp_path / 'st'}",
+                     "--set", "train.global_batch_size=8",
+                     env={**stub_slurm(tmp_path), "HOME": str(tmp_path / "home")}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    trial = tmp_path / "st" / "home" / "trial-0"
+    assert config_mod.load(trial / "run.yaml").data.path == str(tmp_path / "home" / "a.parquet")
+
+
 def test_a_bayes_sweep_refuses_a_relative_data_path_wandb_would_hand_on_as_written(tmp_path):
     path = tmp_path / "paths.yaml"
     path.write_text(yaml.safe_dump({"name": "paths", "method": "bayes", "run_cap": 2,
