@@ -33,10 +33,10 @@ def load_tokens(path: str | Path, column: str) -> torch.Tensor:
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{p}: cannot read column {column!r} ({first_line(exc)})") from None
     kind = col.type
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or _is_string_view(kind):
         tokens = _bytes_tokens(col)
-    elif (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(
-            kind.value_type):
+    elif (pa.types.is_list(kind) or pa.types.is_large_list(kind)
+          or pa.types.is_fixed_size_list(kind)) and pa.types.is_integer(kind.value_type):
         flat = col.flatten()
         if flat.null_count:  # to_numpy would make it a NaN, then int64's minimum
             raise DataError(f"{p}: column {column!r} holds {flat.null_count} missing (null) "
@@ -52,6 +52,11 @@ def load_tokens(path: str | Path, column: str) -> torch.Tensor:
     if tokens.numel() == 0:
         raise DataError(f"{p}: column {column!r} holds no tokens")
     return tokens
+
+
+def _is_string_view(kind: pa.DataType) -> bool:
+    """Polars (1.38 on) writes strings as string_view, which pyarrow 16 on reads back as such."""
+    return getattr(pa.types, "is_string_view", lambda _: False)(kind)
 
 
 def check_tokens(tokens: torch.Tensor, vocab_size: int, block_size: int,

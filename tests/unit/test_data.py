@@ -105,6 +105,23 @@ def test_an_already_tokenized_list_column_is_used_as_is(tmp_path):
     assert load_tokens(f, "ids").tolist() == [1, 2, 3, 40000]
 
 
+@pytest.mark.skipif(not hasattr(pa, "string_view"), reason="pyarrow before 16 has no views")
+def test_text_a_writer_stored_as_a_string_view_is_text(tmp_path):
+    """Polars 1.38 writes its strings as Arrow's string_view, and pyarrow reads them back as
+    such: a corpus built with it was refused as "expected a string"."""
+    f = write(tmp_path / "t.parquet", pa.table({"text": pa.array(["hé", "ab"],
+                                                                 pa.string_view())}))
+    assert load_tokens(f, "text").tolist() == [104, 0xC3, 0xA9, EOD, 97, 98, EOD]
+
+
+def test_a_fixed_length_token_list_column_is_used_as_is(tmp_path):
+    """Hugging Face datasets store `Sequence(Value("int32"), length=N)`, the usual shape of a
+    packed, pre-tokenized corpus, as a fixed-size list: it was refused as not a list."""
+    f = write(tmp_path / "t.parquet", pa.table({"ids": pa.array([[1, 2, 3], [4, 5, 6]],
+                                                                pa.list_(pa.int32(), 3))}))
+    assert load_tokens(f, "ids").tolist() == [1, 2, 3, 4, 5, 6]
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda p: None, "does not exist"),
     (lambda p: p.write_bytes(b"not parquet at all"), "not a readable parquet file"),
