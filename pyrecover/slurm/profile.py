@@ -200,21 +200,24 @@ def with_overrides(profile: ClusterProfile, cwd: str | Path, binds: tuple[str, .
 
 def parse_bind(text: str, cwd: str | Path) -> Bind:
     """parse_bind reads `SRC[:DST[:ro|rw]]` (pyrecover.container.parse_bind) with SRC made
-    absolute from `cwd`, and DST spelled out (the same path when not given)."""
+    absolute from `cwd` (a leading `~` is the home folder, as in the config: YAML and bash in
+    `--bind=~/x` leave it), and DST spelled out (the same path when not given)."""
     try:
         bind = container.parse_bind(text)
     except container.ContainerError as exc:
         raise LaunchError(str(exc)) from None
-    src = os.path.abspath(os.path.join(cwd, bind.src))
+    src = os.path.abspath(os.path.join(cwd, os.path.expanduser(bind.src)))
     return dataclasses.replace(bind, src=src, dst=bind.dst or src)
 
 
 def absolute(profile: ClusterProfile, cwd: str | Path) -> ClusterProfile:
-    """absolute makes the image path absolute, taken from `cwd` when relative. A blank one
-    stays as it is, for validate to refuse (made absolute, it would name `cwd`)."""
+    """absolute makes the image path absolute, taken from `cwd` when relative, from the home
+    folder after a leading `~`. A blank one stays as it is, for validate to refuse (made
+    absolute, it would name `cwd`)."""
     if profile.image is None or not profile.image.strip():
         return profile
-    return dataclasses.replace(profile, image=os.path.abspath(os.path.join(cwd, profile.image)))
+    image = os.path.expanduser(profile.image)
+    return dataclasses.replace(profile, image=os.path.abspath(os.path.join(cwd, image)))
 
 
 def validate(profile: ClusterProfile) -> None:

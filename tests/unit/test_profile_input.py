@@ -73,6 +73,21 @@ def test_binds_are_absolute_with_the_destination_spelled_out():
     assert profile.parse_bind("/d:/in:ro", "/cwd").spec() == "/d:/in:ro"
 
 
+def test_a_profile_path_starting_with_a_tilde_is_under_the_home_folder(tmp_path, monkeypatch):
+    """YAML (`binds: [~/datasets]`), and bash in `--bind=~/x`, leave the tilde as it is: the
+    bind's source was <launch folder>/~/datasets, which the job's apptainer then failed to
+    mount on every node, and the job requeued as a crash."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = tmp_path / "site.yaml"
+    path.write_text("partition: gpu\nimage: ~/pyrecover.sif\nbinds: [~/datasets]\n")
+    loaded = profile.load_profile(path, tmp_path / "launch")
+    assert loaded.image == str(tmp_path / "home" / "pyrecover.sif")
+    home_data = str(tmp_path / "home" / "datasets")
+    assert [(b.src, b.dst) for b in loaded.binds] == [(home_data, home_data)]
+    added = profile.parse_bind("~/scratch:/scratch", tmp_path)
+    assert added.src == str(tmp_path / "home" / "scratch") and added.dst == "/scratch"
+
+
 def test_launcher_srun_without_an_image_says_what_to_do():
     with pytest.raises(LaunchError, match="--image"):
         spec_for("srun", image=None)
