@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,7 +155,12 @@ def _safetensors(fmt: str):
         try:
             save_file(tensors, path, metadata=metadata)
         except SafetensorError as exc:
-            raise OSError(str(exc).removeprefix("Error while serializing: ")) from None
+            text = str(exc).removeprefix("Error while serializing: ")
+            code = re.search(r"\(os error (\d+)\)", text)  # Rust's io::Error, as text
+            if code is None:
+                raise OSError(text) from None
+            # OSError(errno, ...) is its subclass: a PermissionError is the user's (exit 2)
+            raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
     return save
 
 

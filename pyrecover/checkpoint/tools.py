@@ -104,7 +104,7 @@ def first_that_works(run: RunDir, step: int | None, use) -> tuple[Checkpoint, ob
 class temporary:
     """temporary yields a temporary path next to `out` and renames it to `out` on success;
     on failure (the rename included) nothing is left behind, and a failed write (a full disk)
-    is one StorageError line."""
+    is one StorageError line; a folder this user may not write, the CLI's permission line."""
 
     def __init__(self, out: Path) -> None:
         self.out, self.tmp = out, out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -124,6 +124,8 @@ class temporary:
             elif self.tmp.exists() or self.tmp.is_symlink():
                 self.tmp.unlink()
         err = _os_error(exc)
+        if isinstance(err, PermissionError):  # the user's folder: no retry helps, exit 2
+            raise PermissionError(err.errno, err.strerror, str(self.out.parent)) from None
         if err is not None:  # a full disk, a folder in the way of the rename: a fault, exit 1
             raise storage_error("write", self.out, err) from None
 

@@ -261,6 +261,26 @@ def test_a_run_this_user_may_not_read_is_one_line_and_exit_2_never_a_traceback(t
             locked.chmod(mode)
 
 
+def test_exporting_into_a_folder_this_user_may_not_write_is_a_permission_error_exit_2(
+        tmp_path, corpus):
+    """Into a read-only folder, export and convert said `storage: cannot write` and exit 1, a
+    fault a retry may mend, where a missing folder under it was exit 2 `permission denied`."""
+    done = pyrecover("train", *tiny_args(tmp_path, corpus, "mine", "train.max_steps=1"))
+    assert done.returncode == 0, done.stderr
+    shut = tmp_path / "shut"
+    shut.mkdir(0o555)
+    for args in (["export", "--out", str(shut / "m.pt")],
+                 ["export", "--out", str(shut / "m.safetensors")],
+                 ["export", "--format", "hf", "--out", str(shut / "hf")],
+                 ["convert", "--to", "torch", str(shut / "s.pt")]):
+        done = pyrecover("ckpt", args[0], str(tmp_path / "mine"), *args[1:],
+                         file_permissions=True)
+        assert done.returncode == 2, (args, done.stderr)
+        assert done.stderr == (f"error: permission denied: {shut}; give this user access to "
+                               "it (or run as its owner)\n"), (args, done.stderr)
+    assert files_under(shut) == []
+
+
 def test_a_checkpoints_folder_this_user_may_read_but_not_write_stops_the_start(tmp_path,
                                                                                corpus):
     """checkpoints/ readable but not writable (chmod 555, another user's copy): the resume
