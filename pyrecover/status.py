@@ -176,6 +176,10 @@ def _slurm_name(events: list[dict[str, Any]], job_id: str) -> str:
     return next((str(e["array_task"]) for e in reversed(events) if e.get("array_task")), job_id)
 
 
+CONTINUED = "continued after finishing"
+"""The cause of an attempt that finished, continued by a launch with more steps: no restart."""
+
+
 def _cause(attempt: list[dict[str, Any]]) -> str:
     """_cause names why an attempt that another one followed ended: a hang, its stop, crash or
     error, its finish (a finished run continued with more steps), a start that never began
@@ -192,7 +196,7 @@ def _cause(attempt: list[dict[str, Any]]) -> str:
         if kind == "error":
             return "error"
         if kind == "finish":
-            return "continued after finishing"
+            return CONTINUED
     if not any(e.get("event") in ("start", "resume") for e in attempt):
         return "ended during start-up"
     return "killed (no record)"

@@ -98,7 +98,9 @@ def _trial(path: Path, index: int, params: dict[str, Any] | None, rec: record.Re
         str(s.last_error).startswith(DIVERGED_ERROR)
     return Trial(index=index, run_dir=str(path), params=params, state=s.state,
                  slurm_state=slurm_state, step=s.step, max_steps=s.max_steps,
-                 restarts=_restarts(run), last=values[-1] if values and not diverged else None,
+                 restarts=sum(n for cause, n in s.restarts_by_cause.items()
+                              if cause != run_status.CONTINUED),
+                 last=values[-1] if values and not diverged else None,
                  best=best, diverged=diverged)
 
 
@@ -107,18 +109,6 @@ def _number(value: Any) -> float | None:
     if type(value) in (int, float):
         return float(value)
     return None
-
-
-def _restarts(run: RunDir) -> int:
-    """_restarts counts resumes after an interruption, not a finished trial launched again."""
-    count, previous = 0, None
-    for e in read_jsonl(run.events):
-        kind = e.get("event")
-        if kind == "resume" and previous != "finish":
-            count += 1
-        if kind in ("start", "resume", "finish"):
-            previous = kind
-    return count
 
 
 def render(s: SweepStatus) -> str:

@@ -299,6 +299,20 @@ def test_status_ranks_trials_by_their_last_metric_and_names_the_best(tmp_path):
     assert json.loads(done.stdout)["best"] == 1
 
 
+def test_a_trial_that_crashed_before_its_first_checkpoint_counts_the_restart(tmp_path):
+    """A trial that runs out of memory at step 1 restarts from step 0, a `start` and not a
+    `resume`: the sweep table said 0 restarts where `pyrecover status` of the trial said 1."""
+    sweep = sweep_of({"method": "grid", "parameters": {"train.lr": {"values": [1]}}})
+    record.write(tmp_path, record.make(sweep, trials.choose(sweep)))
+    fake_trial(tmp_path, 0, [5.0], False)
+    run = RunDir(tmp_path / "trial-0")
+    run.event("crash", rank=0, error="OutOfMemoryError: CUDA out of memory")
+    run.event("requeue", exit_code=1, reason="crash")
+    run.event("start", step=0)
+    (trial,) = sweep_status.read(tmp_path).trials
+    assert trial.restarts == 1
+
+
 def test_a_trial_that_diverged_is_ranked_after_the_others_and_never_named_best(tmp_path):
     """An lr sweep's highest lr logs NaN losses until the guard stops it: NaN in the sort
     key made it the best trial, and `--json` printed NaN, which strict JSON refuses."""
