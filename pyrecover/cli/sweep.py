@@ -80,7 +80,7 @@ def launch(
     cwd = os.getcwd()
     sweep = trials.absolute_values(spec.load(sweep_file), cwd)
     sets = list(overrides or []) + ([f"checkpoint.mode={mode}"] if mode else [])
-    trials.check_sets(sweep, sweep_file, overrides or [])
+    trials.check_sets(sweep, sweep_file, overrides or [], mode)
     cfg = config_mod.load(config, sets)
     cfg = trials.base_for(sweep, absolute_paths(cfg, cwd))
     prof = site.resolve(  # as `launch` resolves it

@@ -94,10 +94,13 @@ def check_owned(sweep: Sweep) -> None:
                          f"<run.storage>/{sweep.name}/{TRIAL_PREFIX}<i>)")
 
 
-def check_sets(sweep: Sweep, source: object, sets: list[str]) -> None:
-    """check_sets refuses a --set that no trial would keep: a swept key (each trial's value
-    replaces it) or run.exp_name (the sweep's name names the folder)."""
+def check_sets(sweep: Sweep, source: object, sets: list[str], mode: str | None = None) -> None:
+    """check_sets refuses a --set (or --mode) that no trial would keep: a swept key (each
+    trial's value replaces it) or run.exp_name (the sweep's name names the folder)."""
     swept = {p.key for p in sweep.params}
+    if mode is not None and "checkpoint.mode" in swept:
+        raise SweepError(f"--mode (checkpoint.mode): {source} sweeps it, so every trial would "
+                         "replace it with its own value; leave out one or the other")
     for item in sets:
         key = config_mod.parse_override(item)[0]
         if key in swept:

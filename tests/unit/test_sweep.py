@@ -189,18 +189,21 @@ def test_an_unknown_key_or_impossible_value_names_the_trial_and_the_key(params, 
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("item, message", [
-    ("train.lr=0.1", "--set train.lr: s.yaml sweeps it, so every trial would replace it"),
-    (" train.seed = 3", "--set train.seed: s.yaml sweeps it"),
-    ("run.exp_name=x", "--set run.exp_name: the sweep's name names its folder (s); set name: "
-                       "in s.yaml instead"),
+@pytest.mark.parametrize("option, message", [
+    (["--set", "train.lr=0.1"], "--set train.lr: s.yaml sweeps it, so every trial would "
+                                "replace it"),
+    (["--set", " train.seed = 3"], "--set train.seed: s.yaml sweeps it"),
+    (["--set", "run.exp_name=x"], "--set run.exp_name: the sweep's name names its folder (s); "
+                                  "set name: in s.yaml instead"),
+    (["--mode", "memory"], "--mode (checkpoint.mode): s.yaml sweeps it"),
 ])
-def test_a_set_no_trial_would_keep_is_one_line_exit_2_and_writes_nothing(tmp_path, item,
+def test_a_set_no_trial_would_keep_is_one_line_exit_2_and_writes_nothing(tmp_path, option,
                                                                          message):
     """A --set of a swept key (or of the run's name) was dropped without a word: every trial
-    ran with its own value."""
-    (tmp_path / "s.yaml").write_text(yaml.safe_dump(GRID))
-    done = pyrecover("sweep", "launch", "s.yaml", "--config", str(TINY), "--set", item,
+    ran with its own value. So was --mode where the sweep sweeps checkpoint.mode."""
+    swept = {**GRID["parameters"], "checkpoint.mode": {"values": ["vanilla", "dcp"]}}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump({**GRID, "parameters": swept}))
+    done = pyrecover("sweep", "launch", "s.yaml", "--config", str(TINY), *option,
                      "--set", f"run.storage={tmp_path / 'st'}", "--dry-run", cwd=tmp_path,
                      env=default_cluster(tmp_path))
     lines = done.stderr.strip().splitlines()
