@@ -82,10 +82,24 @@ def read(sweep_dir: str | Path) -> Record:
         raw = yaml.safe_load(path.read_text())
         return Record(name=raw["name"], method=raw["method"], metric=raw["metric"]["name"],
                       goal=raw["metric"]["goal"], seed=int(raw["seed"]),
-                      trials=list(raw["trials"]), wandb=_wandb(raw.get("wandb")),
+                      trials=_trials(raw["trials"]), wandb=_wandb(raw.get("wandb")),
                       parameters=_parameters(raw.get("parameters")))
     except (yaml.YAMLError, KeyError, TypeError, ValueError):
         raise SweepError(f"{path} is damaged: not the record `sweep launch` wrote") from None
+
+
+def _trials(raw: Any) -> list[dict[str, Any]]:
+    """_trials checks each trial as `make` writes it: its index, its folder trial-<index>
+    (never another one), its values or None."""
+    if not isinstance(raw, list):
+        raise TypeError("trials: expected a list")
+    for t in raw:
+        index = t.get("index") if isinstance(t, dict) else None
+        if not isinstance(index, int) or isinstance(index, bool) or \
+                t.get("dir") != trial_name(index) or \
+                not isinstance(t.get("params", ()), (dict, type(None))):
+            raise TypeError(f"trials: {str(t)[:80]} is not {{index, dir, params}}")
+    return raw
 
 
 def _wandb(raw: Any) -> dict[str, Any] | None:

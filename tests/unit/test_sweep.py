@@ -222,6 +222,22 @@ def test_relaunching_records_the_same_trials_and_refuses_other_ones(tmp_path):
         record.write(tmp_path, other)
 
 
+@pytest.mark.parametrize("entry", [{"index": 0}, {"index": 0, "dir": "trial-0"}, 3,
+                                   {"index": "0", "dir": "trial-0", "params": {}},
+                                   {"index": 0, "dir": "../../etc", "params": {"a": 1}},
+                                   {"index": 0, "dir": "trial-0", "params": [1]}])
+def test_a_damaged_trial_in_sweep_yaml_is_one_line_exit_2_not_a_traceback(tmp_path, entry):
+    """A hand-edited sweep.yaml whose trial lacked its folder made `sweep status` print
+    KeyError: 'dir' as a traceback; one naming another folder read a run outside the sweep."""
+    sweep = sweep_of(GRID)
+    record.write(tmp_path, record.make(sweep, trials.choose(sweep)))
+    raw = yaml.safe_load((tmp_path / record.RECORD).read_text())
+    (tmp_path / record.RECORD).write_text(yaml.safe_dump({**raw, "trials": [entry]}))
+    done = pyrecover("sweep", "status", str(tmp_path))
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"error: {tmp_path / record.RECORD} is damaged: not the record `sweep launch` wrote")
+
+
 # ---------------------------------------------------------------------- the job array
 
 
