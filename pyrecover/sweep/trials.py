@@ -96,7 +96,8 @@ def check_owned(sweep: Sweep) -> None:
 
 def check_sets(sweep: Sweep, source: object, sets: list[str], mode: str | None = None) -> None:
     """check_sets refuses a --set (or --mode) that no trial would keep: a swept key (each
-    trial's value replaces it) or run.exp_name (the sweep's name names the folder)."""
+    trial's value replaces it), run.exp_name (the sweep's name names the folder), or the
+    wandb project or entity the sweep file names."""
     swept = {p.key for p in sweep.params}
     if mode is not None and "checkpoint.mode" in swept:
         raise SweepError(f"--mode (checkpoint.mode): {source} sweeps it, so every trial would "
@@ -109,6 +110,11 @@ def check_sets(sweep: Sweep, source: object, sets: list[str], mode: str | None =
         if key == "run.exp_name":
             raise SweepError(f"--set {key}: the sweep's name names its folder ({sweep.name}); "
                              f"set name: in {source} instead")
+        named = {"tracking.project": sweep.project, "tracking.entity": sweep.entity}.get(key)
+        if named:  # base_for gives every trial the sweep file's
+            raise SweepError(f"--set {key}: {source} names {key.partition('.')[2]}: {named}, "
+                             "where every trial logs and wandb registers the sweep; leave out "
+                             "one or the other")
 
 
 def trial_config(name: str, base: Config, index: int, values: dict[str, Any],

@@ -196,13 +196,18 @@ def test_an_unknown_key_or_impossible_value_names_the_trial_and_the_key(params, 
     (["--set", "run.exp_name=x"], "--set run.exp_name: the sweep's name names its folder (s); "
                                   "set name: in s.yaml instead"),
     (["--mode", "memory"], "--mode (checkpoint.mode): s.yaml sweeps it"),
+    (["--set", "tracking.project=mine"], "--set tracking.project: s.yaml names project: "
+                                         "theirs, where every trial logs"),
+    (["--set", "tracking.entity=me"], "--set tracking.entity: s.yaml names entity: team"),
 ])
 def test_a_set_no_trial_would_keep_is_one_line_exit_2_and_writes_nothing(tmp_path, option,
                                                                          message):
     """A --set of a swept key (or of the run's name) was dropped without a word: every trial
-    ran with its own value. So was --mode where the sweep sweeps checkpoint.mode."""
+    ran with its own value. So was --mode where the sweep sweeps checkpoint.mode, and a
+    --set tracking.project where the sweep file names its project."""
     swept = {**GRID["parameters"], "checkpoint.mode": {"values": ["vanilla", "dcp"]}}
-    (tmp_path / "s.yaml").write_text(yaml.safe_dump({**GRID, "parameters": swept}))
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump({**GRID, "parameters": swept,
+                                                     "project": "theirs", "entity": "team"}))
     done = pyrecover("sweep", "launch", "s.yaml", "--config", str(TINY), *option,
                      "--set", f"run.storage={tmp_path / 'st'}", "--dry-run", cwd=tmp_path,
                      env=default_cluster(tmp_path))
