@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,7 +97,12 @@ def check_values(sweep: spec.Sweep, args: Any) -> dict[str, Any]:
         raise SweepError(f"wandb handed out values for {sorted(got)}, the sweep has "
                          f"parameters {sorted(want)}")
     for p in sweep.params:
-        if not _allowed(p, got[p.key]):
+        value = got[p.key]
+        if p.key in trials.PATH_KEYS and isinstance(value, str):
+            # wandb has the file as written (~/a.parquet); the record, the values launch
+            # checked (/home/me/a.parquet). Kept as handed: the config expands it too.
+            value = os.path.expanduser(value)
+        if not _allowed(p, value):
             raise SweepError(f"wandb handed out {p.key}={got[p.key]!r}, outside parameters."
                              f"{p.key} ({p.distribution} {_domain(p)})")
     return {k: got[k] for k in want}

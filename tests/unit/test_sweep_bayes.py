@@ -33,7 +33,7 @@ KEY = "k" * 40
 
 def launched(tmp_path: Path, raw: dict | None = None) -> tuple[spec.Sweep, Path]:
     """A bayes sweep's folder as `sweep launch` leaves it (registered as sweep `sw1`)."""
-    sweep = spec.parse(raw or BAYES, "bo")
+    sweep = trials.absolute_values(spec.parse(raw or BAYES, "bo"), str(tmp_path))  # as launch
     cfg = trials.base_for(sweep, base_config(str(tmp_path / "st")))
     cfg.tracking.sweep_id = "sw1"
     rec = record.make(sweep, [None] * (sweep.run_cap or 0))
@@ -223,6 +223,21 @@ def test_a_value_the_sweep_does_not_allow_is_one_line_and_nothing_is_recorded(
         bayes.take(trial, Wandb(agent.Run("r0", handed)), world_size=1)
     assert message in str(err.value) and "\n" not in str(err.value)
     assert not trial.exists() or not any(trial.rglob("*"))
+
+
+def test_a_data_path_with_a_tilde_is_taken_as_wandb_hands_it_back(tmp_path, monkeypatch):
+    """`data.path: {values: [~/a.parquet]}` was checked at launch as /home/me/a.parquet, but
+    wandb is sent the file as written and hands back ~/a.parquet: every trial's first start
+    was refused with "outside parameters.data.path", exit 2, after a launch that passed."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    raw = {**BAYES, "parameters": {**BAYES["parameters"],
+                                   "data.path": {"values": ["~/a.parquet", "/b.parquet"]}}}
+    _, sweep_dir = launched(tmp_path, raw)
+    handed = {**GOOD, "data.path": {"value": "~/a.parquet"}}
+    got = bayes.take(sweep_dir / "trial-0", Wandb(agent.Run("r0", handed)), world_size=1)
+    assert got.values["data.path"] == "~/a.parquet"  # as the controller knows it
+    cfg = config_mod.load(sweep_dir / "trial-0" / "run.yaml")
+    assert cfg.data.path == str(tmp_path / "home" / "a.parquet")
 
 
 def test_a_value_the_config_refuses_is_one_line_naming_the_trial(tmp_path):
