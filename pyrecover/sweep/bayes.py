@@ -72,7 +72,7 @@ def check_launch(sweep: spec.Sweep, base: Config, world_size: int | None) -> Non
     """check_launch builds the config with each parameter at each of its edges (the others at
     their first): a key that is no config key, or a value the config refuses, is one line
     before anything is written or submitted."""
-    trials.check_owned(sweep)
+    trials.check_owned(sweep, base)
     first = {p.key: edges(p)[0] for p in sweep.params}
     built = {}
     for p in sweep.params:

@@ -69,7 +69,7 @@ def configs(sweep: Sweep, base: Config, chosen: list[dict[str, Scalar]],
             world_size: int | None = None) -> list[Config]:
     """configs builds and validates each trial's Config; raises SweepError for the first bad
     trial, naming it and the config's complaint. `base` has absolute paths."""
-    check_owned(sweep)
+    check_owned(sweep, base)
     cfgs = [trial_config(sweep.name, base, index, values, world_size)
             for index, values in enumerate(chosen)]
     check_metric(sweep, {f"trial {i}": c for i, c in enumerate(cfgs)})
@@ -87,11 +87,17 @@ def check_metric(sweep: Sweep, cfgs: dict[str, Config]) -> None:
                          "tokens_per_s instead")
 
 
-def check_owned(sweep: Sweep) -> None:
+def check_owned(sweep: Sweep, base: Config) -> None:
+    """check_owned refuses a parameter that no trial may have to itself: its folder, and the
+    stop signal, which the one array script asks SLURM to send to every trial."""
     owned = next((p.key for p in sweep.params if p.key in OWNED), None)
     if owned is not None:
         raise SweepError(f"parameters.{owned}: the sweep sets it (each trial runs in "
                          f"<run.storage>/{sweep.name}/{TRIAL_PREFIX}<i>)")
+    if any(p.key == "run.stop_signal" for p in sweep.params):
+        raise SweepError(f"parameters.run.stop_signal: the job array sends every trial the "
+                         f"experiment's stop signal ({base.run.stop_signal}), which a trial "
+                         "waiting for another would not survive; set it with --set instead")
 
 
 def check_sets(sweep: Sweep, source: object, sets: list[str], mode: str | None = None) -> None:

@@ -176,6 +176,10 @@ def test_each_trial_is_a_checked_config_in_its_own_folder_of_the_sweep():
     ({"trian.lr": {"values": [1]}}, "parameters.trian.lr: not a config key"),
     ({"lr": {"values": [1]}}, "parameters.lr: not a config key"),
     ({"run.exp_name": {"values": ["x"]}}, "parameters.run.exp_name: the sweep sets it"),
+    # One array script signals every trial: a trial waiting for USR1 was killed by USR2.
+    ({"run.stop_signal": {"values": ["USR1", "USR2"]}},
+     "parameters.run.stop_signal: the job array sends every trial the experiment's stop "
+     "signal (USR2)"),
     ({"train.lr": {"values": [1e-3, 1e-5]}},
      "trial 1 (train.lr=1e-05): train.min_lr=0.0001 is not allowed"),
     ({"model.n_layer": {"values": [2, "two"]}}, "trial 1 (model.n_layer=two): model.n_layer="),
