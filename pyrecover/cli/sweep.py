@@ -235,7 +235,8 @@ def values(
 
     got = bayes.take(trial_dir, ask, world_size)
     how = f"from wandb (run {got.run_id})" if got.asked else \
-        f"as recorded at its first start (run {got.run_id})"
+        f"as recorded at its first start (run {got.run_id})" if got.run_id else \
+        "as recorded at its first start (its wandb/run-id is gone: wandb logs a new run)"
     typer.echo(f"{trial_dir}: {', '.join(f'{k}={v}' for k, v in got.values.items())}, {how}",
                err=True)
 

@@ -49,7 +49,9 @@ Ask = Callable[[str, Config], agent.Run]
 @dataclass(frozen=True)
 class Taken:
     values: dict[str, Any]
-    run_id: str
+    run_id: str | None
+    """None: recorded once, but its wandb/ folder was removed since (the trial's wandb
+    logging then starts a new run)."""
     asked: bool
     """False: recorded at an earlier start; wandb was not asked."""
 
@@ -207,8 +209,10 @@ def take(trial_dir: str | Path, ask: Ask, world_size: int | None = None) -> Take
     run = RunDir(trial)
     keys = [p.key for p in sweep.params]
     values = recorded(trial, keys)
-    if values is not None:
-        return Taken(values, (run.wandb / RUN_ID_FILE).read_text().strip(), asked=False)
+    if values is not None:  # run.yaml is the commit: wandb/ may be gone (cleaned after a sync)
+        ident = run.wandb / RUN_ID_FILE
+        return Taken(values, ident.read_text().strip() or None if ident.is_file() else None,
+                     asked=False)
     base = load_base(trial.parent)
     got = ask(rec.wandb["sweep_id"], base)
     if not _RUN_ID.fullmatch(got.run_id):

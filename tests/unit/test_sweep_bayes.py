@@ -178,6 +178,18 @@ def test_a_trials_first_start_records_what_wandb_handed_out_and_later_starts_reu
     assert (again.values, again.run_id, again.asked) == (got.values, "run1abc", False)
 
 
+def test_a_trial_whose_wandb_folder_was_removed_keeps_its_values_and_trains(tmp_path):
+    """`rm -r trial-*/wandb` after `wandb sync`: every later start's `sweep values` ended
+    'wandb/run-id: No such file or directory', exit 1, so the trial requeued as a crash
+    until its restarts ran out and never trained again, its values in run.yaml all along."""
+    _, sweep_dir = launched(tmp_path)
+    trial = sweep_dir / "trial-1"
+    got = bayes.take(trial, Wandb(agent.Run("run1abc", GOOD)), world_size=1)
+    shutil.rmtree(trial / "wandb")
+    again = bayes.take(trial, Wandb(), world_size=1)  # asking would pop from an empty list
+    assert (again.values, again.run_id, again.asked) == (got.values, None, False)
+
+
 def test_a_relaunch_s_new_limits_reach_the_base_and_every_trial_that_started(tmp_path):
     """A relaunch with --set train.max_steps=N exited 0 and changed nothing: base.yaml was
     kept as it was and a started trial's run.yaml never rewritten."""
