@@ -83,7 +83,10 @@ def _trial(path: Path, index: int, params: dict[str, Any] | None, rec: record.Re
            slurm_state: str | None) -> Trial:
     run = RunDir(path)
     if params is None:  # bayes: wandb hands the values out at the trial's first start
-        return Trial(index, str(path), {}, NO_VALUES, slurm_state, 0, None, 0, None, None)
+        # A task that ended without them (values refused, cancelled) has the job's record.
+        ended = run_status.read(path).state if run.problem() is None else "not started"
+        state = NO_VALUES if ended == "not started" else f"{ended}, {NO_VALUES}"
+        return Trial(index, str(path), {}, state, slurm_state, 0, None, 0, None, None)
     params = dict(params)
     values = [v for v in (_number(m.get(rec.metric)) for m in read_jsonl(run.metrics))
               if v is not None]
@@ -125,7 +128,7 @@ def render(s: SweepStatus) -> str:
                for r in [head, *rows])]
     if s.method == "bayes":
         lines.append("values: from wandb's bayes controller at each trial's first start "
-                     f"('-' and {NO_VALUES!r}: not started yet)")
+                     f"('-' and {NO_VALUES!r}: not started yet, or ended before it got them)")
     if s.best is None and any(t.diverged for t in s.trials):
         lines.append(f"best: none (every trial that logged {s.metric} diverged: its last "
                      f"{s.metric} is not finite)")

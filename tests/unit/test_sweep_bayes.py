@@ -292,6 +292,19 @@ def test_status_shows_a_trial_without_values_as_such(tmp_path):
     assert "values: from wandb's bayes controller at each trial's first start" in text
 
 
+def test_a_trial_that_ended_before_it_got_values_says_so_not_that_it_waits(tmp_path):
+    """A trial whose values wandb handed out were refused (exit 2: the job script records
+    no_requeue) read 'no values yet', which the legend calls 'not started yet': its user
+    waited for a trial that had ended for good."""
+    _, sweep_dir = launched(tmp_path)
+    RunDir(sweep_dir / "trial-1").create()
+    RunDir(sweep_dir / "trial-1").event("no_requeue", job_id="7_1", restart_count=0,
+                                        exit_code=2, reason="config, data or training error")
+    by_index = {t.index: t for t in sweep_status.read(sweep_dir).trials}
+    assert by_index[1].state == "ended: config, data or training error, no values yet"
+    assert by_index[2].state == sweep_status.NO_VALUES
+
+
 # --------------------------------------------------------------------- the job script
 
 @pytest.mark.parametrize("code, trains, requeued", [(0, True, False), (2, False, False),
