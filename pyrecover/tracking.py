@@ -10,7 +10,8 @@ mode each start writes its own `wandb/offline-run-<time>-<id>/` folder, all with
 and `wandb sync <run dir>/wandb` uploads them, in start order, as one continuous run.
 
 Tracking never stops training: other ranks get a disabled tracker, and a wandb that fails to
-start is reported in one warning and training goes on without it. The API key is never read
+start, or whose service dies mid-run, is reported in one warning and training goes on
+without it. The API key is never read
 into a log line. Imports neither torch nor wandb until a run is started.
 """
 
@@ -155,6 +156,16 @@ def event_metrics(event: Mapping[str, Any]) -> dict[str, float]:
     return {}
 
 
+def _teardown() -> None:
+    """_teardown stops this process's wandb service. One that ended badly (killed with the
+    job step) makes teardown sys.exit: that must not turn a saved stop (75) or a finished run
+    into its exit code."""
+    with contextlib.suppress(Exception, SystemExit):
+        import wandb
+
+        wandb.teardown()
+
+
 class Tracker:
     """Rank 0's wandb run, or nothing: every method is a no-op when tracking is off."""
 
@@ -185,7 +196,15 @@ class Tracker:
         if self._pending:
             data = {**self._pending, **data}
             self._pending.clear()
-        self._wb.log(data, step=step)
+        try:
+            self._wb.log(data, step=step)
+        except Exception as exc:  # its service died (crashed, OOM-killed): not the run's end
+            self._wb = None
+            _teardown()  # (a later wandb.init in this process would reach for the dead one)
+            where = self._run.wandb if self._run is not None else "wandb/"
+            log.warning("wandb stopped working at step %d (%s): training goes on without it; "
+                        "what it wrote before is in %s (upload it with: wandb sync %s)", step,
+                        exc or type(exc).__name__, where, where)
 
     def after_step(self, step: int) -> None:
         """after_step logs what events.jsonl gained since the last call (checkpoints, ...)."""
@@ -241,12 +260,7 @@ class Tracker:
         # stream closes after an asynchronous `inform_finish`), and a trainer ends with
         # os._exit, which skips wandb's atexit teardown: stop the service here, so the
         # transaction log is whole when the run's process ends (`wandb sync` right after).
-        # A service that ended badly (killed with the job step) makes teardown sys.exit:
-        # that must not turn a saved stop (75) or a finished run into its exit code.
-        with contextlib.suppress(Exception, SystemExit):
-            import wandb
-
-            wandb.teardown()
+        _teardown()
 
     def __enter__(self) -> Tracker:
         return self

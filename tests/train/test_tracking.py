@@ -180,6 +180,31 @@ def test_a_wandb_service_killed_with_the_job_step_never_changes_how_a_stop_ends(
     assert _wandb_services() == []
 
 
+def test_a_wandb_service_that_dies_mid_run_is_one_warning_and_training_goes_on(tmp_path,
+                                                                                caplog):
+    """wandb's service gone (it crashed, or the OOM killer took it) made the next log raise
+    ConnectionResetError out of the training loop: the run ended with a crash and requeued,
+    to meet the same fate, over a metrics logger."""
+    import signal
+
+    cfg = config_mod.load(None, [f"run.storage={tmp_path}", "tracking.wandb=offline"])
+    run = RunDir(cfg.run_dir())
+    run.create()
+    with caplog.at_level(logging.WARNING, logger="pyrecover"):
+        with tracking.start(cfg, run, rank=0) as tracker:
+            tracker.log(1, {"loss": 1.0})
+            for pid in _wandb_services():
+                os.kill(pid, signal.SIGKILL)
+            for step in (2, 3, 4):
+                tracker.log(step, {"loss": 1.0 / step})
+                run.event("checkpoint", step=step)
+                tracker.after_step(step)
+            assert not tracker.enabled
+    said = [r.getMessage() for r in caplog.records if "wandb" in r.getMessage()]
+    assert len(said) == 1 and "training goes on without it" in said[0], said
+    assert f"wandb sync {run.wandb}" in said[0]
+
+
 def test_other_ranks_get_a_disabled_tracker_and_create_nothing(tmp_path):
     cfg = config_mod.load(None, [f"run.storage={tmp_path}", "tracking.wandb=offline"])
     run = RunDir(cfg.run_dir())
