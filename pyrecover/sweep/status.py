@@ -8,6 +8,7 @@ from its run.yaml; before its first start it has none ("no values yet"). Nothing
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 from pyrecover import status as run_status
 from pyrecover.rundir import RunDir, read_jsonl
-from pyrecover.sweep import bayes, record
+from pyrecover.sweep import SweepError, bayes, record
 
 DIVERGED_ERROR = "TrainingError:"
 """How the error of a run that train.max_bad_steps ended begins (loop.TrainingError; not
@@ -67,7 +68,7 @@ def read(sweep_dir: str | Path, slurm: Callable[[str], dict[str, str]] | None = 
     # ARRAYID_TASKID: one task's SLURM_JOB_ID may be the whole array's id
     states = slurm(array) if slurm and array else {}
     trials = [_trial(root / t["dir"], int(t["index"]), t["params"] if t["params"] is not None
-                     else bayes.recorded(root / t["dir"], keys), rec,
+                     else _recorded(root / t["dir"], keys), rec,
                      states.get(f"{array}_{t['index']}"))
               for t in rec.trials]
     sign = 1.0 if rec.goal == "minimize" else -1.0
@@ -79,9 +80,20 @@ def read(sweep_dir: str | Path, slurm: Callable[[str], dict[str, str]] | None = 
                        metric=rec.metric, goal=rec.goal, trials=trials, best=best)
 
 
-def _trial(path: Path, index: int, params: dict[str, Any] | None, rec: record.Record,
+def _recorded(path: Path, keys: list[str]) -> dict[str, Any] | str | None:
+    """_recorded is a bayes trial's values from its run.yaml, None before its first start, or
+    what is wrong with a run.yaml that does not read (one trial's, not the table's end)."""
+    try:
+        return bayes.recorded(path, keys)
+    except SweepError as exc:
+        return f"unreadable: {str(exc).replace(f'{path}{os.sep}', '')}"
+
+
+def _trial(path: Path, index: int, params: dict[str, Any] | str | None, rec: record.Record,
            slurm_state: str | None) -> Trial:
     run = RunDir(path)
+    if isinstance(params, str):  # _recorded's problem
+        return Trial(index, str(path), {}, params, slurm_state, 0, None, 0, None, None)
     if params is None:  # bayes: wandb hands the values out at the trial's first start
         # A task that ended without them (values refused, cancelled) has the job's record.
         ended = run_status.read(path).state if run.problem() is None else "not started"

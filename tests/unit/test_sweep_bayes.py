@@ -305,6 +305,24 @@ def test_a_trial_that_ended_before_it_got_values_says_so_not_that_it_waits(tmp_p
     assert by_index[2].state == sweep_status.NO_VALUES
 
 
+def test_a_trial_whose_recorded_config_is_damaged_is_one_row_not_the_end_of_the_table(
+        tmp_path):
+    """A bayes trial's values are read back from its run.yaml: one damaged file (a full disk
+    mid-write, a hand edit) ended `sweep status` with exit 2, so no trial was shown."""
+    _, sweep_dir = launched(tmp_path)
+    for i in (0, 1):
+        bayes.take(sweep_dir / f"trial-{i}", Wandb(agent.Run(f"r{i}", GOOD)), world_size=1)
+    (sweep_dir / "trial-1" / "run.yaml").write_text("model: [\n")
+    report = sweep_status.read(sweep_dir)
+    by_index = {t.index: t for t in report.trials}
+    assert by_index[0].params == {"train.lr": 0.002, "train.warmup_steps": 3,
+                                  "model.n_embd": 64}
+    assert by_index[1].params == {}
+    assert by_index[1].state.startswith("unreadable: ") and "run.yaml" in by_index[1].state
+    assert "\n" not in by_index[1].state and by_index[2].state == sweep_status.NO_VALUES
+    assert "unreadable: " in sweep_status.render(report)
+
+
 # --------------------------------------------------------------------- the job script
 
 @pytest.mark.parametrize("code, trains, requeued", [(0, True, False), (2, False, False),
