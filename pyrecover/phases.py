@@ -140,8 +140,8 @@ def _phase_rows(attempt: list[dict[str, Any]], names: tuple[str, ...]) -> list[d
     return rows
 
 
-def last_interruption(events: list[dict[str, Any]],
-                      metrics: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+def last_interruption(events: list[dict[str, Any]], metrics: Sequence[dict[str, Any]] = (),
+                      killed: bool = False) -> list[dict[str, Any]]:
     """last_interruption lists the phases of the newest interruption in order: how the attempt
     ended (its stop phases, or `last_record` after a crash or kill: its newest event or step
     metric, not what the job script recorded after it) and how the next one started, each
@@ -152,7 +152,8 @@ def last_interruption(events: list[dict[str, Any]],
     if not runs:
         return []
     last = runs[-1]
-    if _phase_rows(last, ("stop_agreed",)) or any(e.get("event") in ENDED for e in last):
+    if killed or _phase_rows(last, ("stop_agreed",)) or any(e.get("event") in ENDED
+                                                            for e in last):
         ended, started = last, []
     elif len(runs) > 1:
         ended, started = runs[-2], runs[-1]

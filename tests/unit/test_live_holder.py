@@ -168,3 +168,24 @@ def test_a_lock_still_held_by_an_earlier_start_of_the_same_job_is_a_fault_not_a_
         assert done.stderr.strip().count("\n") == 0 and "earlier start of this job" in done.stderr
     finally:
         held.release()
+
+
+def test_a_killed_run_s_last_interruption_is_the_kill_not_the_stop_before_it(tmp_path):
+    """Stopped, started again, then SIGKILLed outside a job: status says killed, so the
+    interruption it shows is that kill (the attempt's last record), not the old stop."""
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    for phase, at in (("process_start", 1.0), ("first_step", 2.0), ("stop_agreed", 5.0),
+                      ("exit", 6.0), ("process_start", 10.0), ("first_step", 12.0)):
+        run.event("phase", phase=phase, time=at)
+        if phase == "first_step":
+            run.event("start" if at == 2.0 else "resume", step=0 if at == 2.0 else 4,
+                      time=at)
+        if phase == "stop_agreed":
+            run.event("stop", step=4, time=at)
+    run.metric(step=5, loss=2.0, step_time=0.1, time=13.0)
+    _lock_and_exit(run)
+    s = status.read(run.root)
+    assert s.state == "killed (no end recorded)"
+    assert [r["phase"] for r in s.interruption] == ["last_record"]
+    assert s.interruption[0]["time"] == 13.0
