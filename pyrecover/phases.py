@@ -109,7 +109,7 @@ def attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     Rank 0 writes its start-up phases once the run directory is open (Phases.attach), with
     the times they happened: another rank's record (a failed health check) can come first in
     the file. Records that open no attempt and came after this process started are its own,
-    not an attempt of theirs."""
+    not an attempt of theirs (nor of the attempt before, whose last records they follow)."""
     out: list[list[dict[str, Any]]] = [[]]
     for e in events:
         kind = e.get("event")
@@ -119,9 +119,21 @@ def attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         ours = kind == "phase" and not any(_opens(x) for x in out[-1]) and all(
             _time(x) >= _time(e) for x in out[-1])
         if begins and out[-1] and not ours:
-            out.append([])
+            out.append(_written_early(out[-1], e) if kind == "phase" else [])
         out[-1].append(e)
     return [a for a in out if a]
+
+
+def _written_early(before: list[dict[str, Any]], start: dict[str, Any]) -> list[dict[str, Any]]:
+    """_written_early takes off the end of `before` (in place) the records another rank wrote
+    after `start`'s process started, ahead of its held-back phases, and returns them."""
+    cut = len(before)
+    while cut > 0 and not _opens(before[cut - 1]) and before[cut - 1].get(
+            "event") not in JOB_SCRIPT_EVENTS and _time(before[cut - 1]) >= _time(start):
+        cut -= 1
+    moved = before[cut:]
+    del before[cut:]
+    return moved
 
 
 def _phase_rows(attempt: list[dict[str, Any]], names: tuple[str, ...]) -> list[dict[str, Any]]:

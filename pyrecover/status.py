@@ -182,11 +182,13 @@ CONTINUED = "continued after finishing"
 
 
 def _cause(attempt: list[dict[str, Any]]) -> str:
-    """_cause names why an attempt that another one followed ended: a hang, its stop, crash or
-    error, its finish (a finished run continued with more steps), a start that never began
-    training, or a kill that left no record."""
+    """_cause names why an attempt that another one followed ended: a hang, a failed health
+    check, its stop, crash or error, its finish (a finished run continued with more steps), a
+    start that never began training, or a kill that left no record."""
     if any(e.get("event") == "hang" for e in attempt):
         return "hang"
+    if any(_health_failed(e) for e in attempt):  # exit 77, before training
+        return "health check failed"
     for e in reversed(attempt):
         kind = e.get("event")
         if kind == "stop":

@@ -28,12 +28,12 @@ def status(
     that is gone), or "running or killed" (the lock's last holder was on another host, whose
     lock may be invisible here, or the storage has no locks to ask). Starts: one per process
     start; each one after the first is a restart, by why the one before ended (stop and its
-    signal, time limit, crash, hang, error, ended during start-up, killed with no record). Lost:
-    steps computed after the last checkpoint and computed again. Goodput: the share of the wall
-    time (first record to last, across every requeue) spent in productive training; the ledger
-    below it splits that wall time by cause (queue wait, start up, restore, checkpoint stall,
-    lost work, productive, remainder), adding up to it. Last interruption: each phase of the
-    newest stop and start, with the seconds between them.
+    signal, time limit, crash, hang, health check failed, error, ended during start-up,
+    killed with no record). Lost: steps computed after the last checkpoint and computed again.
+    Goodput: the share of the wall time (first record to last, across every requeue) spent in
+    productive training; the ledger below it splits that wall time by cause (queue wait, start
+    up, restore, checkpoint stall, lost work, productive, remainder), adding up to it. Last
+    interruption: each phase of the newest stop and start, with the seconds between them.
 
     \b
     Examples:

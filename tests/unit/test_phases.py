@@ -159,3 +159,18 @@ def test_another_rank_s_record_written_before_rank_0_s_start_up_phases_is_of_tha
     # A record from before the start it precedes (an earlier attempt's) stays apart.
     earlier = [{"event": "health", "rank": 1, "ok": False, "time": 120.0}, *events[1:]]
     assert [len(a) for a in phases.attempts(earlier)] == [1, 3, 2]
+
+
+def test_another_rank_s_record_before_a_requeued_start_s_phases_is_of_that_start_too():
+    """The same after a requeue: rank 1's failed check of the second start is that start's,
+    not the first's, whose job script decision came before it; the script's records stay."""
+    events = [{"event": "phase", "phase": "process_start", "time": 100.0},
+              {"event": "crash", "rank": 0, "time": 110.0},
+              {"event": "requeue", "time": 111.0, "reason": "crash"},
+              {"event": "health", "rank": 1, "ok": False, "time": 127.4},
+              {"event": "phase", "phase": "process_start", "time": 125.9},
+              {"event": "phase", "phase": "imports_done", "time": 127.3},
+              {"event": "requeue", "time": 133.0, "reason": "health check failed"}]
+    runs = phases.attempts(events)
+    assert [[e["time"] for e in a] for a in runs] == [[100.0, 110.0, 111.0],
+                                                      [127.4, 125.9, 127.3, 133.0]]

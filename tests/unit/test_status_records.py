@@ -248,3 +248,22 @@ def test_a_checkpoint_stamped_after_now_is_0s_old_in_status_and_ckpt_ls_never_ne
     assert ", 0s old;" in status_text.render(s)
     (row,) = listing.list_checkpoints(run, checksums=False, now=saved - 5.0)
     assert row.age_s == 0 and listing.human_age(row.age_s) == "0s"
+
+
+def test_a_restart_after_a_failed_health_check_is_counted_as_one(tmp_path):
+    """The job script requeues exit 77 as `health check failed`; status's restarts by
+    cause say the same, not 'ended during start-up'."""
+    def failed(at: float) -> list[dict]:  # rank 1's record comes before rank 0's phases
+        return [{"event": "health", "time": at + 2.0, "ok": False, "rank": 1,
+                 "node": "node2", "check": "gpu", "error": "fault injected"},
+                ph("process_start", at + 1.0), ph("imports_done", at + 1.5),
+                {"event": "requeue", "time": at + 3.0, "exit_code": 77, "job_id": "7",
+                 "reason": "health check failed"}]
+    started = [ph("process_start", 30.0), {"event": "start", "time": 31.0, "step": 0},
+               ph("first_step", 32.0)]
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    _write(run, failed(0.0) + failed(10.0) + started, [])
+    s = status.read(run.root, now=100.0)
+    assert s.restarts_by_cause == {"health check failed": 2}
+    assert "starts      3: restarts 2 x health check failed" in status_text.render(s)
