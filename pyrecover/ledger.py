@@ -8,6 +8,7 @@ attempt (one process start, phases.py) is cut into spans that do not overlap:
   attempt's last record;
 - `start_up`: process start to checkpoint chosen, and restored (or chosen) to the end of the
   first step (interpreter, imports, process group, data, model, the first step's warm-up);
+  a start that ended before it chose (a failed health check), to its newest start-up phase;
 - `restore`: checkpoint chosen to restored;
 - `checkpoint_stall`: the seconds saves blocked the loop, and the stop checkpoint;
 - `lost_work`: steps computed but not saved before an interruption, redone after it;
@@ -42,6 +43,10 @@ does a `stop` outside a job (a person's Ctrl-C)."""
 ENDS = (*FOR_GOOD, "stop", "crash", "hang", "requeue", "restart_in_job")
 """Every event that ends an attempt. The newest of an attempt's decides: after a requeue or an
 in-job restart, or a crash (a person or a job restarts it), the gap is the remainder's."""
+
+
+STARTING = ("imports_done", "data_ready", "group_up")
+"""The start-up phases before the checkpoint is chosen."""
 
 
 @dataclass(frozen=True)
@@ -205,7 +210,11 @@ def ledger(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
         first = _phase(attempt, "first_step")
         if first is None and chosen is None:  # records from before phase timings
             first = _first_event(attempt, "start", "resume")
-        causes["start_up"] += _span(started, chosen) + _span(restored or chosen, first)
+        # A start that ended before it chose (a failed health check, out of memory building
+        # the model) spent its time to its newest start-up phase starting up.
+        reached = chosen if chosen is not None or first is not None else max(
+            (t for name in STARTING if (t := _phase(attempt, name)) is not None), default=None)
+        causes["start_up"] += _span(started, reached) + _span(restored or chosen, first)
         causes["restore"] += _span(chosen, restored)
         agreed, saved = _phase(attempt, "stop_agreed"), _phase(attempt, "save_done")
         ends = _times(mine) + [t for t in (_first_event(attempt, "finish"), first) if t]

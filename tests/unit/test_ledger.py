@@ -229,3 +229,14 @@ def test_a_requeue_inside_a_job_or_a_crash_is_no_idle_time():
     assert ledger(events, metrics).causes["idle"] == 0.0  # the job's own requeue
     events, metrics = run_of(attempt(0, 0, 20), attempt(300, 10, 30))  # killed, restarted
     assert ledger(events, metrics).causes["idle"] == 0.0
+
+
+def test_a_start_that_failed_before_choosing_a_checkpoint_spent_its_time_starting_up():
+    """A start whose health check failed (or that ran out of memory building the model)
+    spent its seconds to its newest start-up phase starting up, not in the remainder."""
+    failed = [ph("process_start", 0.0), ph("imports_done", 6.0), ph("data_ready", 7.0),
+              {"event": "health", "time": 7.5, "ok": False, "rank": 1},
+              {"event": "requeue", "time": 9.0, "exit_code": 77}]
+    book = ledger([*failed, *EVENTS], METRICS)
+    assert book.causes["start_up"] == 7.0 + 10.0 + 2.0 + 8.0 + 1.0
+    assert sum(book.causes.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
