@@ -6,8 +6,8 @@ imported only when a plot is drawn. The top panel is the loss with the run's mar
 - checkpoint: a green tick along the bottom and a faint dotted line;
 - resume: blue, at the step the run resumed from, labelled with the steps it had to redo,
   which are shaded (the lost work);
-- crash, error, and the job script's requeue or restart after a failure (a task SIGKILLed
-  records no event of its own): red, at the last step logged before the event;
+- crash, error, hang, and the job script's requeue or restart after a failure (a task
+  SIGKILLed records no event of its own): red, at the last step logged before the event;
 - stop / signal, and a requeue after a clean stop: orange.
 
 The bottom panel is the training throughput (tokens/s) and, on its right axis, how long each
@@ -44,8 +44,9 @@ STOP: Color = (255, 127, 14)
 LOST: Color = (198, 219, 239)
 
 # Which events mark an interruption, and in which color.
-MARKS: dict[str, Color] = {"resume": RESUME, "crash": CRASH, "error": CRASH, "stop": STOP,
-                           "requeue": STOP, "signal": STOP, "failed_requeue": CRASH}
+MARKS: dict[str, Color] = {"resume": RESUME, "crash": CRASH, "error": CRASH, "hang": CRASH,
+                           "stop": STOP, "requeue": STOP, "signal": STOP,
+                           "failed_requeue": CRASH}
 NAMES = {"failed_requeue": "crash", "requeue": "stop", "signal": "stop"}
 """The legend's word for a mark of each kind that has another."""
 FORMATS = (".png", ".svg", ".pdf")
@@ -68,7 +69,7 @@ class Series:
 @dataclass(frozen=True)
 class Mark:
     step: int
-    kind: str  # checkpoint, resume, crash, error, stop, requeue, signal, failed_requeue
+    kind: str  # checkpoint, resume, crash, error, hang, stop, requeue, signal, failed_requeue
     label: str = ""  # drawn beside the mark: the steps a resume had to redo
     lost: int = 0  # steps a resume redoes
     stall: float | None = None  # seconds a checkpoint blocked the loop
@@ -110,7 +111,7 @@ def marks(events: Iterable[Mapping[str, Any]],
             kind = "failed_requeue"
         if kind != "checkpoint" and kind not in MARKS:
             continue
-        step = e.get("step")
+        step = e.get("step") if kind != "hang" else None  # (a hang's is the unfinished one)
         if not isinstance(step, int):
             t = float(e.get("time", 0.0)) + (1.0 if kind in JOB_SCRIPT_EVENTS else 0.0)
             before = [s for when, s in timeline if when <= t]

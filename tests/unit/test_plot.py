@@ -320,3 +320,28 @@ def test_an_error_is_red_and_named_an_error_not_a_crash(tmp_path):
     plot.write(run.root, svg)
     text = svg.read_text()
     assert "error" in text and "crash" not in text
+
+
+def test_a_hang_is_red_and_named_a_hang_where_no_job_script_recorded_it(tmp_path):
+    """A local run whose rank hung (exit 76) and was started again drew no mark at all:
+    only a requeue marked the failure, and outside a job there is none. The hang sits at
+    the last step logged before the watchdog fired, as a crash does."""
+    run = RunDir(tmp_path / "run")
+    run.create()
+    for step in range(1, 8):
+        run.metric(step=step, loss=5.0 - step * 0.1, tokens_per_s=1000.0, time=1000.0 + step)
+    for rank, phase in ((0, "backward"), (1, "forward")):
+        run.event("hang", rank=rank, node="vm", phase=phase, step=8, seconds=5.0, limit=5.0,
+                  time=1012.0)
+    for step in range(1, 12):
+        run.metric(step=step, loss=5.0 - step * 0.1, tokens_per_s=1000.0, time=1030.0 + step)
+    assert [(m.step, m.kind) for m in plot.marks(*records(run))] == [(7, "hang"), (7, "hang")]
+    out = tmp_path / "run.png"
+    layout = plot.write(run.root, out, width=800, height=400)
+    pixels = read_png(out).load()
+    assert {pixels[layout.x(7), y] for y in range(layout.top + 1, layout.bottom)} == \
+        {plot.CRASH}
+    svg = tmp_path / "run.svg"
+    plot.write(run.root, svg)
+    text = svg.read_text()
+    assert "hang" in text and "crash" not in text
