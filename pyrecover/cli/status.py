@@ -104,11 +104,17 @@ def cancel(
     jobs = [(job, state)] if job is not None and state in LIVE_STATES else []
     # and jobs submitted for it that have not started yet (launch's job.sbatch; a trial's
     # task in its sweep's newest array)
-    jobs += [q for q in queued_jobs(RunDir(run_dir).job_script) or [] if q[0] != job]
+    queued = queued_jobs(RunDir(run_dir).job_script)
+    jobs += [q for q in queued or [] if q[0] != job]
     task = trial_task(run_dir)
     task_state = squeue_state(task) if task is not None and task != job else None
     if task_state in LIVE_STATES:
         jobs.append((task, task_state))
+    launched = job is not None or RunDir(run_dir).job_script.is_file()
+    if not jobs and queued is None and launched:  # (squeue_state's None: the same silence)
+        raise status_mod.StatusError(f"squeue did not answer, so whether {run_dir} has a job "
+                                     "queued or running is unknown: try again once SLURM "
+                                     "answers (`squeue --me`)")
     if not jobs and job is None:
         raise status_mod.StatusError(f"{run_dir} has no SLURM job to cancel (none started it "
                                      "and none is queued for it); stop a local run with Ctrl-C")

@@ -130,6 +130,22 @@ def test_cancel_of_a_run_no_slurm_job_started_or_of_no_run_says_so_in_one_line(t
         assert len(done.stderr.splitlines()) == 1
 
 
+def test_cancel_while_slurm_does_not_answer_says_so_not_that_nothing_runs(tmp_path):
+    """With the controller down, cancel said the run's job was 'not queued or running (SLURM
+    does not list it); nothing to cancel', though it may be running: SLURM never answered.
+    (SLURM_CONF names no file: squeue and scontrol fail, as they do where SLURM is down.)"""
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    run.event("start", step=0, job_id="4242")
+    done = pyrecover("cancel", str(run.root), env={"SLURM_CONF": str(tmp_path / "none.conf")})
+    assert done.returncode == 2, done.stderr
+    said = done.stderr.splitlines()
+    assert said[-1].startswith("error: ") and "did not answer" in said[-1], said
+    assert "nothing to cancel" not in done.stderr
+
+
 def test_data_prepare_into_a_folder_or_an_unwritable_place_is_one_line_and_leaves_nothing(
         tmp_path):
     src = tmp_path / "texts"
