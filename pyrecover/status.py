@@ -70,12 +70,13 @@ class Status:
 
 
 def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
-         queued=None, reason=None) -> Status:
+         queued=None, reason=None, task: str | None = None) -> Status:
     """read builds the Status of a run directory; `squeue(job_id) -> state | None`,
     `sacct(job_id) -> [(submit, start, end)]` (each attempt's SLURM times),
     `queued(job_script) -> [(job_id, state)] | None` (jobs submitted for the run that have
     not started it yet) and `reason(job_id) -> str | None` (why a pending one waits) are
-    optional."""
+    optional; `task` is a sweep trial's task in its sweep's newest array (ARRAYID_INDEX),
+    the job queued for the trial, which has no job script of its own."""
     run = RunDir(Path(path))
     problem = run.problem()
     if problem:
@@ -110,6 +111,11 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
     ended = slurm_state not in LIVE_STATES  # the last job that started it, or none did
     waiting = [q for q in (queued(run.job_script) or []) if q[0] != job_id] if (
         queued and ended) else []
+    if squeue and ended and task is not None and task != (
+            _slurm_name(events, job_id) if job_id else None):
+        task_state = squeue(task)
+        if task_state in LIVE_STATES:
+            waiting.append((task, task_state))
     if waiting:  # launched again, not started yet: the job in the queue
         job_id, slurm_state = waiting[0]
     slurm_reason = reason(job_id) if reason and job_id and slurm_state == "PENDING" else None

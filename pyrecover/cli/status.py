@@ -53,6 +53,7 @@ def status(
         slow_note,
         squeue_state,
     )
+    from pyrecover.sweep.record import trial_task
 
     if clear_bad_nodes:
         status_mod.read(run_dir)  # refuses what is not a run directory, before changing it
@@ -67,7 +68,7 @@ def status(
         return call
     report = status_mod.read(run_dir, squeue=slow(squeue_state, "squeue"),
                              sacct=slow(job_times, "sacct"), queued=slow(queued_jobs, "squeue"),
-                             reason=slow(pending_reason, "squeue"))
+                             reason=slow(pending_reason, "squeue"), task=trial_task(run_dir))
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_text.render(report))
 
 

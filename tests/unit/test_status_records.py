@@ -267,3 +267,30 @@ def test_a_restart_after_a_failed_health_check_is_counted_as_one(tmp_path):
     s = status.read(run.root, now=100.0)
     assert s.restarts_by_cause == {"health check failed": 2}
     assert "starts      3: restarts 2 x health check failed" in status_text.render(s)
+
+
+def test_a_sweep_trial_waiting_in_its_array_is_named_with_its_task_s_state(tmp_path):
+    """A trial held back by the array's max_parallel read 'not started' with no word of
+    SLURM, though `pyrecover cancel` found its pending task: the trial's task is the job
+    queued for it (a trial has no job.sbatch of its own for squeue to match)."""
+    run = RunDir(tmp_path / "trial-3")
+    run.create()
+    states = {"9_3": "PENDING"}
+    s = status.read(run.root, now=100.0, squeue=states.get, queued=lambda script: [],
+                    reason={"9_3": "JobArrayTaskLimit"}.get, task="9_3")
+    assert (s.job_id, s.slurm_state) == ("9_3", "PENDING")
+    assert "state       not started; SLURM job 9_3: PENDING (JobArrayTaskLimit)\n" in \
+        status_text.render(s)
+    # Ran as task 40_1, which ended; the sweep launched again: its new task is the one shown.
+    _write(run, [{**ph("process_start", 1.0), "job_id": "41", "array_task": "40_1"},
+                 {"event": "start", "time": 2.0, "step": 0, "job_id": "41",
+                  "array_task": "40_1"},
+                 {"event": "no_requeue", "time": 3.0, "job_id": "41", "reason": "cancelled"}],
+           [])
+    states = {"40_1": "CANCELLED", "57_1": "PENDING"}
+    s = status.read(run.root, now=100.0, squeue=states.get, queued=lambda script: [],
+                    task="57_1")
+    assert (s.job_id, s.slurm_state) == ("57_1", "PENDING")
+    s = status.read(run.root, now=100.0, squeue=states.get, queued=lambda script: [],
+                    task="40_1")  # not launched again: the task that ran it, as it ended
+    assert (s.job_id, s.slurm_state) == ("41", "CANCELLED")
