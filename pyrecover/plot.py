@@ -5,7 +5,7 @@ imported only when a plot is drawn. The top panel is the loss with the run's mar
 
 - checkpoint: a green tick along the bottom and a faint dotted line;
 - resume: blue, at the step the run resumed from, labelled with the steps it had to redo,
-  which are shaded (the lost work);
+  which are shaded (the lost work); a start over from step 0 after logged steps is one too;
 - crash, error, hang, and the job script's requeue or restart after a failure (a task
   SIGKILLed records no event of its own): red, at the last step logged before the event;
 - stop / signal, and a requeue after a clean stop: orange.
@@ -109,6 +109,11 @@ def marks(events: Iterable[Mapping[str, Any]],
         if kind in ("requeue", "restart_in_job") and not str(e.get("reason", "")).startswith(
                 "stopped cleanly"):  # a crash, hang or failed check: the job script's word
             kind = "failed_requeue"
+        if kind == "start":  # after logged steps: a start over, no checkpoint was left
+            before = [s for when, s in timeline if when <= float(e.get("time", 0.0))]
+            if before:
+                out.append(Mark(0, "resume", f"lost {before[-1]}", before[-1]))
+            continue
         if kind != "checkpoint" and kind not in MARKS:
             continue
         step = e.get("step") if kind != "hang" else None  # (a hang's is the unfinished one)

@@ -345,3 +345,22 @@ def test_a_hang_is_red_and_named_a_hang_where_no_job_script_recorded_it(tmp_path
     plot.write(run.root, svg)
     text = svg.read_text()
     assert "hang" in text and "crash" not in text
+
+
+def test_a_start_over_after_a_kill_before_the_first_checkpoint_is_drawn_as_a_resume_at_0(
+        tmp_path):
+    """Killed at step 7 with no checkpoint yet, the run started again from step 0: status
+    counted 7 steps lost, the plot drew no mark and no lost work at all."""
+    run = RunDir(tmp_path / "run")
+    run.create()
+    run.event("start", step=0, time=1000.0)
+    for step in range(1, 8):
+        run.metric(step=step, loss=5.0 - step * 0.1, tokens_per_s=1000.0, time=1000.0 + step)
+    run.event("start", step=0, time=1030.0)
+    for step in range(1, 21):
+        run.metric(step=step, loss=5.0 - step * 0.1, tokens_per_s=1000.0, time=1030.0 + step)
+    assert [(m.step, m.kind, m.lost) for m in plot.marks(*records(run))] == [(0, "resume", 7)]
+    out = tmp_path / "run.png"
+    layout = plot.write(run.root, out, width=800, height=400)
+    pixels = read_png(out).load()
+    assert pixels[layout.x(4), layout.top + 40] == plot.LOST  # the redone steps, shaded
