@@ -87,8 +87,9 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
     metrics, skipped_metrics = well_formed(read_jsonl(run.metrics, garbled), needs_time=False)
     runs = [a for a in phases.attempts(events)  # one per process start, a failed one too,
             if any(e.get("event") not in phases.JOB_SCRIPT_EVENTS for e in a)]  # not a cancel
-    step = max([int(m.get("step", 0)) for m in metrics] +
-               [int(e.get("step", 0)) for e in events if "step" in e], default=0)
+    step = max([int(m.get("step", 0)) for m in metrics] +  # (a hang's step is unfinished)
+               [int(e.get("step", 0)) for e in events if "step" in e
+                and e.get("event") != "hang"], default=0)
     causes = Counter(_cause(attempt) for attempt in runs[:-1])
     job_id = next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
     began = max((i for i, e in enumerate(events) if e.get("event") in ("start", "resume")),

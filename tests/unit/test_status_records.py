@@ -294,3 +294,18 @@ def test_a_sweep_trial_waiting_in_its_array_is_named_with_its_task_s_state(tmp_p
     s = status.read(run.root, now=100.0, squeue=states.get, queued=lambda script: [],
                     task="40_1")  # not launched again: the task that ran it, as it ended
     assert (s.job_id, s.slurm_state) == ("41", "CANCELLED")
+
+
+def test_a_hung_run_s_progress_is_the_last_step_it_finished_not_the_one_it_hung_in(tmp_path):
+    """Hung in step 8 after finishing step 7: status said 'progress step 8', one step more
+    than the run computed (the hang event names the step it was stuck in)."""
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    run.event("start", step=0, time=1.0)
+    for step in range(1, 8):
+        run.metric(step=step, loss=2.0, step_time=0.1, time=1.0 + step)
+    run.event("hang", rank=1, node="n1", phase="forward", step=8, seconds=5.0, limit=5.0,
+              time=14.0)
+    s = status.read(run.root, now=100.0)
+    assert s.state == "hung" and s.step == 7
+    assert "progress    step 7\n" in status_text.render(s)
