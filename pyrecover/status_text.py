@@ -92,7 +92,9 @@ def _ledger_lines(book: dict[str, Any], job_id: str | None) -> list[str]:
            + (" (no queue times: sacct did not answer)"
               if job_id and not book["queue_from_slurm"] else "") + ":"]
     for cause, seconds in book["causes"].items():
-        of = "      -" if cause == "idle" else f"{seconds / launched:7.1%}" if launched else ""
+        # rounded as the effective share is, so productive's row reads as it does
+        of = "      -" if cause == "idle" else f"{round(seconds / launched, 4):7.1%}" if (
+            launched) else ""
         out.append(f"  {cause.replace('_', ' '):<18} {seconds:9.1f}s {of}".rstrip())
     return out
 

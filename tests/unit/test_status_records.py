@@ -309,3 +309,19 @@ def test_a_hung_run_s_progress_is_the_last_step_it_finished_not_the_one_it_hung_
     s = status.read(run.root, now=100.0)
     assert s.state == "hung" and s.step == 7
     assert "progress    step 7\n" in status_text.render(s)
+
+
+def test_the_productive_row_shows_the_same_share_as_effective_training():
+    """0.509 s of 3.961 s read '12.8% effective training' above and 'productive 12.9%' in
+    the row below it: the share was rounded twice one way and once the other."""
+    from pyrecover.status_text import _ledger_lines
+
+    book = {"wall_seconds": 3.961, "launched_seconds": 3.961, "effective_share": 0.1285,
+            "queue_from_slurm": False,
+            "causes": {"queue_wait": 0.0, "start_up": 3.336, "restore": 0.0,
+                       "checkpoint_stall": 0.044, "lost_work": 0.0, "productive": 0.509,
+                       "idle": 0.0, "remainder": 0.072}}
+    lines = _ledger_lines(book, None)
+    said = f"{book['effective_share']:.1%}"
+    assert f" {said} effective training" in lines[0]
+    assert next(x for x in lines if "productive" in x).endswith(said)
