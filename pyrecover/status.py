@@ -99,8 +99,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
     state = _state(events)
     if state == RUNNING_OR_KILLED:  # a held lock: running; free, holder here and gone: killed
         holder = live_holder(run)
-        state = state if holder is None else f"running ({holder})" if holder else (
-            "killed (no end recorded)")
+        state = state if holder is None else f"running ({holder})" if holder else KILLED
     if last_error is None and state.startswith("ended:"):
         last_error = _logged_error(run)  # failed before it could record an event
     checkpoint_s = sum(float(e.get("blocked", e.get("seconds", 0))) for e in events
@@ -216,9 +215,15 @@ RUNNING_OR_KILLED = "running or killed"  # (where the lock cannot tell which: no
 # a free lock last held from another host, whose flock may be node-local and unseen here)
 
 
+KILLED = "killed (no end recorded)"
+
+
 def _state(events: list[dict[str, Any]]) -> str:
+    decided = False  # the job script ended the attempt (requeue, restart in the job)
     for e in reversed(events):
         kind = e.get("event")
+        if kind in ("requeue", "restart_in_job"):
+            decided = True
         if kind == "finish":
             return "finished"
         if kind == "stop":  # a job requeues itself; a run started by hand waits for its user
@@ -236,8 +241,8 @@ def _state(events: list[dict[str, Any]]) -> str:
             return "ended: " + str(e.get("reason", ""))
         if kind == "cancel":
             return "cancelled"
-        if kind in ("start", "resume"):
-            return RUNNING_OR_KILLED
+        if kind in ("start", "resume"):  # with no end of the trainer's own after it
+            return KILLED if decided else RUNNING_OR_KILLED
     return "not started"
 
 

@@ -189,3 +189,15 @@ def test_a_killed_run_s_last_interruption_is_the_kill_not_the_stop_before_it(tmp
     assert s.state == "killed (no end recorded)"
     assert [r["phase"] for r in s.interruption] == ["last_record"]
     assert s.interruption[0]["time"] == 13.0
+
+
+def test_a_run_its_job_script_requeued_after_a_kill_is_killed_not_maybe_running(tmp_path):
+    """A task SIGKILLed on a compute node leaves no record of its own, only the job script's
+    requeue (exit 137). Read from a login node, where the node-local lock says nothing,
+    status said 'running or killed' though the script had already decided the attempt was
+    over."""
+    run = _run_with_no_recorded_end(tmp_path)
+    _record_holder(run, host=OTHER_HOST, pid=12345, job_id="77")
+    run.event("requeue", job_id="77", restart_count=0, exit_code=137, reason="crash")
+    s = status.read(run.root)
+    assert s.state == "killed (no end recorded)"
