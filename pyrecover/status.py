@@ -220,9 +220,12 @@ KILLED = "killed (no end recorded)"
 
 def _state(events: list[dict[str, Any]]) -> str:
     decided = False  # the job script ended the attempt (requeue, restart in the job)
+    restarted = False  # a process started after it (starting up: the lock tells)
     for e in reversed(events):
         kind = e.get("event")
-        if kind in ("requeue", "restart_in_job"):
+        if kind == "phase" and e.get("phase") == "process_start" and not decided:
+            restarted = True
+        if kind in ("requeue", "restart_in_job") and not restarted:
             decided = True
         if kind == "finish":
             return "finished"

@@ -201,3 +201,8 @@ def test_a_run_its_job_script_requeued_after_a_kill_is_killed_not_maybe_running(
     run.event("requeue", job_id="77", restart_count=0, exit_code=137, reason="crash")
     s = status.read(run.root)
     assert s.state == "killed (no end recorded)"
+    # The requeued job starting up (its phases, no start yet) is the lock's to tell.
+    run.event("phase", phase="process_start")
+    with RunLock(run):
+        assert status.read(run.root).state == f"running (host {socket.gethostname()}, " \
+            f"pid {os.getpid()})"
