@@ -147,7 +147,9 @@ def handle(hang: Hang, event: Callable[..., object], persist: Callable[[], None]
               "CUDA %s; %s. Stacks of every thread:\n%s", hang.rank, hang.node, hang.phase,
               hang.step, hang.seconds, hang.limit, cuda,
               f"silent ranks {quiet.ranks} on {quiet.nodes}" if named else
-              "no peer went silent", "\n".join(dumped))
+              "silent peers unknown (the heartbeat store did not answer)"
+              if silent is not None and quiet is None else "no peer went silent",
+              "\n".join(dumped))
     text = "\n".join(dumped)
     try:
         event("hang", rank=hang.rank, node=hang.node, phase=hang.phase, step=hang.step,

@@ -154,3 +154,25 @@ def test_a_report_that_never_ends_is_cut_off_at_the_deadline_though_bytes_move(c
     handler.join(60)
     assert exits.codes == [76]
     assert "reporting the hang made no progress" in caplog.text
+
+
+def test_a_store_that_did_not_answer_is_not_reported_as_no_peer_went_silent(caplog):
+    """The log said 'the heartbeat store did not answer; no silent rank named' and then, in
+    the HANG line itself, 'no peer went silent': a claim nobody could check."""
+    for silent, said in ((lambda: None, "silent peers unknown"),
+                         (lambda: heartbeat.Silence([], []), "no peer went silent")):
+        caplog.clear()
+        hang_report._persisted = False
+        hang_report.handle(_hang(), event=lambda kind, **f: None, persist=lambda: None,
+                           exit=lambda code: None, silent=silent)
+        line = next(r.getMessage() for r in caplog.records if "HANG on rank" in r.getMessage())
+        assert said in line.splitlines()[0]
+    stuck = threading.Event()
+    caplog.clear()
+    hang_report._persisted = False
+    hang_report.handle(_hang(), event=lambda kind, **f: None, persist=lambda: None,
+                       exit=lambda code: None, silent=lambda: stuck.wait() and None,
+                       silent_wait_s=0.05)
+    stuck.set()
+    line = next(r.getMessage() for r in caplog.records if "HANG on rank" in r.getMessage())
+    assert "silent peers unknown" in line.splitlines()[0]
