@@ -39,6 +39,7 @@ HANDLE_DEADLINE_S = 300.0
 # heartbeat.Heartbeat.silent waits 30 s at most for its window, and a store read takes up
 # to its 5 s timeout: past this the store is taken as not answering.
 SILENT_WAIT_S = 35.0
+LATE_S = 10.0  # a watchdog firing later than this (or its limit) after its limit was frozen
 LEAVING_WAIT_S = 10.0  # Heartbeat.stop: its thread's join (6 s at most) and one write
 
 
@@ -132,12 +133,21 @@ def handle(hang: Hang, event: Callable[..., object], persist: Callable[[], None]
                      args=(hang, deadline_s, code, exit_once, progress, reported, done)).start()
     dumped = stacks()
     cuda = cuda_answer(device)
-    quiet = None
-    if silent is not None:
+    quiet, unknown = None, ""
+    late = hang.seconds - hang.limit
+    if silent is not None and late > max(LATE_S, hang.limit):
+        # The watchdog looks 4 times a second: this process was stopped or frozen itself,
+        # and a peer that left meanwhile (unable to tell the store, which may be ours) would
+        # look silent. Its node is no suspect.
+        log.warning("rank %d: its watchdog fired %.0fs late: this process was itself stopped "
+                    "or frozen; no silent rank named", hang.rank, late)
+        unknown = "silent peers unknown (this process was stopped or frozen)"
+    elif silent is not None:
         answered, quiet = bounded(silent, silent_wait_s, "pyrecover-hang-silent")
         if not answered:
             log.warning("rank %d: the heartbeat store did not answer in %.0fs (its host is "
                         "stopped or gone); no silent rank named", hang.rank, silent_wait_s)
+        unknown = "silent peers unknown (the heartbeat store did not answer)"
     named: dict[str, Any] = {}
     if quiet is not None and quiet.ranks:
         named = {"silent_ranks": quiet.ranks, "silent_nodes": quiet.nodes}
@@ -147,8 +157,7 @@ def handle(hang: Hang, event: Callable[..., object], persist: Callable[[], None]
               "CUDA %s; %s. Stacks of every thread:\n%s", hang.rank, hang.node, hang.phase,
               hang.step, hang.seconds, hang.limit, cuda,
               f"silent ranks {quiet.ranks} on {quiet.nodes}" if named else
-              "silent peers unknown (the heartbeat store did not answer)"
-              if silent is not None and quiet is None else "no peer went silent",
+              unknown if silent is not None and quiet is None else "no peer went silent",
               "\n".join(dumped))
     text = "\n".join(dumped)
     try:

@@ -176,3 +176,28 @@ def test_a_store_that_did_not_answer_is_not_reported_as_no_peer_went_silent(capl
     stuck.set()
     line = next(r.getMessage() for r in caplog.records if "HANG on rank" in r.getMessage())
     assert "silent peers unknown" in line.splitlines()[0]
+
+
+def test_a_rank_that_was_itself_stopped_names_no_silent_peer(caplog):
+    """train --nproc 2, rank 0 (the store's host) SIGSTOPped in step 8: rank 1 reported and
+    left, unable to tell the stopped store it left; rank 0, continued 47 s past its limit,
+    named rank 1 silent and its node the suspect, which a job excludes: the healthy one. A
+    watchdog that fires that late was frozen itself; the peers' silence proves nothing."""
+    events, asked = [], []
+    late = watchdog.Hang(rank=0, node="n0", phase="forward", step=8, seconds=52.2, limit=5.0)
+
+    def silent():
+        asked.append(1)
+        return heartbeat.Silence([1], ["n1"])
+
+    hang_report.handle(late, event=lambda kind, **f: events.append(f), persist=lambda: None,
+                       exit=lambda code: None, silent=silent)
+    [fields] = events
+    assert "silent_ranks" not in fields and "suspect_node" not in fields and not asked
+    assert "fired 47s late" in caplog.text
+    assert "silent peers unknown (this process was stopped or frozen)" in caplog.text
+    events.clear()
+    hang_report._persisted = False
+    hang_report.handle(_hang(), event=lambda kind, **f: events.append(f), persist=lambda: None,
+                       exit=lambda code: None, silent=silent)  # on time: named as before
+    assert events[0]["suspect_node"] == "n1"
