@@ -64,6 +64,9 @@ class Status:
     """The newest `profile` event (train.profile: per-step figures and rank 0's trace)."""
     slurm_reason: str | None = None
     """Why a PENDING job waits, as squeue says (Resources, Priority, JobHeldUser, ...)."""
+    persisted_snapshots: list[int] = field(default_factory=list)
+    """Steps of memory mode's snapshots the survivors of a crash persisted (`.snap-step-N`),
+    newest first: the next start commits the newest whole one."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,6 +145,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
         ledger=book.to_dict(),
         skipped_records=skipped_events + skipped_metrics + garbled[0],
         excluded_nodes=read_bad_nodes(run),
+        persisted_snapshots=_persisted_snapshots(run),
         profile=next(({k: v for k, v in e.items() if k not in ("event", "host")}
                       for e in reversed(events) if e.get("event") == "profile"), None),
     )
@@ -299,6 +303,18 @@ def _recorded(run: RunDir) -> tuple[str, int | None]:
         return name, int(recorded["train"]["max_steps"])
     except (KeyError, TypeError, ValueError):
         return name, None
+
+
+def _persisted_snapshots(run: RunDir) -> list[int]:
+    """_persisted_snapshots: the steps of the `.snap-step-N` folders in checkpoints/, newest
+    first."""
+    from pyrecover.checkpoint.store import SNAPSHOT_GLOB
+
+    try:
+        names = [p.name.rpartition("-")[2] for p in run.checkpoints.glob(SNAPSHOT_GLOB)]
+    except OSError:
+        return []
+    return sorted((int(n) for n in names if n.isdigit()), reverse=True)
 
 
 def _last_checkpoint(run: RunDir, now: float

@@ -44,6 +44,11 @@ def render(s: Status) -> str:
                               if s.ledger["causes"].get("idle") else "")
                           + ")" if s.goodput is not None else "n/a"),
     ]
+    if s.persisted_snapshots:
+        lines.append("snapshots   step" + "s" * (len(s.persisted_snapshots) > 1) + " " +
+                     ", ".join(map(str, s.persisted_snapshots)) +
+                     " persisted by the survivors of a crash; the next start commits the "
+                     "newest whole one")
     for bad in s.invalid_checkpoints[:3]:
         lines.append(f"invalid     checkpoint step {bad['step']}: {bad['problem']}")
     lines += _earlier(s.requeue_decisions, "requeue     ", "decisions")

@@ -325,3 +325,20 @@ def test_the_productive_row_shows_the_same_share_as_effective_training():
     said = f"{book['effective_share']:.1%}"
     assert f" {said} effective training" in lines[0]
     assert next(x for x in lines if "productive" in x).endswith(said)
+
+
+def test_snapshots_the_survivors_persisted_past_the_checkpoint_are_shown(tmp_path):
+    """Memory mode, a rank SIGKILLed at step 12: the survivors wrote their snapshots of steps
+    12 and 11, which the next start commits, while status said only 'checkpoint step 10',
+    as if steps 11 and 12 were to be redone."""
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    run.event("start", step=0, time=1.0)
+    run.event("snapshot_persisted", rank=0, steps=[12, 11], time=5.0)
+    for step in (11, 12):
+        (run.checkpoints / f".snap-step-{step}").mkdir(parents=True)
+    (run.checkpoints / ".snap-step-x").mkdir()  # not one of pyrecover's: left out
+    s = status.read(run.root, now=100.0)
+    assert s.persisted_snapshots == [12, 11]
+    assert "snapshots   steps 12, 11 persisted by the survivors of a crash; the next start " \
+        "commits the newest whole one" in status_text.render(s)
