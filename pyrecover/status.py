@@ -64,6 +64,8 @@ class Status:
     """The newest `profile` event (train.profile: per-step figures and rank 0's trace)."""
     slurm_reason: str | None = None
     """Why a PENDING job waits, as squeue says (Resources, Priority, JobHeldUser, ...)."""
+    failed_checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    """`checkpoint_failed` events since the newest committed checkpoint (training went on)."""
     persisted_snapshots: list[int] = field(default_factory=list)
     """Steps of memory mode's snapshots the survivors of a crash persisted (`.snap-step-N`),
     newest first: the next start commits the newest whole one."""
@@ -146,6 +148,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
         skipped_records=skipped_events + skipped_metrics + garbled[0],
         excluded_nodes=read_bad_nodes(run),
         persisted_snapshots=_persisted_snapshots(run),
+        failed_checkpoints=_failed_since_commit(events),
         profile=next(({k: v for k, v in e.items() if k not in ("event", "host")}
                       for e in reversed(events) if e.get("event") == "profile"), None),
     )
@@ -303,6 +306,13 @@ def _recorded(run: RunDir) -> tuple[str, int | None]:
         return name, int(recorded["train"]["max_steps"])
     except (KeyError, TypeError, ValueError):
         return name, None
+
+
+def _failed_since_commit(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """_failed_since_commit: the `checkpoint_failed` records after the newest `checkpoint`."""
+    committed = max((i for i, e in enumerate(events) if e.get("event") == "checkpoint"),
+                    default=-1)
+    return [e for e in events[committed + 1:] if e.get("event") == "checkpoint_failed"]
 
 
 def _persisted_snapshots(run: RunDir) -> list[int]:

@@ -44,6 +44,11 @@ def render(s: Status) -> str:
                               if s.ledger["causes"].get("idle") else "")
                           + ")" if s.goodput is not None else "n/a"),
     ]
+    if s.failed_checkpoints:
+        newest = s.failed_checkpoints[-1]
+        n = len(s.failed_checkpoints)
+        lines.append(f"failed      {n} save{'s' * (n > 1)} since the last checkpoint, the "
+                     f"newest step {newest.get('step')}: {newest.get('reason')}")
     if s.persisted_snapshots:
         lines.append("snapshots   step" + "s" * (len(s.persisted_snapshots) > 1) + " " +
                      ", ".join(map(str, s.persisted_snapshots)) +

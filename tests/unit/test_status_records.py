@@ -342,3 +342,23 @@ def test_snapshots_the_survivors_persisted_past_the_checkpoint_are_shown(tmp_pat
     assert s.persisted_snapshots == [12, 11]
     assert "snapshots   steps 12, 11 persisted by the survivors of a crash; the next start " \
         "commits the newest whole one" in status_text.render(s)
+
+
+def test_saves_that_failed_since_the_last_checkpoint_are_shown(tmp_path):
+    """A periodic save that fails (a full disk, a quota) is logged and training goes on:
+    hours later status still read 'checkpoint step 10' and nothing else, though every save
+    since had failed and a crash would lose all of it."""
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    run.event("start", step=0, time=1.0)
+    run.event("checkpoint_failed", step=5, reason="OSError: old, before the commit", time=1.5)
+    run.event("checkpoint", step=10, blocked=0.1, time=2.0)
+    for step in (20, 30, 40):
+        run.event("checkpoint_failed", step=step, reason="OSError: [Errno 122] Disk quota "
+                  "exceeded", time=step / 10.0)
+    s = status.read(run.root, now=100.0)
+    assert [f["step"] for f in s.failed_checkpoints] == [20, 30, 40]
+    assert "failed      3 saves since the last checkpoint, the newest step 40: OSError: " \
+        "[Errno 122] Disk quota exceeded" in status_text.render(s)
+    run.event("checkpoint", step=50, blocked=0.1, time=5.0)  # a save went through again
+    assert status.read(run.root, now=100.0).failed_checkpoints == []
