@@ -172,7 +172,8 @@ def trial_task(trial_dir: str | Path) -> str | None:
     """trial_task is how SLURM names trial `trial_dir`'s task in its sweep's newest array
     (ARRAYID_INDEX), also before the task has started and written anything; None when the
     folder is no trial of a launched sweep."""
-    trial, sweep_dir = Path(trial_dir), Path(trial_dir).parent
+    trial = Path(trial_dir).absolute()  # ('.' from inside the trial: its parent is the sweep)
+    sweep_dir = trial.parent
     array = last_job(sweep_dir) if (sweep_dir / RECORD).is_file() else None
     if array is None:
         return None

@@ -416,3 +416,16 @@ def test_ranking_by_mfu_is_refused_for_cpu_trials_and_explained_where_none_is_lo
     lines = sweep_status.render(sweep_status.read(tmp_path)).splitlines()
     assert lines[-1].startswith("best: none yet (no trial has logged mfu; mfu is logged only "
                                 "on a GPU whose bf16 peak pyrecover knows")
+
+
+def test_a_trial_named_from_inside_its_own_folder_is_found_in_its_array(tmp_path,
+                                                                         monkeypatch):
+    """`cd runs/lr-grid/trial-3 && pyrecover cancel .` said the trial had no job to cancel
+    while its task waited in the array: '.' has no parent folder to find the sweep in."""
+    sweep = sweep_of(GRID)
+    record.write(tmp_path, record.make(sweep, trials.choose(sweep)))
+    record.add_job(tmp_path, 4242)
+    (tmp_path / "trial-3").mkdir()
+    assert record.trial_task(tmp_path / "trial-3") == "4242_3"
+    monkeypatch.chdir(tmp_path / "trial-3")
+    assert record.trial_task(".") == "4242_3"
