@@ -37,7 +37,8 @@ def render(s: Status) -> str:
         "checkpoint  " + (f"step {ck['step']} ({ck['mode']}, {ck['bytes'] / 1e6:.1f} MB, "
                           f"{ck['age_s']:.0f}s old; sizes checked, `ckpt verify` reads "
                           "checksums)" if ck else "none"),
-        f"lost        {s.steps_lost} steps redone after interruptions",
+        f"lost        {s.steps_lost} step{'s' * (s.steps_lost != 1)} redone after "
+        "interruptions",
 "goodput     " + (f"{s.goodput:.1%} of {_launched(s.ledger):.0f}s wall time in "
                           "productive training (the ledger below" + (
                               "; idle time between launches left out"
@@ -65,7 +66,8 @@ def render(s: Status) -> str:
     lines += _earlier(s.hangs, "hang        ", "hangs")
     for h in s.hangs[-SHOWN:]:
         lines.append(f"hang        rank {h.get('rank')} on {h.get('node')}: phase {h.get('phase')} "
-                     f"of step {h.get('step')} ran {h.get('seconds')}s (limit {h.get('limit')}s)")
+                     f"of step {h.get('step')} ran {h.get('seconds')}s (limit {h.get('limit')}s)"
+                     + _silent(h))
     for g in s.stragglers:
         lines.append(f"straggler   rank {g.get('rank')} on {g.get('node')}: {g.get('seconds')}s "
                      f"own compute per step, "
@@ -134,3 +136,14 @@ def _interruption_lines(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"  {row['phase']:<18} {clock}  +{row['gap']:7.3f}  "
                    f"{row['time'] - first:8.3f}{note}")
     return out
+
+
+def _silent(hang: dict[str, Any]) -> str:
+    """_silent names the peers a hang found silent and the node the job script excludes for
+    it (hang_report.handle): the rank that waited is usually the healthy one."""
+    if not hang.get("silent_ranks"):
+        return ""
+    nodes = hang.get("silent_nodes") or []
+    where = f" on {', '.join(map(str, nodes))}" if nodes else ""
+    suspect = f", suspect node {hang['suspect_node']}" if hang.get("suspect_node") else ""
+    return f"; silent ranks {hang['silent_ranks']}{where}{suspect}"

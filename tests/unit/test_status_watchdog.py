@@ -32,6 +32,24 @@ def test_status_names_the_hung_rank_the_straggler_and_the_restart_cause(tmp_path
         status.read(run.root))
 
 
+def test_status_names_the_silent_ranks_and_the_suspect_node_of_a_hang(tmp_path):
+    """The hang record names the peers that went silent and the node the job script then
+    excludes; `status` showed only the rank that waited (itself healthy), so a person saw
+    the wrong node unless they read --json."""
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    run.event("start", step=0, time=100.0)
+    for step in (8, 9):
+        run.metric(step=step, loss=1.0, time=100.0 + step)
+    run.event("hang", rank=0, node="n0", phase="allreduce", step=10, seconds=61.0, limit=60.0,
+              silent_ranks=[2, 3], silent_nodes=["n1"], suspect_node="n1", time=171.0)
+    run.event("resume", step=8, time=180.0)
+    text = status_text.render(status.read(run.root))
+    assert ("hang        rank 0 on n0: phase allreduce of step 10 ran 61.0s (limit 60.0s); "
+            "silent ranks [2, 3] on n1, suspect node n1") in text
+    assert "lost        1 step redone after interruptions" in text  # (one step, not 1 steps)
+
+
 def test_a_run_the_watchdog_ended_is_shown_hung_not_killed(tmp_path):
     """A hang that ended the attempt (exit 76) with nothing after it; a later start is the
     run's state again."""
