@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from pyrecover.cli import site_options as site
-from pyrecover.cli.errors import finite, user_error
+from pyrecover.cli.errors import finite, folder, user_error
 
 bench_app = typer.Typer(help="Measure checkpoints against the storage's limits, training "
                         "throughput against a plain loop, an interruption to the first resumed "
@@ -35,8 +35,9 @@ def _note(text: str) -> None:
 @bench_app.command("ckpt", short_help="Save and load speed of every mode against raw I/O "
                    "and torch.save.")
 def ckpt(
-    directory: Annotated[Path, typer.Option(
-        "--dir", help="Storage to measure, e.g. /scratch/$USER; a temporary folder inside "
+    directory: Annotated[str, typer.Option(
+        "--dir", metavar="<path>",
+        help="Storage to measure, e.g. /scratch/$USER; a temporary folder inside "
         "it is removed afterwards (and DIR itself where the benchmark created it).")],
     size_gb: Annotated[float, typer.Option(callback=finite,
         help="Size of the synthetic model + AdamW state in GB.")] = 1.0,
@@ -52,10 +53,11 @@ def ckpt(
 
     One process (world size 1). Cold reads follow posix_fadvise(DONTNEED) of the files.
     """
+    where = folder(directory, "--dir")
     from pyrecover.bench import ckpt, common
 
     try:
-        report = ckpt.bench_ckpt(directory, size_gb, repeat, tuple(mode or common.MODES),
+        report = ckpt.bench_ckpt(where, size_gb, repeat, tuple(mode or common.MODES),
                                  drop_all_caches, note=_note)
     except common.BenchError as exc:
         raise user_error(exc) from None
@@ -83,8 +85,9 @@ def train(
         help="Train this many more steps after the measured ones and record them with "
         "torch.profiler in the first round (train.profile): per mode, the device's kernel, "
         "idle and copy time per step, and a trace for https://ui.perfetto.dev.")] = 0,
-    profile_dir: Annotated[Path, typer.Option(
-        help="Where --profile's traces go, one folder per mode.")] = Path("runs/bench-profile"),
+    profile_dir: Annotated[str, typer.Option(
+        metavar="<path>", help="Where --profile's traces go, one folder per mode.")]
+    = "runs/bench-profile",
     as_json: JsonOpt = False,
 ) -> None:
     """Training tokens/s with each checkpoint mode, as a ratio to no checkpoints at all.
@@ -94,6 +97,7 @@ def train(
     so read the GPU) every train.log_interval steps, as the config says: --warmup and
     --steps are rounded up to multiples of it.
     """
+    traces = folder(profile_dir, "--profile-dir")
     from pyrecover import config as config_mod
     from pyrecover.config import ConfigError
 
@@ -109,7 +113,7 @@ def train(
         report = bench_train.bench_train(config, overrides or [], interval, steps, warmup,
                                          repeat, tuple(mode or bench_train.TRAIN_MODES),
                                          note=_note, plain=plain, profile=profile,
-                                         profile_dir=profile_dir.resolve())
+                                         profile_dir=traces.resolve())
     except (common.BenchError, ConfigError) as exc:
         raise user_error(exc) from None
     except StopRequested as stop:  # SIGTERM or the stop signal, during one of its runs
@@ -126,8 +130,9 @@ def train(
 
 @bench_app.command("memory", short_help="Memory mode's snapshot cost to the loop, at world size 2.")
 def memory(
-    directory: Annotated[Path, typer.Option(
-        "--dir", help="Storage for the persist figures and the training runs; a temporary "
+    directory: Annotated[str, typer.Option(
+        "--dir", metavar="<path>",
+        help="Storage for the persist figures and the training runs; a temporary "
         "folder inside it is removed afterwards.")],
     size_gb: Annotated[float, typer.Option(callback=finite,
         help="Size of the synthetic model + AdamW state on each rank, in GB.")] = 1.0,
@@ -148,12 +153,13 @@ def memory(
 ) -> None:
     """Memory mode at world size 2 (2 local processes): the loop's wait per snapshot, persist
     by 2 ranks vs 1, and training tokens/s with a snapshot every step, as ratios."""
+    where = folder(directory, "--dir")
     from pyrecover.bench import common, memory
     from pyrecover.config import ConfigError
     from pyrecover.datasource import DataError
 
     try:
-        report = memory.bench_memory(directory, size_gb, repeat, config, overrides or [],
+        report = memory.bench_memory(where, size_gb, repeat, config, overrides or [],
                                            steps, warmup, snapshot_interval, note=_note)
     except (common.BenchError, ConfigError, DataError) as exc:
         raise user_error(exc) from None
@@ -162,8 +168,9 @@ def memory(
 
 @bench_app.command("restart", short_help="Time from a signal or crash to the first resumed step.")
 def restart(
-    directory: Annotated[Path, typer.Option(
-        "--dir", help="run.storage of the benchmark's job (shared with the compute nodes); "
+    directory: Annotated[str, typer.Option(
+        "--dir", metavar="<path>",
+        help="run.storage of the benchmark's job (shared with the compute nodes); "
         "its run directory bench-restart-<id> is left there for inspection.")],
     cluster: Annotated[Path | None, typer.Option(
         help="Cluster profile YAML, as for launch (default: launch's). The cluster itself is "
@@ -212,6 +219,7 @@ def restart(
     local SLURM cluster. With --local there is no job: e.g. `pyrecover bench restart --local
     --nproc 2 --dir /tmp/b --config launch/experiments/tiny.yaml --set train.device=cpu`.
     """
+    where = folder(directory, "--dir")
     from pyrecover.bench import common
     from pyrecover.bench import restart as bench_restart
 
@@ -236,12 +244,12 @@ def restart(
             from pyrecover.bench import restart_local
 
             report = restart_local.bench_restart_local(
-                directory, config, overrides or [], 2 if nproc is None else nproc, kinds,
+                where, config, overrides or [], 2 if nproc is None else nproc, kinds,
                 repeat, state_gb, timeout, note=_note)
             text = restart_local.format_local
         else:
             report = bench_restart.bench_restart(
-                directory, cluster, config, overrides or [], launch_args, kinds, repeat,
+                where, cluster, config, overrides or [], launch_args, kinds, repeat,
                 state_gb, timeout, note=_note)
             text = bench_restart.format_restart
     except common.BenchError as exc:
@@ -254,8 +262,9 @@ def restart(
 @bench_app.command("compile", short_help="torch.compile's cost to a restart, with and "
                    "without its cache.")
 def compile_(
-    directory: Annotated[Path, typer.Option(
-        "--dir", help="Storage for the run (as run.storage would be); a temporary folder "
+    directory: Annotated[str, typer.Option(
+        "--dir", metavar="<path>",
+        help="Storage for the run (as run.storage would be); a temporary folder "
         "inside it is removed afterwards.")],
     config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="Experiment YAML; default: the embedded CPU demo.")] = None,
@@ -272,12 +281,13 @@ def compile_(
     Every attempt is `pyrecover train` with train.compile=true in a fresh process and TMPDIR,
     one step each; compiling needs a C compiler (and on a GPU, Triton).
     """
+    where = folder(directory, "--dir")
     from pyrecover.bench import common
     from pyrecover.bench import compile as bench_compile
     from pyrecover.config import ConfigError
 
     try:
-        report = bench_compile.bench_compile(directory, config, overrides or [], repeat,
+        report = bench_compile.bench_compile(where, config, overrides or [], repeat,
                                              note=_note)
     except (common.BenchError, ConfigError) as exc:
         raise user_error(exc) from None
@@ -286,8 +296,9 @@ def compile_(
 
 @bench_app.command("gpu-check", short_help="Every GPU path on this machine in one report.")
 def gpu_check(
-    out: Annotated[Path, typer.Option(help="Folder for report.txt, report.json and the logs.")]
-    = Path("runs/gpu-check"),
+    out: Annotated[str, typer.Option(
+        metavar="<path>", help="Folder for report.txt, report.json and the logs.")]
+    = "runs/gpu-check",
     config: Annotated[Path, typer.Option("--config", "-c", help="Experiment YAML to train.")]
     = Path("launch/experiments/gpt-125m.yaml"),
     overrides: Annotated[list[str] | None, typer.Option(
@@ -337,6 +348,7 @@ def gpu_check(
     --no-deps -e .`); no container, SLURM, network, wandb or spython. `make gpu-check` runs
     it.
     """
+    report_dir = folder(out, "--out")
     from pyrecover.bench import gpu_check as check
 
     if not math.isfinite(step_timeout) or step_timeout < 0:
@@ -344,8 +356,8 @@ def gpu_check(
     if not math.isfinite(budget) or budget < 0:
         raise user_error(f"--budget {budget:g}: give seconds, or 0 for no budget")
     try:
-        report = check.gpu_check(out, config, overrides or [], steps, warmup, interval, size_gb,
-                                 tests, allow_cpu, note=_note, only=tuple(only or ()),
+        report = check.gpu_check(report_dir, config, overrides or [], steps, warmup, interval,
+                                 size_gb, tests, allow_cpu, note=_note, only=tuple(only or ()),
                                  cpu_repeat=cpu_repeat,
                                  cpu_state_gb=cpu_state_gb, cpu_steps=cpu_steps,
                                  step_timeout=step_timeout if step_timeout > 0 else None,

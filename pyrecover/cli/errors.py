@@ -6,12 +6,13 @@ The code is the one the job script knows as "requeueing cannot help" (pyrecover.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import typer
 
 from pyrecover.preempt import EXIT_USER_ERROR
 
-__all__ = ["EXIT_USER_ERROR", "finite", "user_error"]
+__all__ = ["EXIT_USER_ERROR", "finite", "folder", "user_error"]
 
 
 def user_error(problem: BaseException | str) -> typer.Exit:
@@ -26,3 +27,11 @@ def finite(value: float | None) -> float | None:
     if value is not None and not math.isfinite(value):
         raise typer.BadParameter(f"{value} is not a finite number")
     return value
+
+
+def folder(value: str, flag: str) -> Path:
+    """folder is the Path a folder option names. An empty one (`--dir "$SCRATCH"`, the variable
+    unset) is refused: as a Path it would be the current folder, measured and written into."""
+    if not value.strip():
+        raise user_error(f"{flag} is empty; give a folder, e.g. {flag} /scratch/$USER/bench")
+    return Path(value)

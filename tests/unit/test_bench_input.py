@@ -94,6 +94,21 @@ def test_a_file_given_as_the_folder_is_one_line_saying_so(tmp_path, command):
                                    "folder); give a writable folder")
 
 
+@pytest.mark.parametrize("command", [
+    ["ckpt", "--size-gb", "0.001", "--dir"], ["memory", "--size-gb", "0.001", "--dir"],
+    ["compile", "--dir"], ["restart", "--local", "--dir"],
+    ["gpu-check", "--allow-cpu", "--no-tests", "--out"], ["train", "--profile-dir"]])
+def test_an_empty_folder_is_refused_not_taken_for_the_current_one(tmp_path, command):
+    """`--dir "$SCRATCH"` with the variable unset measured (and wrote into) the folder the
+    command ran in: Path('') is '.'."""
+    done = pyrecover("bench", *command, "", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    flag = command[-1]
+    assert done.stderr.strip() == (f"error: {flag} is empty; give a folder, e.g. {flag} "
+                                   "/scratch/$USER/bench")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_compile_makes_its_folder_and_removes_it_again(tmp_path, monkeypatch):
     """It refused a --dir that did not exist yet, where every other bench makes it."""
     from pyrecover.bench import compile as bench_compile
