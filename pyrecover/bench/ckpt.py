@@ -39,6 +39,7 @@ from pyrecover.bench.common import (
     Note,
     Samples,
     at_least,
+    available_memory,
     machine,
     make_dir,
     num,
@@ -57,6 +58,10 @@ REFERENCE = {"save": "save", "blocked": "save", "load_cold": "load_cold",
 # The raw figure each is compared with (`x raw`): a save's blocked time with the state's copy
 # in memory, the rest with the storage's.
 RAW_REFERENCE = {**REFERENCE, "blocked": "blocked"}
+# Bytes resident per byte of state (peak RSS at 0.1, 0.5 and 1 GB): the two states, the
+# stager's copies and a load's, plus what each mode holds between its runs.
+MEMORY_BASE = 4.5
+MEMORY_PER_MODE = {"vanilla": 0.5, "dcp-sync": 0.5, "dcp-async": 0.5, "memory": 2.5}
 
 CHUNK = 16 << 20
 
@@ -255,6 +260,12 @@ def bench_ckpt(directory: Path, size_gb: float, repeat: int = 3,
     if unknown:
         raise BenchError(f"unknown mode {unknown[0]!r}; known: {', '.join(MODES)}")
     modes = tuple(dict.fromkeys(modes))  # a mode named twice is measured once, --repeat times
+    needed = (MEMORY_BASE + sum(MEMORY_PER_MODE.get(m, 1.0) for m in modes)) * size_gb * 1e9
+    available = available_memory()
+    if available is not None and available < needed:  # else the OOM killer, files left
+        raise BenchError(f"{available / 1e9:.1f} GB of memory available; --size-gb {size_gb:g} "
+                         f"with {', '.join(modes)} needs about {needed / 1e9:.1f} GB (fewer "
+                         "--mode, or a smaller --size-gb)")
     if system_drop and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         raise BenchError("--drop-all-caches needs root (write access to /proc/sys/vm/drop_caches)")
     directory = Path(directory)

@@ -41,6 +41,18 @@ def at_least(low: float, **flags: float) -> None:
             raise BenchError(f"--{name.replace('_', '-')} must be >= {low:g} (got {value:g})")
 
 
+def available_memory() -> int | None:
+    """available_memory is what the kernel says a new allocation can take (MemAvailable), in
+    bytes; None where it does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def make_dir(path: Path, option: str = "--dir") -> Path | None:
     """make_dir creates the benchmark's folder; a path that is a file, under /proc or not
     writable is one BenchError line, not a traceback. Returns the topmost folder it created

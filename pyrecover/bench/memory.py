@@ -39,6 +39,7 @@ from pyrecover.bench.common import (
     BenchError,
     Note,
     at_least,
+    available_memory,
     machine,
     make_dir,
     num,
@@ -53,16 +54,6 @@ TARGETS = {"blocked_vs_torch_save": ("<=", 0.05), "tokens_per_s_vs_none": (">=",
 
 
 # --- validation ----------------------------------------------------------------------------
-
-def _available_memory() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
 
 def _check(directory: Path, target: int, repeat: int, steps: int, warmup: int
            ) -> Path | None:
@@ -79,7 +70,7 @@ def _check(directory: Path, target: int, repeat: int, steps: int, warmup: int
         raise BenchError(f"--dir {directory} is not a directory")
     # Per rank: the state, DDP's gradients and buckets, three snapshot buffer sets of two
     # slices each (its own and a replica): about 5x the state; two ranks.
-    needed, available = 10 * target, _available_memory()
+    needed, available = 10 * target, available_memory()
     if available is not None and available < needed:
         raise BenchError(f"{available / 1e9:.1f} GB of memory available; --size-gb "
                          f"{target / 1e9:g} needs about {needed / 1e9:.1f} GB (2 ranks)")
