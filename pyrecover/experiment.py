@@ -131,10 +131,10 @@ def _first_record(cfg: Config, run: RunDir) -> Config:
     run.exp_name where the run is (with --run-dir too: it recorded the config's), data.path
     absolute, so that `--config run.yaml` restarts it from any folder (a relative data.path
     was taken from wherever the restart ran)."""
+    storage, name = run.where
     return dataclasses.replace(
         cfg, data=dataclasses.replace(cfg.data, path=os.path.abspath(cfg.data.path)),
-        run=dataclasses.replace(cfg.run, storage=os.path.abspath(run.root.parent),
-                                exp_name=run.root.name))
+        run=dataclasses.replace(cfg.run, storage=storage, exp_name=name))
 
 
 def _update_config(cfg: Config, old: Config, run: RunDir, note: str | None) -> None:
@@ -144,7 +144,7 @@ def _update_config(cfg: Config, old: Config, run: RunDir, note: str | None) -> N
     # (--run-dir): the job's next requeue (`--config run.yaml` alone) comes back here, also
     # after the run was moved or copied to another folder. A path this start gives absolute
     # (launch does) replaces a relative one: the job starts in another folder.
-    here = os.path.abspath(run.root.parent)
+    here, name = run.where
     keep = os.path.abspath(old.run.storage) == here and (
         os.path.isabs(old.run.storage) or not os.path.isabs(cfg.run.storage))
     storage = old.run.storage if keep else here
@@ -152,7 +152,7 @@ def _update_config(cfg: Config, old: Config, run: RunDir, note: str | None) -> N
         old.data.path) else old.data.path
     cfg = dataclasses.replace(
         cfg, data=dataclasses.replace(cfg.data, path=data_path),
-        run=dataclasses.replace(cfg.run, storage=storage, exp_name=run.root.name))
+        run=dataclasses.replace(cfg.run, storage=storage, exp_name=name))
     if config_mod.to_dict(old) != config_mod.to_dict(cfg):
         head = run.config.read_text().split("\n", 1)[0]
         write_config(cfg, run, note or (head[2:] if head.startswith("# ") else None))

@@ -56,6 +56,13 @@ class RunDir:
     root: Path
 
     @property
+    def where(self) -> tuple[str, str]:
+        """where is the run's run.storage (absolute) and run.exp_name: the folder above it and
+        its own name, also where it was given as `.` or `x/..` (whose Path has no name)."""
+        full = os.path.abspath(self.root)
+        return os.path.dirname(full), os.path.basename(full)
+
+    @property
     def config(self) -> Path:
         return self.root / "run.yaml"
 

@@ -89,6 +89,25 @@ def test_a_file_given_as_the_run_directory_is_called_a_file(tmp_path):
     assert (tmp_path / "afile").read_text() == "mine"
 
 
+def test_a_run_started_with_run_dir_dot_is_resumed_by_the_same_command(tmp_path, corpus):
+    """`--run-dir .` recorded run.exp_name '' (the name of Path('.')) and the folder above as
+    run.storage, and the very same command then refused to start: "run.yaml (the run's
+    recorded config): run.exp_name='' is not allowed"."""
+    import yaml
+
+    here = tmp_path / "my-run"
+    here.mkdir()
+    args = ["train", "--config", str(TINY), "--set", f"data.path={corpus}", "--set",
+            "train.max_steps=1", "--run-dir", "."]
+    first = pyrecover(*args, cwd=here)
+    assert first.returncode == 0, first.stderr
+    recorded = yaml.safe_load((here / "run.yaml").read_text())["run"]
+    assert (recorded["storage"], recorded["exp_name"]) == (str(tmp_path), "my-run")
+    again = pyrecover(*args, cwd=here)
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stderr, again.stderr
+
+
 def test_ckpt_commands_on_a_folder_that_is_not_a_run_say_so(tmp_path):
     for args in (["ls", str(tmp_path)], ["verify", str(tmp_path / "nope")],
                  ["export", str(tmp_path), "--out", str(tmp_path / "m.pt")]):
