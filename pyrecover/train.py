@@ -92,7 +92,9 @@ def main(cfg: Config, run_dir: Path) -> None:
     run = RunDir(run_dir)
     # The run is named by its folder (--run-dir too), as run.yaml records it and as a restart
     # from run.yaml names it: the wandb run and the logged config, of the first start too.
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, exp_name=run.where[1]))
+    storage, name = run.where
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, storage=storage,
+                                                           exp_name=name))
     try:  # config and data errors surface here, on every rank, before any collective
         cfg, batch_note = batch.resolve(cfg, env.world_size, recorded_global_batch(run))
         kind = device_kind(cfg)

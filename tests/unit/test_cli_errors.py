@@ -108,6 +108,16 @@ def test_a_run_started_with_run_dir_dot_is_resumed_by_the_same_command(tmp_path,
     assert "resumed from" in again.stderr, again.stderr
 
 
+def test_a_run_given_its_run_dir_logs_the_storage_it_lives_in(tmp_path, corpus):
+    """With --run-dir the logged config (and wandb's copy of it) said the run's own name with
+    the config's run.storage, a folder the run is not in (`exp_name=elsewhere storage=S`:
+    S/elsewhere does not exist), where run.yaml records where it is."""
+    args = tiny_args(tmp_path / "config-storage", corpus, "tiny", "train.max_steps=1")
+    done = pyrecover("train", *args, "--run-dir", str(tmp_path / "elsewhere"))
+    assert done.returncode == 0, done.stderr
+    assert f"config run: exp_name=elsewhere storage={tmp_path} " in done.stderr, done.stderr
+
+
 def test_ckpt_commands_on_a_folder_that_is_not_a_run_say_so(tmp_path):
     for args in (["ls", str(tmp_path)], ["verify", str(tmp_path / "nope")],
                  ["export", str(tmp_path), "--out", str(tmp_path / "m.pt")]):
