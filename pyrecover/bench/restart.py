@@ -31,7 +31,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pyrecover.bench.common import BenchError, Note, at_least, machine, make_dir, num, quiet
+from pyrecover.bench.common import (
+    BenchError,
+    Note,
+    at_least,
+    machine,
+    make_dir,
+    num,
+    quiet,
+    remove_made,
+)
 from pyrecover.phases import CHOICE_TIMES, attempts, last_interruption
 from pyrecover.rundir import RunDir
 from pyrecover.slurm import query
@@ -76,7 +85,7 @@ def bench_restart(storage: Path, cluster: Path | None, config: Path | None,
     """bench_restart runs the benchmark (see the module) and returns its report."""
     check_args(kinds, repeat, state_gb, timeout)
     storage = storage.resolve()
-    make_dir(storage)
+    made = make_dir(storage)
     name = f"bench-restart-{uuid.uuid4().hex[:8]}"
     run = RunDir(storage / name)
     sets = [*(model_for_state(state_gb) if state_gb else []), *sets]
@@ -85,12 +94,14 @@ def bench_restart(storage: Path, cluster: Path | None, config: Path | None,
     argv = launch_argv(name, storage, cluster, config, sets, launch_args, len(kinds) * repeat)
     try:
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # (it may have submitted: the folder stays)
         raise BenchError("pyrecover launch did not answer in 120 s (is SLURM's controller "
                          "up? `sinfo` tells); check `squeue --me` for a job it may have "
                          "submitted") from None
     found = re.search(r"^submitted job (\d+)$", done.stdout, re.M)
     if done.returncode != 0 or not found:
+        if done.returncode != 0:  # refused, nothing submitted: no folder of the bench's stays
+            remove_made(storage, made)
         said = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise BenchError("pyrecover launch failed: " + said.removeprefix("error: "))
     job = found.group(1)

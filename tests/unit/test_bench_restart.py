@@ -54,13 +54,15 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_is_submitted(tmp_path,
 
 
 def test_a_launch_that_fails_is_one_line_with_launchs_own_reason(tmp_path):
-    # No cluster profile anywhere (HOME is empty): launch refuses before submitting.
-    done = pyrecover("bench", "restart", "--dir", str(tmp_path / "store"),
+    """No cluster profile anywhere (HOME is empty): launch refuses before submitting. The
+    --dir the bench made for the job stayed behind, empty."""
+    done = pyrecover("bench", "restart", "--dir", str(tmp_path / "store" / "bench"),
                      env={"HOME": str(tmp_path)}, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: pyrecover launch failed: no cluster "
                                                    "profile"), lines
+    assert not (tmp_path / "store").exists()
 
 
 def test_a_restart_inside_the_allocation_counts_no_requeue_delay(tmp_path):
