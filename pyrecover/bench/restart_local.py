@@ -128,12 +128,13 @@ def bench_restart_local(storage: Path, config: Path | None, sets: Sequence[str],
     like `bench_restart`'s, with no requeue delay."""
     restart.check_args(kinds, repeat, state_gb, timeout)
     at_least(1, nproc=nproc)
+    from pyrecover import batch, datasource
     from pyrecover import config as config_mod
-    from pyrecover import datasource
 
     sets = [*(restart.model_for_state(state_gb) if state_gb else []), *sets]
     try:  # a bad config or corpus is one line here, before any process starts
         cfg = config_mod.load(config, list(sets))
+        batch.resolve(cfg, nproc)  # a global batch that does not split over the world size
         datasource.check_source(cfg.data.path, cfg.data.column)
     except (config_mod.ConfigError, datasource.DataError) as exc:
         raise BenchError(str(exc)) from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import pyrecover
+from helpers import TINY, pyrecover
 
 from pyrecover.bench.restart import model_for_state
 from pyrecover.model import GPT, GPTConfig
@@ -62,6 +62,20 @@ def test_a_launch_that_fails_is_one_line_with_launchs_own_reason(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: pyrecover launch failed: no cluster "
                                                    "profile"), lines
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_local_world_size_the_global_batch_does_not_split_over_is_refused_at_once(
+        tmp_path, corpus):
+    """`--local --nproc 3` with tiny.yaml's global batch of 8 started the trainer, which
+    refused it; the bench then said so, with a run directory of one log left in --dir."""
+    done = pyrecover("bench", "restart", "--local", "--nproc", "3", "--dir",
+                     str(tmp_path / "store"), "--config", str(TINY), "--set",
+                     f"data.path={corpus}", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "error: train.global_batch_size=8 is not allowed: expected a multiple of world size x "
+        "train.micro_batch_size (3 x 2 = 6), or auto:8")
     assert not (tmp_path / "store").exists()
 
 
