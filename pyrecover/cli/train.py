@@ -59,7 +59,9 @@ def train(
     if run_dir is not None and not run_dir.strip():  # an unset shell variable: not here
         raise user_error("--run-dir is empty; give the run's folder, e.g. --run-dir runs/NAME")
     cfg = config_mod.load(config, overrides or [])
-    target = Path(run_dir) if run_dir is not None else cfg.run_dir()
+    # A leading ~ is the home folder, as in data.path and run.storage (bash leaves the one in
+    # `--run-dir=~/runs/a` as it is).
+    target = Path(os.path.expanduser(run_dir)) if run_dir is not None else cfg.run_dir()
     env = dist.detect(os.environ)
     run = RunDir(target)
     if run.root.exists() and not run.root.is_dir():  # before torch; said as status says it

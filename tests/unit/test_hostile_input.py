@@ -144,3 +144,16 @@ def test_a_path_under_the_home_folder_written_with_a_tilde_is_read_from_there(tm
     assert done.returncode == 0, done.stderr[-2000:]
     assert (home / "runs" / "tiny" / "checkpoints" / "step-1").is_dir()
     assert files_under(work) == []
+
+
+def test_a_run_dir_written_with_a_tilde_is_under_the_home_folder(tmp_path, corpus):
+    """`--run-dir=~/runs/a` (bash expands no tilde after `--run-dir=`) trained into a folder
+    named `~` in the working directory, where data.path and run.storage take it as home."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    done = pyrecover("train", "--config", str(TINY), "--set", f"data.path={corpus}", "--set",
+                     "train.max_steps=1", "--run-dir=~/runs/a", env={"HOME": str(home)},
+                     cwd=work)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (home / "runs" / "a" / "checkpoints" / "step-1").is_dir()
+    assert files_under(work) == []
