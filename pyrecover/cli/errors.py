@@ -6,6 +6,7 @@ The code is the one the job script knows as "requeueing cannot help" (pyrecover.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import typer
@@ -31,7 +32,8 @@ def finite(value: float | None) -> float | None:
 
 def folder(value: str, flag: str) -> Path:
     """folder is the Path a folder option names. An empty one (`--dir "$SCRATCH"`, the variable
-    unset) is refused: as a Path it would be the current folder, measured and written into."""
+    unset) is refused: as a Path it would be the current folder, measured and written into. A
+    leading ~ is the home folder (bash leaves the one in `--dir=~/bench` as it is)."""
     if not value.strip():
         raise user_error(f"{flag} is empty; give a folder, e.g. {flag} /scratch/$USER/bench")
-    return Path(value)
+    return Path(os.path.expanduser(value))

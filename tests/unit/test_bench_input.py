@@ -140,6 +140,27 @@ def test_bench_compile_makes_its_folder_and_removes_it_again(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_dir_written_with_a_tilde_is_under_the_home_folder(tmp_path, monkeypatch):
+    """`--dir=~/bench` (bash expands no tilde after `--dir=`) measured, and for restart left
+    its run in, a folder named `~` in the working directory, on whatever storage that is."""
+    from pyrecover.bench import compile as bench_compile
+
+    seen = []
+
+    def fake(work, *args):
+        seen.append(work.parent)
+        raise bench_compile.BenchError("stop here")
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench_compile, "_attempt", fake)
+    result = CliRunner().invoke(app, ["bench", "compile", "--dir=~/bench", "--config",
+                                      str(TINY)])
+    assert result.exit_code == 2, result.output
+    assert seen == [tmp_path / "home" / "bench"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_python_without_the_dependencies_is_told_what_to_install(tmp_path):
     """`make gpu-check` runs the source tree where pip could not install the package: a
     machine's own Python without typer ended in a traceback."""
