@@ -115,6 +115,7 @@ def demo(
 
     if not workdir.strip():  # an unset shell variable: not the current folder
         raise user_error("--workdir is empty; give a folder, e.g. --workdir runs")
+    workdir = os.path.expanduser(workdir)  # the corpus's folder, as run.storage takes it
     if Path(workdir).exists() and not Path(workdir).is_dir():
         raise user_error(f"--workdir {workdir} is a file, not a folder; give a folder, e.g. "
                          "--workdir runs")

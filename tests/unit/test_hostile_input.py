@@ -157,3 +157,20 @@ def test_a_run_dir_written_with_a_tilde_is_under_the_home_folder(tmp_path, corpu
     assert done.returncode == 0, done.stderr[-2000:]
     assert (home / "runs" / "a" / "checkpoints" / "step-1").is_dir()
     assert files_under(work) == []
+
+
+def test_a_demo_workdir_written_with_a_tilde_is_under_the_home_folder(tmp_path, monkeypatch):
+    """`demo --workdir=~/d` made a folder `~/d` in the working directory for the corpus, then
+    failed to write it there ("storage: cannot write ~/d/stdlib.parquet: ... /home/u/d/...")."""
+    from typer.testing import CliRunner
+
+    from pyrecover.cli import app
+    from pyrecover.cli import demo as demo_mod
+
+    seen = []
+    monkeypatch.setattr(demo_mod, "run", lambda workdir, nproc: seen.append(workdir) or 0)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["demo", "--workdir=~/d"])
+    assert result.exit_code == 0, result.output
+    assert seen == [tmp_path / "home" / "d"]
