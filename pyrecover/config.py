@@ -71,7 +71,7 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     raw: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
-        p = Path(path)
+        p = Path(os.path.expanduser(path))  # `--config=~/exp.yaml`: bash leaves that ~ as is
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} {not_a_file(p, 'a YAML file')}")
         raw = read_yaml(p)

@@ -174,3 +174,14 @@ def test_a_demo_workdir_written_with_a_tilde_is_under_the_home_folder(tmp_path, 
     result = CliRunner().invoke(app, ["demo", "--workdir=~/d"])
     assert result.exit_code == 0, result.output
     assert seen == [tmp_path / "home" / "d"]
+
+
+def test_a_config_written_with_a_tilde_is_read_from_the_home_folder(tmp_path):
+    """`--config=~/exp.yaml` (bash expands no tilde after `--config=`) was said not to exist."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "exp.yaml").write_text("train:\n  lr: -1\n")
+    done = pyrecover("train", "--config=~/exp.yaml", env={"HOME": str(home)}, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == ("error: train.lr=-1.0 is not allowed: expected a learning "
+                                   "rate > 0")
