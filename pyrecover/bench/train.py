@@ -64,7 +64,13 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     # The run logs, and so reads the device, every train.log_interval steps as the user's
     # would (loop.py: only a logged step makes the host wait for the device): the warm-up and
     # the measured steps become multiples of it, so that a logged window never mixes the two.
-    every = config_mod.load(config, list(overrides)).train.log_interval  # bad config: here
+    given = config_mod.load(config, list(overrides))  # a bad config: said here
+    if given.train.profile:  # the profiler's cost would be in every mode's tokens/s
+        raise BenchError(f"train.profile={given.train.profile} would trace the measured steps, "
+                         "and its traces are removed with the bench's runs; leave it out "
+                         "(--set train.profile=) and use --profile N (steps after the measured "
+                         "ones, traces in --profile-dir)")
+    every = given.train.log_interval
     rounded = (-(-warmup // every) * every, -(-steps // every) * every)
     if rounded != (warmup, steps):
         note(f"train.log_interval is {every}: {rounded[0]} warm-up and {rounded[1]} measured "

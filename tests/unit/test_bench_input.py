@@ -43,6 +43,18 @@ def test_bench_train_shows_a_mode_named_twice_as_one_row(tmp_path, monkeypatch):
     assert len(runs) == 2  # none and vanilla, once each
 
 
+def test_bench_train_refuses_a_train_profile_that_would_trace_its_measured_steps(tmp_path):
+    """`--set train.profile=1-2` traced the warm-up and the measured steps of every mode, so
+    tokens/s counted the profiler's cost, and the traces went with the bench's runs."""
+    result = CliRunner().invoke(app, ["bench", "train", "--config", str(TINY), "--set",
+                                      "train.profile=1-2", "--steps", "2", "--warmup", "1"])
+    assert result.exit_code == 2, result.output
+    assert ("error: train.profile=1-2 would trace the measured steps, and its traces are "
+            "removed with the bench's runs; leave it out (--set train.profile=) and use "
+            "--profile N (steps after the measured ones, traces in --profile-dir)"
+            ) in result.output
+
+
 def test_bench_restart_interrupts_each_kind_named_twice_repeat_times(tmp_path, monkeypatch):
     from pyrecover.bench import restart_local
 
