@@ -41,6 +41,15 @@ def at_least(low: float, **flags: float) -> None:
             raise BenchError(f"--{name.replace('_', '-')} must be >= {low:g} (got {value:g})")
 
 
+def no_profile(profile: str, instead: str) -> None:
+    """no_profile refuses a train.profile in a bench's trainer config: the profiler's cost
+    would be in what the bench times, and the traces go with its temporary runs."""
+    if profile:
+        raise BenchError(f"train.profile={profile} would trace the steps the bench times, and "
+                         "its traces are removed with the bench's runs; leave it out (--set "
+                         f"train.profile=){instead}")
+
+
 def available_memory() -> int | None:
     """available_memory is what the kernel says a new allocation can take (MemAvailable), in
     bytes; None where it does not say."""

@@ -27,6 +27,7 @@ from pyrecover.bench.common import (
     at_least,
     machine,
     make_dir,
+    no_profile,
     num,
     quiet,
     remove_made,
@@ -43,7 +44,8 @@ def bench_compile(directory: Path, config: Path | None, overrides: list[str], re
     from pyrecover import config as config_mod
 
     at_least(1, repeat=repeat)
-    config_mod.load(config, overrides)  # a bad config is one line here, not a failed attempt
+    cfg = config_mod.load(config, overrides)  # a bad config: one line, not a failed attempt
+    no_profile(cfg.train.profile, "")
     made = make_dir(Path(directory))  # made where missing, as bench ckpt and restart do
     try:
         work = Path(tempfile.mkdtemp(prefix="bench-compile-", dir=directory))

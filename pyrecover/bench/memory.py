@@ -42,6 +42,7 @@ from pyrecover.bench.common import (
     available_memory,
     machine,
     make_dir,
+    no_profile,
     num,
     quiet,
     remove_made,
@@ -109,6 +110,7 @@ def _train_config(config: Path | None, overrides: Sequence[str], steps: int,
                               "tracking.wandb=disabled", "checkpoint.keep=2",
                               f"checkpoint.interval={total + 1}"]
     cfg = config_mod.load(config, base)
+    no_profile(cfg.train.profile, "")
     config_mod.check_world_size(cfg, WORLD_SIZE)
     config_mod.check_local_gpus(cfg, WORLD_SIZE, dist.visible_gpus())
     data.check_source(cfg.data.path, cfg.data.column)

@@ -20,7 +20,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pyrecover.bench.common import MODES, BenchError, Note, at_least, machine, num, quiet
+from pyrecover.bench.common import (
+    MODES,
+    BenchError,
+    Note,
+    at_least,
+    machine,
+    no_profile,
+    num,
+    quiet,
+)
 from pyrecover.bench.plain import plain_tokens_per_s
 
 TRAIN_MODES: dict[str, tuple[str, bool] | None] = {"none": None, **MODES}
@@ -65,11 +74,8 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     # would (loop.py: only a logged step makes the host wait for the device): the warm-up and
     # the measured steps become multiples of it, so that a logged window never mixes the two.
     given = config_mod.load(config, list(overrides))  # a bad config: said here
-    if given.train.profile:  # the profiler's cost would be in every mode's tokens/s
-        raise BenchError(f"train.profile={given.train.profile} would trace the measured steps, "
-                         "and its traces are removed with the bench's runs; leave it out "
-                         "(--set train.profile=) and use --profile N (steps after the measured "
-                         "ones, traces in --profile-dir)")
+    no_profile(given.train.profile, " and use --profile N (steps after the measured ones, "
+               "traces in --profile-dir)")
     every = given.train.log_interval
     rounded = (-(-warmup // every) * every, -(-steps // every) * every)
     if rounded != (warmup, steps):

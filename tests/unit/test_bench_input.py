@@ -49,10 +49,23 @@ def test_bench_train_refuses_a_train_profile_that_would_trace_its_measured_steps
     result = CliRunner().invoke(app, ["bench", "train", "--config", str(TINY), "--set",
                                       "train.profile=1-2", "--steps", "2", "--warmup", "1"])
     assert result.exit_code == 2, result.output
-    assert ("error: train.profile=1-2 would trace the measured steps, and its traces are "
-            "removed with the bench's runs; leave it out (--set train.profile=) and use "
+    assert ("error: train.profile=1-2 would trace the steps the bench times, and its traces "
+            "are removed with the bench's runs; leave it out (--set train.profile=) and use "
             "--profile N (steps after the measured ones, traces in --profile-dir)"
             ) in result.output
+
+
+@pytest.mark.parametrize("command", [["memory", "--size-gb", "0.001"], ["compile"]])
+def test_the_other_benches_refuse_a_train_profile_too(tmp_path, command):
+    """bench memory's throughput runs and bench compile's first steps ran under the profiler,
+    timed with its cost."""
+    done = pyrecover("bench", *command, "--dir", str(tmp_path / "b"), "--config", str(TINY),
+                     "--set", "train.profile=1-2", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "error: train.profile=1-2 would trace the steps the bench times, and its traces are "
+        "removed with the bench's runs; leave it out (--set train.profile=)")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bench_restart_interrupts_each_kind_named_twice_repeat_times(tmp_path, monkeypatch):
