@@ -154,7 +154,8 @@ def human_age(seconds: float | None) -> str:
 def _du(folder: Path) -> int:
     """_du is the bytes of the files in `folder` that can be seen (a link: not walked into)."""
     total = 0
-    for parent, _, files in ([] if folder.is_symlink() else os.walk(folder)):  # errors (a folder it may not read) are skipped
+    # os.walk skips what it cannot list (a folder this user may not read)
+    for parent, _, files in ([] if folder.is_symlink() else os.walk(folder)):
         for name in files:
             try:
                 st = os.lstat(os.path.join(parent, name))
