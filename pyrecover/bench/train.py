@@ -84,6 +84,15 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
         warmup, steps = rounded
     measured_end = warmup + steps
     total = measured_end + profile
+    # The saves _throughput counts: those at the steps warmup .. measured_end - 1.
+    first = max(warmup, 1)
+    in_window = (measured_end - 1) // interval - (first - 1) // interval
+    unsaved = None
+    if in_window <= 0 and any(TRAIN_MODES[m] is not None for m in modes):
+        unsaved = (f"--interval {interval}: no save falls in the measured steps {warmup + 1}-"
+                   f"{measured_end}, so the checkpoint modes' figures hold none (memory mode's "
+                   f"snapshots aside); give an --interval of at most {steps}")
+        note(unsaved)
     base = list(overrides) + [f"train.max_steps={total}", f"train.log_interval={every}",
                               "tracking.wandb=disabled", "checkpoint.keep=2"]
     cfg = config_mod.load(config, base)
@@ -162,6 +171,7 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     return {"kind": "train", "config": str(config) if config else "defaults",
             "machine": machine(work.parent), "steps": steps, "warmup": warmup,
             "interval": interval, "repeat": repeat, "world_size": 1, "log_interval": every,
+            **({"note": unsaved} if unsaved else {}),
             "profile_steps": profile,
             "model": config_mod.to_dict(cfg)["model"], "rows": rows_out}
 
@@ -280,6 +290,8 @@ def format_train(report: dict[str, Any]) -> str:
                      f"{num(r.get('vs_plain'), 3):>8} {num(r.get('mfu'), 3):>6} "
                      f"{r['saves']:>6.0f} {r['blocked_s']:>10.3f} "
                      f"{100 * r['blocked_share']:>10.2f} {r['checkpoint_bytes'] / 1e6:>8.1f}")
+    if report.get("note"):
+        lines += ["", f"note: {report['note']}"]
     profiled = [r for r in report["rows"] if r.get("profile")]
     if profiled:
         from pyrecover.profiling import describe

@@ -60,6 +60,19 @@ def test_bench_train_reports_each_mode_as_a_ratio_to_no_checkpoints(tmp_path, co
         assert r["vs_none"] == pytest.approx(r["tokens_per_s"] / rows["none"]["tokens_per_s"])
 
 
+def test_bench_train_says_when_no_save_falls_in_the_measured_steps(tmp_path, corpus):
+    """--interval past the measured steps: every mode saved nothing and read about 1.0 x none,
+    a checkpoint that looked free, with nothing said."""
+    done = pyrecover("bench", "train", "--config", str(TINY), "--set", f"data.path={corpus}",
+                     "--steps", "2", "--warmup", "1", "--interval", "50", "--mode", "vanilla",
+                     cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    said = ("--interval 50: no save falls in the measured steps 2-3, so the checkpoint "
+            "modes' figures hold none")
+    assert said in done.stderr and said in done.stdout
+    assert "vanilla" in done.stdout
+
+
 def test_bench_train_logs_as_the_config_does_and_measures_whole_logged_windows(
         tmp_path, corpus):
     """A logged step is where the loop waits for the device, so the bench keeps the config's
