@@ -300,8 +300,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if hint is str and isinstance(value, (int, float)):
         return str(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ConfigError(
-            f"{key}={short(value)} is not allowed: expected a value of type {hint.__name__}")
+        what = {int: "a whole number", float: "a number"}.get(hint, f"a {hint.__name__}")
+        if isinstance(value, bool):  # `off`, `no`: a word the user typed, YAML's boolean
+            raise ConfigError(f"{key}={str(value).lower()} is not allowed: expected {what} "
+                              "(YAML reads on/off and yes/no as true/false)")
+        raise ConfigError(f"{key}={short(value)} is not allowed: expected {what}")
     return value
 
 

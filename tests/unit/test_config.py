@@ -62,15 +62,19 @@ def test_a_dumped_config_loads_back_equal(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["train.max_stepz=3"], "unknown key 'train.max_stepz'"),
     (["trian.max_steps=3"], "unknown key 'trian'"),
-    (["train.max_steps=three"], "train.max_steps='three' is not allowed: expected a value of "
-                                "type int"),
+    (["train.max_steps=three"], "train.max_steps='three' is not allowed: expected a whole "
+                                "number"),
     (["train.max_steps=0"], "train.max_steps=0 is not allowed: expected an integer >= 1"),
     (["checkpoint.keep=1"], "checkpoint.keep=1 is not allowed: expected at least 2"),
     (["checkpoint.mode=zip"], "checkpoint.mode='zip' is not allowed: expected one of vanilla"),
     (["model.n_embd=100", "model.n_head=3"], "model.n_embd=100 is not allowed"),
     (["train.global_batch_size=10", "train.micro_batch_size=4"], "train.global_batch_size=10"),
     (["train.max_steps"], "expected section.key=value"),
-    (["train.lr=true"], "train.lr=True is not allowed: expected a value of type float"),
+    (["train.lr=true"], "train.lr=true is not allowed: expected a number"),
+    # A word YAML reads as a boolean: said as such, not as Python's False.
+    (["run.hang_startup_timeout=off"], "run.hang_startup_timeout=false is not allowed: "
+                                       "expected a number (YAML reads on/off and yes/no as "
+                                       "true/false)"),
     # Sizes past any run's: a step that would list its ids until memory ran out.
     (["train.global_batch_size=auto:99999999999999999999"],
      "train.global_batch_size='auto:99999999999999999999' is not allowed: expected a number "
