@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pyrecover import preempt
@@ -92,7 +92,8 @@ def follow_launcher(environ: Mapping[str, str]) -> None:
 
 
 def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
-                grace_s: float = 60.0, parent: DistEnv | None = None) -> int:
+                grace_s: float = 60.0, parent: DistEnv | None = None,
+                killed: Callable[[int, str], None] | None = None) -> int:
     """spawn_local runs `argv` as `nproc` workers of this process (`parent`, default: alone
     on this machine) with torchrun-style variables from `worker_envs`.
 
@@ -100,7 +101,8 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
     next collective fails) and exit by themselves, which lets memory mode persist what the
     survivors hold; then they are terminated (then killed). The exit code of what caused it
     (`cause`) is returned (128+N for a death by signal N), so the caller exits like the job
-    did.
+    did. `killed(rank, how)` is told, once all have ended, of each worker a signal from
+    outside killed (SIGKILL: the OOM killer; SIGSEGV, ...): its peers only saw it vanish.
     """
     if parent is None:
         parent = DistEnv("single", 0, 1, 0, 1, 0, "127.0.0.1", free_port())
@@ -110,10 +112,15 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
 
     held: list[tuple[subprocess.Popen, int]] = []  # for workers not catching signals yet
 
+    deaths: list[tuple[int, str]] = []  # (rank, how) of those a signal from outside killed
+
     def name(i: int, p: subprocess.Popen) -> None:
+        rank = parent.node_rank * nproc + i
         if p.returncode not in NO_CAUSE:  # a rank that found a peer gone only says so
-            print(f"pyrecover: rank {parent.node_rank * nproc + i} (pid {p.pid}) "
-                  f"{ended(p.returncode)}", file=sys.stderr, flush=True)
+            print(f"pyrecover: rank {rank} (pid {p.pid}) {ended(p.returncode)}",
+                  file=sys.stderr, flush=True)
+        if p.returncode < 0 and -p.returncode not in FORWARDED:  # not a stop handed on
+            deaths.append((rank, ended(p.returncode)))
 
     said_ctrl_c: list[bool] = []
 
@@ -178,6 +185,8 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                 if p.returncode != 0 and i not in counted:
                     failures.append(p.returncode)
                     name(i, p)
+        for rank, how in deaths if killed is not None else ():
+            killed(rank, how)  # after the survivors' own records: the run's last word
         return exit_status(cause(failures))
     finally:
         _stop_all(procs)

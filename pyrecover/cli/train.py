@@ -87,7 +87,8 @@ def train(
             argv += ["--set", item]
         gc.enable()  # off for a trainer's start-up (pyrecover/__main__.py); this one waits
         code = spawn.spawn_local(argv, nproc, os.environ,
-                                parent=None if env.launcher == "single" else env)
+                                parent=None if env.launcher == "single" else env,
+                                killed=lambda rank, how: _record_killed(run, rank, how))
         raise typer.Exit(code)
     if nproc > 1:
         typer.echo(f"note: --nproc {nproc} ignored; this process is rank {env.rank} of "
@@ -100,6 +101,16 @@ def train(
     from pyrecover import train as train_mod
 
     train_mod.main(cfg, target)
+
+
+def _record_killed(run, rank: int, how: str) -> None:
+    """_record_killed writes the crash of a worker a signal killed (the OOM killer's SIGKILL
+    leaves no record of its own, and its peers only saw a connection reset) as the attempt's
+    last error, where `pyrecover status` shows it. Not where no rank opened the run."""
+    if run.events.is_file():
+        hint = " from outside pyrecover (the kernel's OOM killer, or kill -9)" \
+            if how.endswith("SIGKILL") else ""
+        run.event("crash", rank=rank, error=f"rank {rank} {how}{hint}", source="launcher")
 
 
 def demo(

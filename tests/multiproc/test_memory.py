@@ -51,6 +51,10 @@ def test_a_killed_rank_costs_no_more_than_one_snapshot_and_the_result_is_bitwise
     assert "Traceback" not in crashed.stderr
     assert sorted(e["rank"] for e in events(run_dir, "snapshot_persisted")) == [0, 1, 3]
     assert not events(run_dir, "checkpoint"), "no disk checkpoint was due"
+    # The launcher saw why: status names the killed rank, not a survivor's connection reset.
+    status = pyrecover("status", str(run_dir))
+    assert ("last error  rank 2 was killed by SIGKILL from outside pyrecover (the kernel's "
+            "OOM killer, or kill -9)") in status.stdout, status.stdout
 
     resumed = train(tmp_path, corpus, "run", 4, *MEMORY)
     assert resumed.returncode == 0, resumed.stderr
