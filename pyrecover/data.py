@@ -25,33 +25,45 @@ EOD = 256  # end-of-document token for byte-level text
 
 
 def load_tokens(path: str | Path, column: str) -> torch.Tensor:
-    """load_tokens reads the column and returns the whole corpus as one int64 token tensor."""
+    """load_tokens reads the column and returns the whole corpus as one int64 token tensor.
+
+    Chunk by chunk, as pyarrow reads it: one array of the whole column (combine_chunks) has
+    32-bit offsets, which a text corpus over 2 GiB overflows."""
     check_source(path, column)
     p = Path(path)
     try:
-        col = pq.read_table(p, columns=[column]).column(column).combine_chunks()
+        col = pq.read_table(p, columns=[column]).column(column)
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{p}: cannot read column {column!r} ({first_line(exc)})") from None
     kind = col.type
     if pa.types.is_string(kind) or pa.types.is_large_string(kind) or _is_string_view(kind):
-        tokens = _bytes_tokens(col)
+        tokens = _cat([_bytes_tokens(chunk) for chunk in col.chunks])
     elif (pa.types.is_list(kind) or pa.types.is_large_list(kind)
           or pa.types.is_fixed_size_list(kind)) and pa.types.is_integer(kind.value_type):
-        flat = col.flatten()
-        if flat.null_count:  # to_numpy would make it a NaN, then int64's minimum
-            raise DataError(f"{p}: column {column!r} holds {flat.null_count} missing (null) "
-                            "token ids; fix the tokenization")
-        ids = flat.to_numpy(zero_copy_only=False)
-        if ids.dtype.kind == "u" and ids.size and int(ids.max()) > 2**63 - 1:  # int64 wraps it
-            raise DataError(f"{p}: token id {int(ids.max())} is outside [0, model.vocab_size); "
+        flat = [chunk.flatten() for chunk in col.chunks]
+        nulls = sum(f.null_count for f in flat)
+        if nulls:  # to_numpy would make it a NaN, then int64's minimum
+            raise DataError(f"{p}: column {column!r} holds {nulls} missing (null) token ids; "
                             "fix the tokenization")
-        tokens = torch.from_numpy(ids.astype("int64"))
+        ids = [f.to_numpy(zero_copy_only=False) for f in flat]
+        top = max((int(i.max()) for i in ids if i.size), default=0)
+        if ids and ids[0].dtype.kind == "u" and top > 2**63 - 1:  # int64 would wrap it
+            raise DataError(f"{p}: token id {top} is outside [0, model.vocab_size); fix the "
+                            "tokenization")
+        tokens = _cat([torch.from_numpy(i.astype("int64")) for i in ids])
     else:
         raise DataError(f"{p}: column {column!r} has type {kind}; expected a string or a list "
                         "of integers")
     if tokens.numel() == 0:
         raise DataError(f"{p}: column {column!r} holds no tokens")
     return tokens
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """_cat joins the chunks' tokens (without a copy where there is one chunk)."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
 def _is_string_view(kind: pa.DataType) -> bool:

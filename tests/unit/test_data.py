@@ -105,6 +105,22 @@ def test_an_already_tokenized_list_column_is_used_as_is(tmp_path):
     assert load_tokens(f, "ids").tolist() == [1, 2, 3, 40000]
 
 
+@pytest.mark.parametrize("table", [
+    pa.table({"text": ["hé", "", None, "ab", "c", "déf", "g"]}),
+    pa.table({"ids": [[1, 2], [3], [], [4, 5, 6], [7], [8, 9], [10]]}),
+])
+def test_a_column_read_in_many_chunks_gives_the_tokens_of_one(tmp_path, table):
+    """The column was made one array (combine_chunks) before reading it, whose 32-bit offsets
+    a text corpus over 2 GiB overflows ('offset overflow'): it is read chunk by chunk now,
+    and a file of many row groups must give exactly the tokens of a file of one."""
+    whole = write(tmp_path / "one.parquet", table)
+    parts = tmp_path / "many.parquet"
+    pq.write_table(table, parts, row_group_size=2)
+    name = table.column_names[0]
+    assert pq.read_table(parts, columns=[name]).column(name).num_chunks > 1
+    assert torch.equal(load_tokens(parts, name), load_tokens(whole, name))
+
+
 @pytest.mark.skipif(not hasattr(pa, "string_view"), reason="pyarrow before 16 has no views")
 def test_text_a_writer_stored_as_a_string_view_is_text(tmp_path):
     """Polars 1.38 writes its strings as Arrow's string_view, and pyarrow reads them back as
