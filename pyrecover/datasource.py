@@ -102,7 +102,8 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         if not path.is_file():
             continue
         try:
-            text = path.read_text(encoding="utf-8")
+            # bytes, then decoded: read_text's text mode would turn \r\n and \r into \n
+            text = path.read_bytes().decode("utf-8")
         except (UnicodeDecodeError, OSError):
             not_utf8 += 1
             continue

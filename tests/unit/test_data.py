@@ -180,6 +180,18 @@ def test_prepare_is_reproducible_and_keeps_sorted_file_order(tmp_path):
     assert one.column("path").to_pylist() == ["b.py", "pkg/a.py"]
 
 
+def test_prepare_keeps_a_file_s_line_endings_as_they_are(tmp_path):
+    # Text mode turned \r\n and a lone \r into \n: the corpus held other bytes than the files.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "dos.txt").write_bytes(b"one\r\ntwo\r\n")
+    (src / "mac.txt").write_bytes(b"three\rfour")
+    done = prepare(src, tmp_path / "c.parquet", (".txt",))
+    texts = pq.read_table(tmp_path / "c.parquet").column("text").to_pylist()
+    assert texts == ["one\r\ntwo\r\n", "three\rfour"]
+    assert done.bytes == 20
+
+
 def test_prepare_refuses_to_write_inside_a_run_s_checkpoints_folder(tmp_path):
     # Retention deletes step folders, and a file there would change a committed checkpoint.
     src = tmp_path / "src"
