@@ -103,18 +103,20 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
             continue
         try:
             # bytes, then decoded: read_text's text mode would turn \r\n and \r into \n
-            text = path.read_bytes().decode("utf-8")
+            raw = path.read_bytes()
+            text = raw.decode("utf-8")
         except (UnicodeDecodeError, OSError):
             not_utf8 += 1
             continue
         if not text:
             continue
-        if max_bytes is not None and total + len(text) > max_bytes:
-            too_big = (path, len(text))
+        # megabytes of UTF-8, as the tokens are bytes: not characters
+        if max_bytes is not None and total + len(raw) > max_bytes:
+            too_big = (path, len(raw))
             break
         paths.append(str(path.relative_to(src)))
         texts.append(text)
-        total += len(text)
+        total += len(raw)
     if not texts and too_big is not None:
         raise DataError(f"the first file, {too_big[0]} ({too_big[1] / 1e6:.3f} MB of text), is "
                         f"larger than the limit of {max_bytes / 1e6:g} MB; raise the limit")

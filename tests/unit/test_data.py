@@ -192,6 +192,19 @@ def test_prepare_keeps_a_file_s_line_endings_as_they_are(tmp_path):
     assert done.bytes == 20
 
 
+def test_prepare_counts_and_limits_megabytes_not_characters(tmp_path):
+    # The tokens are UTF-8 bytes: 1000 characters of "é" are 2000 of them, not 1000.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("é" * 1000, encoding="utf-8")
+    (src / "b.txt").write_text("x" * 500, encoding="utf-8")
+    assert prepare(src, tmp_path / "all.parquet", (".txt",)).bytes == 2500
+    done = prepare(src, tmp_path / "cut.parquet", (".txt",), max_bytes=2400)
+    assert (done.files, done.bytes) == (1, 2000)
+    with pytest.raises(DataError, match="larger than the limit"):
+        prepare(src, tmp_path / "none.parquet", (".txt",), max_bytes=1500)
+
+
 def test_prepare_refuses_to_write_inside_a_run_s_checkpoints_folder(tmp_path):
     # Retention deletes step folders, and a file there would change a committed checkpoint.
     src = tmp_path / "src"
