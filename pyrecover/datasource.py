@@ -114,7 +114,8 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         if max_bytes is not None and total + len(raw) > max_bytes:
             too_big = (path, len(raw))
             break
-        paths.append(str(path.relative_to(src)))
+        # a name that is not UTF-8 (parquet strings are) keeps its odd bytes as \xNN
+        paths.append(os.fsencode(path.relative_to(src)).decode("utf-8", "backslashreplace"))
         texts.append(text)
         total += len(raw)
     if not texts and too_big is not None:

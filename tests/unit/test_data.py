@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pyarrow as pa
@@ -203,6 +204,20 @@ def test_prepare_counts_and_limits_megabytes_not_characters(tmp_path):
     assert (done.files, done.bytes) == (1, 2000)
     with pytest.raises(DataError, match="larger than the limit"):
         prepare(src, tmp_path / "none.parquet", (".txt",), max_bytes=1500)
+
+
+def test_prepare_takes_a_file_whose_name_is_not_utf8(tmp_path):
+    # Its name (the path column) was a UnicodeEncodeError traceback after reading every file.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ok.txt").write_text("fine\n")
+    with open(os.path.join(os.fsencode(src), b"caf\xe9.txt"), "w") as f:
+        f.write("latin-1 name, utf-8 text\n")
+    done = prepare(src, tmp_path / "c.parquet", (".txt",))
+    table = pq.read_table(tmp_path / "c.parquet")
+    assert done.files == 2
+    assert table.column("path").to_pylist() == ["caf\\xe9.txt", "ok.txt"]
+    assert table.column("text").to_pylist() == ["latin-1 name, utf-8 text\n", "fine\n"]
 
 
 def test_prepare_refuses_to_write_inside_a_run_s_checkpoints_folder(tmp_path):
