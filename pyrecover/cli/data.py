@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pyrecover.cli.errors import finite
+from pyrecover.cli.errors import finite, user_error
 
 data_app = typer.Typer(help="Build training corpora (parquet files of text) from folders of files.",
                        no_args_is_help=True)
@@ -15,7 +15,7 @@ data_app = typer.Typer(help="Build training corpora (parquet files of text) from
 
 @data_app.command("prepare", short_help="Build a parquet corpus from a folder of text files.")
 def prepare(
-    src_dir: Annotated[Path, typer.Argument(help="Folder of text files, searched recursively.")],
+    src_dir: Annotated[str, typer.Argument(help="Folder of text files, searched recursively.")],
     out: Annotated[Path, typer.Argument(
         help="Parquet file to write (a `text` column), ending in .parquet.")],
     suffix: Annotated[list[str] | None, typer.Option(
@@ -35,6 +35,9 @@ def prepare(
     """
     from pyrecover import datasource
 
+    if not src_dir.strip():  # `"$TEXTS"` unset: as a Path, "" is the current folder
+        raise user_error("SRC_DIR is empty; give the folder of text files to read, e.g. "
+                         "~/my-texts")
     # `--suffix txt` means `.txt`: Path.suffix, which it is matched against, has the dot
     suffixes = tuple(s if s.startswith(".") or not s else f".{s}" for s in suffix or [".py"])
     max_bytes = int(max_mb * 1e6) if max_mb is not None else None

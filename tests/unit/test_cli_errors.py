@@ -145,6 +145,17 @@ def test_data_prepare_without_sources_is_a_clear_error(tmp_path):
     assert "source folder" in done.stderr and "does not exist" in done.stderr
 
 
+def test_data_prepare_from_an_empty_source_is_refused_not_the_current_folder(tmp_path):
+    """`data prepare "$TEXTS" c.parquet` with the variable unset built a corpus of whatever
+    the current folder held (as a Path, "" is "."), and trained on it without a word."""
+    (tmp_path / "secret.py").write_text("password = 'x'\n")
+    done = pyrecover("data", "prepare", "", "c.parquet", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "error: SRC_DIR is empty; give the folder of text files to read, e.g. ~/my-texts"]
+    assert not (tmp_path / "c.parquet").exists()
+
+
 def test_cancel_of_a_run_no_slurm_job_started_or_of_no_run_says_so_in_one_line(tmp_path):
     from pyrecover.rundir import RunDir
 
