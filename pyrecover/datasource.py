@@ -94,9 +94,11 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
     not_utf8 = links = 0
     too_big: tuple[Path, int] | None = None  # the file the limit stopped at
     for path in sorted(src.rglob("*")):
-        if suffixes and path.suffix not in suffixes:
+        link = path.is_symlink()
+        # a linked folder is counted whatever its name: rglob does not go into it
+        if suffixes and path.suffix not in suffixes and not (link and path.is_dir()):
             continue
-        if path.is_symlink():
+        if link:
             links += 1
             continue
         if not path.is_file():

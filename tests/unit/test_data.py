@@ -220,6 +220,19 @@ def test_prepare_takes_a_file_whose_name_is_not_utf8(tmp_path):
     assert table.column("text").to_pylist() == ["latin-1 name, utf-8 text\n", "fine\n"]
 
 
+def test_prepare_counts_a_linked_folder_it_does_not_follow(tmp_path):
+    # Its files were left out without a word: the summary counted linked files only.
+    src, elsewhere = tmp_path / "src", tmp_path / "elsewhere"
+    src.mkdir()
+    elsewhere.mkdir()
+    (src / "a.py").write_text("a = 1\n")
+    (elsewhere / "b.py").write_text("b = 2\n")
+    (src / "more").symlink_to(elsewhere)
+    done = prepare(src, tmp_path / "c.parquet")
+    assert (done.files, done.links) == (1, 1)
+    assert done.summary("c.parquet").endswith("(skipped: 1 symbolic link(s))")
+
+
 def test_prepare_refuses_to_write_inside_a_run_s_checkpoints_folder(tmp_path):
     # Retention deletes step folders, and a file there would change a committed checkpoint.
     src = tmp_path / "src"
