@@ -78,6 +78,13 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
     if out_path.is_dir():
         raise DataError(f"{out_path} is a folder; give the parquet file to write, e.g. "
                         f"{out_path / 'corpus.parquet'}")
+    # said before reading: mkdir would say "File exists" of a parent that is a file
+    above = next(p for p in Path(os.path.abspath(out_path)).parents
+                 if p.exists() or p.is_symlink())
+    if not above.is_dir():
+        what = "a file" if above.exists() else "a broken symbolic link"
+        raise DataError(f"{out_path}: {above} is {what}, not a folder; choose a path under a "
+                        "folder")
     if out_path.suffix not in PARQUET_SUFFIXES:
         raise DataError(f"{out_path} does not end in .parquet, and the corpus is written as "
                         f"parquet; name it e.g. {out_path.with_name(out_path.stem + '.parquet')}")

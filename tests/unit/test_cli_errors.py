@@ -192,7 +192,7 @@ def test_data_prepare_into_a_folder_or_an_unwritable_place_is_one_line_and_leave
     src.mkdir()
     (src / "a.py").write_text("print('hi')\n")
     for out, said in ((src, "is a folder; give the parquet file to write"),
-                      (tmp_path / "not-a-dir" / "x" / "c.parquet", "cannot write")):
+                      (tmp_path / "not-a-dir" / "x" / "c.parquet", "is a file, not a folder")):
         if out != src:
             (tmp_path / "not-a-dir").write_text("a file where a folder should be")
         done = pyrecover("data", "prepare", str(src), str(out))
@@ -200,6 +200,21 @@ def test_data_prepare_into_a_folder_or_an_unwritable_place_is_one_line_and_leave
         assert done.stderr.startswith("error: ") and said in done.stderr, done.stderr
         assert len(done.stderr.splitlines()) == 1
     assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
+
+
+def test_data_prepare_under_a_file_says_so_not_that_the_file_exists(tmp_path):
+    """`data prepare texts notes.txt/c.parquet` read every file, then said 'cannot write
+    notes.txt/c.parquet: File exists' (mkdir's words for the parent that is a file)."""
+    src = tmp_path / "texts"
+    src.mkdir()
+    (src / "a.py").write_text("print('hi')\n")
+    (tmp_path / "notes.txt").write_text("a file where a folder should be")
+    out = tmp_path / "notes.txt" / "c.parquet"
+    done = pyrecover("data", "prepare", str(src), str(out))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: {out}: {tmp_path / 'notes.txt'} is a file, not a folder; choose a path under "
+        "a folder"]
 
 
 def test_data_prepare_on_a_full_disk_is_a_storage_fault_that_keeps_the_old_corpus(tmp_path):
