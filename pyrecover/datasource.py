@@ -61,6 +61,13 @@ class Prepared(NamedTuple):
                 + (f" (skipped: {', '.join(skipped)})" if skipped else ""))
 
 
+def _matches(path: Path, suffixes: tuple[str, ...]) -> bool:
+    """_matches says whether `path` ends in one of `suffixes`: its last suffix, or a longer
+    ending such as .d.ts (Path.suffix is .ts there)."""
+    return path.suffix in suffixes or any(
+        s.count(".") > 1 and path.name.endswith(s) for s in suffixes)
+
+
 def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = (".py",),
             max_bytes: int | None = None, replace: bool = True) -> Prepared:
     """prepare writes one row per text file under src_dir into a parquet `text` column.
@@ -103,7 +110,7 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
     for path in sorted(src.rglob("*")):
         link = path.is_symlink()
         # a linked folder is counted whatever its name: rglob does not go into it
-        if suffixes and path.suffix not in suffixes and not (link and path.is_dir()):
+        if suffixes and not _matches(path, suffixes) and not (link and path.is_dir()):
             continue
         if link:
             links += 1

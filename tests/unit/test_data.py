@@ -233,6 +233,16 @@ def test_prepare_counts_a_linked_folder_it_does_not_follow(tmp_path):
     assert done.summary("c.parquet").endswith("(skipped: 1 symbolic link(s))")
 
 
+def test_prepare_takes_a_suffix_with_two_dots(tmp_path):
+    # `--suffix .d.ts` matched nothing: a name's suffix is its last one only (".ts").
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.d.ts").write_text("declare const a: number;\n")
+    (src / "b.ts").write_text("const b = 2;\n")
+    prepare(src, tmp_path / "c.parquet", (".d.ts",))
+    assert pq.read_table(tmp_path / "c.parquet").column("path").to_pylist() == ["a.d.ts"]
+
+
 def test_prepare_refuses_to_write_inside_a_run_s_checkpoints_folder(tmp_path):
     # Retention deletes step folders, and a file there would change a committed checkpoint.
     src = tmp_path / "src"
