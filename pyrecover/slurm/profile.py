@@ -32,6 +32,7 @@ _NAME = re.compile(r"[A-Za-z0-9._,-]+")  # partition (comma-separated list), acc
 # SLURM feature expressions: `a100&ib`, `[rack1|rack2]`, `gpu80gb*2`, `(a|b)&c`.
 _CONSTRAINT = re.compile(r"[A-Za-z0-9_.,&|\[\]*():-]+")
 _MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
+_NULL = ("", "~", "null", "Null", "NULL")  # YAML's null, read as a string
 _BOOL = {"true": True, "yes": True, "on": True, "1": True,
          "false": False, "no": False, "off": False, "0": False}
 
@@ -174,7 +175,9 @@ def from_mapping(raw: Any, source: str, cwd: str | Path) -> ClusterProfile:
     lists = {"binds": "SRC[:DST[:ro]] paths", "sbatch_extra": "sbatch options --name=value"}
     for key, value in raw.items():
         if key in lists:
-            items = [value] if isinstance(value, str) else value
+            # YAML's null (`binds: ~`, as `partition: ~` is elsewhere): no entries, not a
+            # folder named `~` (the home folder) or `null`.
+            items = [] if value in _NULL else [value] if isinstance(value, str) else value
             if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
                 raise LaunchError(f"{source}: {key}={short(value)} is not allowed: expected a "
                                   f"list of {lists[key]}")
@@ -276,7 +279,7 @@ def time_seconds(text: str) -> int | None:
 
 def _coerce(source: str, key: str, value: Any, hint: Any) -> Any:
     optional = type(None) in typing.get_args(hint)
-    if optional and value in ("", "~", "null", "Null", "NULL"):
+    if optional and value in _NULL:
         return None
     base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
     if not isinstance(value, str):

@@ -93,4 +93,14 @@ def test_launcher_srun_without_an_image_says_what_to_do():
         spec_for("srun", image=None)
 
 
+@pytest.mark.parametrize("empty", ["~", "null", "", "[]"])
+def test_an_empty_binds_or_sbatch_extra_is_no_entry_not_a_folder_named_so(tmp_path, empty):
+    # `binds: ~` is YAML's null, as `partition: ~` is: no bind, not the home folder (nor
+    # ./null), which apptainer would then mount into every task.
+    path = tmp_path / "site.yaml"
+    path.write_text(f"binds: {empty}\nsbatch_extra: {empty}\n")
+    prof = profile.load_profile(path, tmp_path)
+    assert (prof.binds, prof.sbatch_extra) == ((), ())
+
+
 # ----------------------------------------------------------------- the launch command
