@@ -100,11 +100,12 @@ LOCAL_IMAGE = "pyrecover.sif"  # what `make image` builds, looked for where laun
 def find_profile(option: str | Path | None, environ: Mapping[str, str], home: str | Path,
                  exists: Callable[[Path], bool] = Path.is_file) -> Path:
     """find_profile picks the cluster profile: `--cluster`, else $PYRECOVER_CLUSTER, else
-    ~/.config/pyrecover/cluster.yaml when it exists. Raises LaunchError when none is set."""
+    ~/.config/pyrecover/cluster.yaml when it exists. Raises LaunchError when none is set. A
+    leading `~` is the home folder (bash leaves it in `--cluster=~/site.yaml`)."""
     if option is not None:
-        return Path(option)
+        return Path(option).expanduser()
     if environ.get(PROFILE_ENV):
-        named = Path(environ[PROFILE_ENV])
+        named = Path(environ[PROFILE_ENV]).expanduser()
         if not exists(named):  # the variable, not an option, is what to fix
             what = "a folder" if named.is_dir() else "no file"
             raise LaunchError(f"{PROFILE_ENV}={str(named)!r} names {what}: point it at a "

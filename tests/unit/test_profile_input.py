@@ -88,6 +88,22 @@ def test_a_profile_path_starting_with_a_tilde_is_under_the_home_folder(tmp_path,
     assert added.src == str(tmp_path / "home" / "scratch") and added.dst == "/scratch"
 
 
+@pytest.mark.parametrize("where", ["option", "variable"])
+def test_a_cluster_profile_named_with_a_tilde_is_found_in_the_home_folder(tmp_path, monkeypatch,
+                                                                         where):
+    """`--cluster=~/site.yaml` (bash expands no tilde after `--cluster=`) was said not to
+    exist, as was PYRECOVER_CLUSTER='~/site.yaml'."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "site.yaml").write_text("partition: gpu\n")
+    monkeypatch.setenv("HOME", str(home))
+    option, environ = ("~/site.yaml", {}) if where == "option" else (
+        None, {profile.PROFILE_ENV: "~/site.yaml"})
+    found = profile.find_profile(option, environ, tmp_path / "other")
+    assert found == home / "site.yaml"
+    assert profile.resolve(option, environ, tmp_path / "other", tmp_path).partition == "gpu"
+
+
 def test_launcher_srun_without_an_image_says_what_to_do():
     with pytest.raises(LaunchError, match="--image"):
         spec_for("srun", image=None)
