@@ -228,7 +228,8 @@ KILLED = "killed (no end recorded)"
 def _state(events: list[dict[str, Any]]) -> str:
     decided = False  # the job script ended the attempt (requeue, restart in the job)
     restarted = False  # a process started after it (starting up: the lock tells)
-    for e in reversed(events):
+    for i in range(len(events) - 1, -1, -1):
+        e = events[i]
         kind = e.get("event")
         if kind == "phase" and e.get("phase") == "process_start" and not decided:
             restarted = True
@@ -252,8 +253,22 @@ def _state(events: list[dict[str, Any]]) -> str:
         if kind == "cancel":
             return "cancelled"
         if kind in ("start", "resume"):  # with no end of the trainer's own after it
+            if _cancelled_before(events[:i], e.get("job_id")):
+                return "cancelled"
             return KILLED if decided else RUNNING_OR_KILLED
     return "not started"
+
+
+def _cancelled_before(before: list[dict[str, Any]], job_id: Any) -> bool:
+    """_cancelled_before: `pyrecover cancel` took this attempt's job while it started up,
+    before its start record (SLURM's KillWait may then end it before it records its stop):
+    a cancel of the same job since the job script's last decision."""
+    for e in reversed(before):
+        if e.get("event") in phases.JOB_SCRIPT_EVENTS and e.get("event") != "cancel":
+            return False
+        if e.get("event") == "cancel":
+            return job_id is not None and str(e.get("job_id")) == str(job_id)
+    return False
 
 
 def _health_failed(e: dict[str, Any]) -> bool:

@@ -362,3 +362,30 @@ def test_saves_that_failed_since_the_last_checkpoint_are_shown(tmp_path):
         "[Errno 122] Disk quota exceeded" in status_text.render(s)
     run.event("checkpoint", step=50, blocked=0.1, time=5.0)  # a save went through again
     assert status.read(run.root, now=100.0).failed_checkpoints == []
+
+
+def test_a_job_cancelled_while_it_started_up_is_cancelled_not_killed(tmp_path):
+    """`pyrecover cancel` of a job still importing or restoring: its trainer records its
+    resume after the cancel, and SLURM's KillWait ends it before its stop. Status said
+    `killed (no end recorded)` of a run its user had cancelled."""
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    job = {"job_id": "7", "restart_count": 1}
+    earlier = [{"event": "start", "time": 1.0, "step": 0, **job, "restart_count": 0},
+               {"event": "stop", "time": 5.0, "step": 4, "reason": "signal", **job,
+                "restart_count": 0},
+               {"event": "requeue", "time": 6.0, "exit_code": 75, "reason": "stopped cleanly",
+                **job, "restart_count": 0},
+               ph("process_start", 20.0)]
+    cancelled = [*earlier, {"event": "cancel", "time": 21.0, "job_id": "7",
+                            "slurm_state": "RUNNING"},
+                 {"event": "resume", "time": 25.0, "step": 4, "steps_lost": 0, **job}]
+    _write(run, cancelled, [])
+    assert status.read(run.root, now=30.0).state == "cancelled"
+    # A cancel of another job, or one before the job requeued, is not this attempt's.
+    for other in ({"job_id": "6"}, {}):
+        shifted = [*earlier[:2], {"event": "cancel", "time": 5.5, "job_id": "7"}, *earlier[2:],
+                   {"event": "resume", "time": 25.0, "step": 4, "steps_lost": 0, **job,
+                    **other}]
+        _write(run, shifted, [])
+        assert status.read(run.root, now=30.0).state != "cancelled"
