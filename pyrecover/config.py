@@ -219,6 +219,8 @@ def parse_override(item: str) -> tuple[str, Any]:
                           "config value") from None
     if not isinstance(value, (str, int, float, bool)):
         value = text  # lists and mappings are not config values; keep the literal text
+    elif re.search(r"(^|\s)#", text) and "#" not in str(value):
+        value = text.strip()  # YAML read ` #...` as a comment: a path such as `/runs #3`
     return key, value
 
 

@@ -52,6 +52,15 @@ def test_set_overrides_the_file_and_the_file_overrides_the_defaults(tmp_path):
     assert cfg.train.seed == config.TrainConfig().seed
 
 
+def test_a_set_value_with_a_space_and_hash_is_kept_whole_not_cut_at_a_yaml_comment():
+    """`--set "run.storage=/scratch/run #3"` launched into /scratch/run: YAML took ` #3` for
+    a comment, without a word."""
+    cfg = config.load(None, ["run.storage=/scratch/run #3", "data.path=/d/a #b.parquet",
+                             "run.exp_name='quoted'"])
+    assert (cfg.run.storage, cfg.data.path) == ("/scratch/run #3", "/d/a #b.parquet")
+    assert cfg.run.exp_name == "quoted"  # YAML's quotes still read as YAML
+
+
 def test_a_dumped_config_loads_back_equal(tmp_path):
     cfg = config.load(None, ["train.max_steps=11", "run.storage=/some where/with space"])
     f = tmp_path / "run.yaml"
