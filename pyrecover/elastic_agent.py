@@ -10,11 +10,12 @@ forwards the stop signal to the agent's children, the workers: they save and exi
 agent reports them failed, and `exit_code` turns that back into 75. A worker that crashed
 wins over the others' 75, so the job script requeues it as a crash.
 
-SIGTERM (preemption, `scancel`, a time limit) takes the same path: torch's own handling
-forwards it too, but then SIGKILLs the workers after a shutdown timeout, 30 s and fixed
-before torch 2.12, however long SLURM's grace time is, so a stop's checkpoint of a large model
-was killed mid-write. Here the workers get SIGTERM and as long as they take to save: SLURM's
-KillWait or preemption GraceTime is the bound, as it is for the srun launcher.
+SIGTERM (preemption, `scancel`, a time limit), and a stop signal torch handles itself (INT or
+HUP), take the same path: torch's own handling forwards it too, but then SIGKILLs the
+workers after a shutdown timeout, 30 s and fixed before torch 2.12, however long SLURM's
+grace time is, so a stop's checkpoint of a large model was killed mid-write. Here the workers
+get the signal and as long as they take to save: SLURM's KillWait or preemption GraceTime is
+the bound, as it is for the srun launcher.
 """
 
 from __future__ import annotations
@@ -70,19 +71,20 @@ def forward_to_children(signum: int, _frame: object = None) -> None:
             pass
 
 
-def keep_workers_on_sigterm(api: object) -> None:
-    """keep_workers_on_sigterm makes torch's agent pass SIGTERM on to its workers and go on
-    waiting for them (they save and exit 75) instead of raising, which ends in SIGKILLing them
-    after its shutdown timeout. Its handler is a module-level function that every torch from
-    2.6 installs by name when it starts the workers, so it is replaced there; the other
-    signals keep torch's handling. A torch without it keeps its own, with a longer timeout."""
+def keep_workers_on_sigterm(api: object, stop: int = signal.SIGTERM) -> None:
+    """keep_workers_on_sigterm makes torch's agent pass SIGTERM, and the run's stop signal
+    `stop` where torch handles that too (INT, HUP), on to its workers and go on waiting
+    for them (they save and exit 75) instead of raising, which ends in SIGKILLing them after
+    its shutdown timeout. Its handler is a module-level function that every torch from 2.6
+    installs by name when it starts the workers, so it is replaced there; the other signals
+    keep torch's handling. A torch without it keeps its own, with a longer timeout."""
     original = getattr(api, "_terminate_process_handler", None)
     if original is None:
         os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")  # torch 2.12 and later
         return
 
     def handler(signum: int, frame: object) -> None:
-        if signum == signal.SIGTERM:
+        if signum in (signal.SIGTERM, stop):
             forward_to_children(signum)
         else:
             original(signum, frame)
@@ -102,7 +104,7 @@ def main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    keep_workers_on_sigterm(api)
+    keep_workers_on_sigterm(api, stop)
     # torch >= 2.5 shares the agent's store with the workers, across restarts and without a
     # prefix per restart (pytorch/pytorch#135712); the workers key theirs by the restart
     # count, but over several nodes a membership change restarts a healthy node's workers

@@ -26,12 +26,13 @@ pytestmark = pytest.mark.multiproc
 
 
 def agent(storage: Path, corpus: Path, name: str, env: dict[str, str] | None = None,
-          restarts: int = 0, steps: int = 200) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "pyrecover.elastic_agent", "--stop-signal", "USR2",
+          restarts: int = 0, steps: int = 200, stop: str = "USR2") -> subprocess.Popen:
+    argv = [sys.executable, "-m", "pyrecover.elastic_agent", "--stop-signal", stop,
             "--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts),
             "-m", "pyrecover", "train",
             *tiny_args(storage, corpus, name, f"train.max_steps={steps}", "train.log_interval=1",
-                       "checkpoint.interval=50" if steps > 50 else "checkpoint.interval=5")]
+                       "checkpoint.interval=50" if steps > 50 else "checkpoint.interval=5",
+                       f"run.stop_signal={stop}")]
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("PYRECOVER_", "SLURM_", "TORCHELASTIC_"))}
     return subprocess.Popen(argv, env={**clean, "WANDB_MODE": "disabled", **(env or {})},
@@ -72,6 +73,22 @@ def test_sigterm_to_the_agent_gives_the_workers_all_the_time_their_save_takes(tm
     [stop] = [e for e in read_jsonl(tmp_path / "term" / "events.jsonl") if e["event"] == "stop"]
     assert stop["reason"] == "SIGTERM"
     assert (tmp_path / "term" / "checkpoints" / f"step-{stop['step']}" / "manifest.json").is_file()
+
+
+def test_a_stop_signal_torch_handles_itself_gives_the_workers_the_time_their_save_takes(
+        tmp_path, corpus):
+    """run.stop_signal HUP (or INT, QUIT): torch's agent forwarded it and then SIGKILLed the
+    workers after its shutdown timeout, as it did SIGTERM, so the time limit's stop
+    checkpoint of a large model was killed mid-write and the agent exited 129."""
+    proc = agent(tmp_path, corpus, "hup", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0"},
+                 stop="HUP")
+    wait_step(proc, tmp_path / "hup", 3)
+    proc.send_signal(signal.SIGHUP)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_STOPPED, stderr[-3000:]
+    [stop] = [e for e in read_jsonl(tmp_path / "hup" / "events.jsonl") if e["event"] == "stop"]
+    assert stop["reason"] == "SIGHUP"
+    assert (tmp_path / "hup" / "checkpoints" / f"step-{stop['step']}" / "manifest.json").is_file()
 
 
 def test_a_crashed_worker_is_a_crash_code_not_a_stop(tmp_path, corpus):
