@@ -93,9 +93,11 @@ def follow_launcher(environ: Mapping[str, str]) -> None:
 
 def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                 grace_s: float = 60.0, parent: DistEnv | None = None,
-                killed: Callable[[int, str], None] | None = None) -> int:
+                killed: Callable[[int, str], None] | None = None,
+                stop: int | None = None) -> int:
     """spawn_local runs `argv` as `nproc` workers of this process (`parent`, default: alone
-    on this machine) with torchrun-style variables from `worker_envs`.
+    on this machine) with torchrun-style variables from `worker_envs`. It hands FORWARDED
+    and the run's stop signal `stop` (HUP, XCPU: run.stop_signal) on to them.
 
     Waits for all of them. When one fails, the others get `grace_s` seconds to notice (their
     next collective fails) and exit by themselves, which lets memory mode persist what the
@@ -119,7 +121,7 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
         if p.returncode not in NO_CAUSE:  # a rank that found a peer gone only says so
             print(f"pyrecover: rank {rank} (pid {p.pid}) {ended(p.returncode)}",
                   file=sys.stderr, flush=True)
-        if p.returncode < 0 and -p.returncode not in FORWARDED:  # not a stop handed on
+        if p.returncode < 0 and -p.returncode not in forwarded:  # not a stop handed on
             deaths.append((rank, ended(p.returncode)))
 
     said_ctrl_c: list[bool] = []
@@ -138,12 +140,13 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                 else:  # its default action would end a worker still starting: held back
                     held.append((p, signum))
 
-    old = {s: signal.signal(s, forward) for s in FORWARDED}
+    forwarded = tuple(dict.fromkeys((*FORWARDED, *([stop] if stop else []))))
+    old = {s: signal.signal(s, forward) for s in forwarded}
     early = preempt.caught_early()  # caught by this launcher before it could forward
     if early is not None:
         forward(early, None)
     # From here the main thread takes them with sigtimedwait, which says who sent each.
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, forwarded)
     try:
         failures: list[int] = []  # in the order they were seen, none that was stopped here
         counted: set[int] = set()
@@ -177,7 +180,7 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                 if deadline is not None and (frozen or time.monotonic() > deadline):
                     _stop_all(procs)
                     stopped = True
-            info = signal.sigtimedwait(FORWARDED, 0.05)
+            info = signal.sigtimedwait(forwarded, 0.05)
             if info is not None:
                 forward(info.si_signo, None, from_terminal=info.si_code == SI_KERNEL)
         if not stopped:
@@ -190,7 +193,7 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
         return exit_status(cause(failures))
     finally:
         _stop_all(procs)
-        while signal.sigtimedwait(FORWARDED, 0) is not None:
+        while signal.sigtimedwait(forwarded, 0) is not None:
             pass  # for workers that are gone: nothing to hand on
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         for s, handler in old.items():

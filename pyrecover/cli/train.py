@@ -51,7 +51,7 @@ def train(
     would compile torch again: train caches it in PYRECOVER_PYCACHE (default
     $XDG_CACHE_HOME/pyrecover/pycache, else ~/.cache/pyrecover/pycache; off: no cache).
     """
-    from pyrecover import batch, dist, experiment, spawn, startup
+    from pyrecover import batch, dist, experiment, preempt, spawn, startup
     from pyrecover import config as config_mod
     from pyrecover.rundir import RunDir
 
@@ -88,7 +88,8 @@ def train(
         gc.enable()  # off for a trainer's start-up (pyrecover/__main__.py); this one waits
         code = spawn.spawn_local(argv, nproc, os.environ,
                                 parent=None if env.launcher == "single" else env,
-                                killed=lambda rank, how: _record_killed(run, rank, how))
+                                killed=lambda rank, how: _record_killed(run, rank, how),
+                                stop=preempt.parse_signal(cfg.run.stop_signal))
         raise typer.Exit(code)
     if nproc > 1:
         typer.echo(f"note: --nproc {nproc} ignored; this process is rank {env.rank} of "

@@ -115,6 +115,20 @@ def test_a_stop_signal_saves_exits_75_and_the_resumed_run_is_bitwise(tmp_path, c
     assert report["steps_lost"] == 0 and report["last_checkpoint"]["step"] == 200
 
 
+@pytest.mark.parametrize("stop", ["HUP", "XCPU"])
+def test_a_stop_signal_of_any_name_to_the_launcher_alone_is_one_clean_stop(tmp_path, corpus,
+                                                                           stop):
+    """Under `--launcher spawn` SLURM signals the node's task, the launcher, only. With
+    run.stop_signal HUP it died of it at once (exit 129) and its orphaned workers stopped on
+    their parent-death SIGTERM, while the step around them was being torn down."""
+    run_dir = tmp_path / "run"
+    argv = [*args(tmp_path, corpus, "run"), "--set", f"run.stop_signal={stop}"]
+    done = signal_after(argv, run_dir, getattr(signal, f"SIG{stop}"), after_step=20,
+                        group=False)
+    assert done.returncode == EXIT_STOPPED, done.stderr[-3000:]
+    assert_one_clean_stop(run_dir, f"SIG{stop}")
+
+
 def test_a_sigint_to_the_launcher_alone_is_one_clean_stop(tmp_path, corpus):
     """What a Ctrl-C amounts to where the launcher cannot tell a terminal sent it (its output
     piped: `pyrecover train --nproc 2 2>&1 | tee log`), or a `kill -INT` of the launcher: it
