@@ -256,3 +256,24 @@ def test_a_snapshot_whose_persist_did_not_finish_is_named_as_such_not_as_dead_ho
                       "persisted files of it verify (a write that did not finish, as on a "
                       "full disk)"), reason
     assert not torn.exists()
+
+
+@pytest.mark.parametrize("junk", ["{}", "[1]", '{"files": [1]}', '{"files": {"x": 1}}',
+                                  '{"files": {"part-s0-r0.bin": {"size": "1"}}}'])
+def test_a_survivors_done_marker_filled_with_junk_is_skipped_not_a_traceback(tmp_path, junk):
+    """A done marker that is JSON but not a marker's shape stopped every start with a
+    KeyError or TypeError from tidy: the run could not resume until someone deleted it."""
+    from pyrecover.checkpoint import resume
+
+    state, run, first = memory_run(tmp_path, interval=10, keep=3)
+    first.at_step(10)
+    first.finish(10)
+    second = memory_run(tmp_path, interval=10, keep=3, state=state)[2]
+    for step in (12, 14):
+        second.at_step(step)
+    second.persist_after_failure()
+    (run.checkpoints / ".snap-step-14" / "done-r0.json").write_text(junk)
+    events = []
+    resume.tidy(run.checkpoints, lambda kind, **fields: events.append((kind, fields["step"])))
+    assert events == [("checkpoint_invalid", 14), ("snapshot_recovered", 12)], events
+    assert resume.pick(run.checkpoints, None, {}).found.step == 12

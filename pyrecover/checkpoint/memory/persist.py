@@ -139,13 +139,18 @@ def coverage(folder: Path) -> tuple[int, dict[str, Any], list[int], dict[str, An
     for marker in sorted(folder.glob("done-r*.json")):
         try:
             done = json.loads(marker.read_text())
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
-        for name, info in done["files"].items():
+        listed = done.get("files") if isinstance(done, dict) else None
+        if not isinstance(listed, dict):  # not a marker's shape: as good as a torn one
+            continue
+        for name, info in listed.items():
+            if store.plain_name_problem(name) or not isinstance(info, dict):
+                continue
             path = folder / name
             try:
                 ok = (entries.is_file(path)  # EIO raises, not "missing"
-                      and path.stat().st_size == info["size"]
+                      and path.stat().st_size == info.get("size")
                       and store.checksum_ok(path, info))
             except CheckpointError:  # a checksum this version does not know: unusable here
                 ok = False
