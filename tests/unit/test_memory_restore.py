@@ -277,3 +277,27 @@ def test_a_survivors_done_marker_filled_with_junk_is_skipped_not_a_traceback(tmp
     resume.tidy(run.checkpoints, lambda kind, **fields: events.append((kind, fields["step"])))
     assert events == [("checkpoint_invalid", 14), ("snapshot_recovered", 12)], events
     assert resume.pick(run.checkpoints, None, {}).found.step == 12
+
+
+def test_a_survivors_part_file_that_is_corrupt_is_named_as_such_not_as_dead_holders(tmp_path):
+    """A truncated part file of the survivors' snapshot was reported as "slices [0] were held
+    only by ranks that died", in a run whose one rank lived, and the start said it fell back
+    to the newest disk checkpoint while it committed an older snapshot."""
+    from pyrecover.checkpoint import resume
+
+    state, run, first = memory_run(tmp_path, interval=10, keep=3)
+    first.at_step(10)
+    first.finish(10)
+    second = memory_run(tmp_path, interval=10, keep=3, state=state)[2]
+    for step in (12, 14):
+        second.at_step(step)
+    second.persist_after_failure()
+    part = run.checkpoints / ".snap-step-14" / "part-s0-r0.bin"
+    part.write_bytes(part.read_bytes()[:100])
+    said = []
+    resume.tidy(run.checkpoints, lambda kind, **fields: said.append((kind, fields)))
+    assert [(kind, fields["step"]) for kind, fields in said] == [
+        ("checkpoint_invalid", 14), ("snapshot_recovered", 12)], said
+    assert said[0][1]["reason"] == (
+        "the surviving ranks' snapshot of step 14 is incomplete: the persisted part files "
+        "of slices [0] do not verify (truncated or corrupt)"), said

@@ -129,12 +129,15 @@ def assemble(folder: Path, names: list[str]) -> tuple[list[torch.Tensor], dict[s
     return segments, meta
 
 
-def coverage(folder: Path) -> tuple[int, dict[str, Any], list[int], dict[str, Any]]:
+def coverage(folder: Path
+             ) -> tuple[int, dict[str, Any], list[int], dict[str, Any], set[str]]:
     """coverage reads the done markers of a survivors' snapshot folder.
 
-    Returns (step, files that verify, slices missing, meta of one writer or {}).
+    Returns (step, files that verify, slices missing, meta of one writer or {}, the files
+    a marker lists that do not verify).
     """
     files: dict[str, Any] = {}
+    bad: set[str] = set()
     step = int(folder.name.removeprefix(SNAP_PREFIX))
     for marker in sorted(folder.glob("done-r*.json")):
         try:
@@ -156,13 +159,15 @@ def coverage(folder: Path) -> tuple[int, dict[str, Any], list[int], dict[str, An
                 ok = False
             if ok:
                 files[name] = info
+            else:
+                bad.add(name)
     metas = sorted(n for n in files if n.startswith("meta-r"))
     if not metas:
-        return step, files, [-1], {}
+        return step, files, [-1], {}, bad
     meta = torch.load(folder / metas[0], weights_only=True)
     have = {int(n.split("-")[1][1:]) for n in files if n.startswith("part-s")}
     missing = [s for s in range(len(meta["bounds"])) if s not in have]
-    return step, files, missing, meta
+    return step, files, missing, meta, bad
 
 
 def finalize_snapshots(root: Path, on_event) -> None:
@@ -184,7 +189,7 @@ def finalize_snapshots(root: Path, on_event) -> None:
     committed = {s for s, _ in store.committed_steps(root)}
     done = False
     for folder in snaps:
-        step, files, missing, meta = coverage(folder)
+        step, files, missing, meta, bad = coverage(folder)
         if not done and step not in committed and not missing:
             pending = Pending(root=root, step=step, tmp=folder, files=files)
             final = pending.commit(NAME, int(meta["world_size"]), dict(meta["train"]),
@@ -195,11 +200,15 @@ def finalize_snapshots(root: Path, on_event) -> None:
             done = True
             continue
         if missing and step not in committed and not done:
+            torn = [s for s in missing if any(n.startswith(f"part-s{s}-") for n in bad)]
+            dead = [s for s in missing if s not in torn]
+            why = [f"the persisted part files of slices {torn} do not verify (truncated or "
+                   "corrupt)"] * bool(torn) + [
+                f"slices {dead} were held only by ranks that died"] * bool(dead)
             reason = f"the surviving ranks' snapshot of step {step} is incomplete: " + (
                 "no rank's persisted files of it verify (a write that did not finish, as on a "
-                "full disk)" if not meta else f"slices {missing} were held only by ranks "
-                "that died")
-            log.warning("%s; falling back to the newest disk checkpoint", reason)
+                "full disk)" if not meta else "; ".join(why))
+            log.warning("%s; falling back to an older checkpoint", reason)
             on_event("checkpoint_invalid", step=step, path=str(folder), reason=reason)
         shutil.rmtree(folder, ignore_errors=True)
 
