@@ -22,10 +22,11 @@ from pyrecover.checkpoint import entries, store
 def retired(root: Path, keep: int, committed: int, skipped: frozenset[int] = frozenset()
             ) -> list[tuple[int, Path]]:
     """retired lists the step folders a commit of step `committed` retires, newest first.
-    `skipped` are the steps this run's resume found invalid: below `committed` too (a stop
-    save at 437 found corrupt, the run resumed from 400 and committed 500) they are neither
-    counted nor retired, as a folder above it is not: counted, 437 retired 400, the
-    checkpoint just resumed from, and left one loadable checkpoint of `keep`. A `step-N`
+    `skipped` are the steps this run's resume found invalid and has not saved again: below
+    `committed` too (a stop save at 437 found corrupt, the run resumed from 400 and committed
+    500) they are neither counted nor retired, as a folder above it is not: counted, 437
+    retired 400, the checkpoint just resumed from, and left one loadable checkpoint of
+    `keep`. A `step-N`
     that is a symbolic link is no checkpoint this run wrote: neither counted nor retired."""
     return [(s, f) for s, f in store.committed_steps(root)
             if s <= committed and s not in skipped and entries.is_real_dir(f)][keep:]
@@ -59,6 +60,7 @@ class Retention:
         self._deleting: threading.Thread | None = None
 
     def after_commit(self, committed: int) -> None:
+        self.skipped.discard(committed)  # a skipped step saved again: a good one, counted
         doomed = retire(self.root, self.keep, committed, frozenset(self.skipped))
         if doomed:
             self.wait()

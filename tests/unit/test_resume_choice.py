@@ -276,3 +276,25 @@ def test_a_checkpoint_corrupt_only_in_its_checksums_is_kept_for_inspection_when_
     [kept] = run.checkpoints.glob("invalid-step-4-*")
     assert (kept / "state.pt").read_bytes() == flipped
     assert store.verify(run.checkpoints / "step-4").step == 4
+
+
+def test_a_skipped_step_saved_again_counts_toward_keep_once_it_is_good(tmp_path):
+    """keep=2 (3 before): 20 and 30 are found corrupt, the run resumes from 10 and saves 20,
+    30 and 40. The new 20 and 30 stayed marked as skipped, so retention neither counted nor
+    retired them: four checkpoints (10, 20, 30, 40) on disk for the rest of the run."""
+    src = build_state(400_000, seed=0)
+    run = RunDir(tmp_path / "run")
+    run.create()
+    saver = CheckpointManager(run, "vanilla", 10, 3, 0, 1, src.parts, CPU, False)
+    for step in (10, 20):
+        saver.at_step(step)
+    saver.finish(30)
+    for step in (20, 30):
+        state = run.checkpoints / f"step-{step}" / "state.pt"
+        state.write_bytes(state.read_bytes()[:100])
+    resumed = CheckpointManager(run, "vanilla", 10, 2, 0, 1, src.parts, CPU, False)
+    assert resumed.find_resume().step == 10
+    for step in (20, 30):
+        resumed.at_step(step)
+    resumed.finish(40)
+    assert {p.name for p in run.checkpoints.glob("step-*")} == {"step-30", "step-40"}
