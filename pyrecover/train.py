@@ -43,6 +43,7 @@ from pyrecover import system as system_info
 from pyrecover.checkpoint import CheckpointManager, rng
 from pyrecover.checkpoint import interval as checkpoint_interval
 from pyrecover.checkpoint.manager import Parts
+from pyrecover.checkpoint.mode import train_state_problem
 from pyrecover.checkpoint.resume import beats as resume_beats
 from pyrecover.checkpoint.resume import choose_in_background
 from pyrecover.checkpoint.store import CheckpointError
@@ -385,8 +386,6 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
 
 def train_state_of(saved: dict) -> TrainState:
     """train_state_of is a checkpoint's train state, refused unless every field is a count."""
-    state = TrainState(**saved)
-    bad = {k: v for k, v in vars(state).items() if type(v) is not int or v < 0}
-    if bad:
-        raise ValueError(f"train state {bad} is not made of counts")
-    return state
+    if problem := train_state_problem(saved):
+        raise ValueError(problem)
+    return TrainState(**saved)

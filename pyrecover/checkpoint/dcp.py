@@ -39,7 +39,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from pyrecover import faults
 from pyrecover.checkpoint import dcp_io, rng, share
 from pyrecover.checkpoint.live import LiveStateDict
-from pyrecover.checkpoint.mode import Restored, TrainArg, WriteResult, train_now
+from pyrecover.checkpoint.mode import (
+    Restored,
+    TrainArg,
+    WriteResult,
+    train_now,
+    train_state_problem,
+)
 from pyrecover.checkpoint.staging import StateStager
 from pyrecover.checkpoint.store import Checkpoint, Pending, sha256_file
 
@@ -268,6 +274,8 @@ class DcpMode:
 # --------------------------------------------- offline: `pyrecover ckpt` (mode.Offline, Writer)
 
 def check_readable(ckpt: Checkpoint) -> None:
+    if problem := train_state_problem(ckpt.manifest["train_state"]):  # what a restore hands on
+        raise ValueError(problem)
     dcp_io.Reader(ckpt.path)  # DCP's metadata, through the restricted unpickler
     _extra(ckpt)["config"]["model"]
     missing = [rng_file(r) for r in range(int(ckpt.manifest["world_size"]))

@@ -42,6 +42,22 @@ def train_now(train: TrainArg) -> dict[str, Any]:
     return train() if callable(train) else train
 
 
+# The loop's TrainState fields (the checkpoint code never imports the loop; a test keeps the
+# two in step): a train state a resume can restore has no others, each a count.
+TRAIN_STATE_KEYS = ("step", "tokens_seen", "data_position", "bad_steps")
+
+
+def train_state_problem(saved: object) -> str:
+    """train_state_problem is "" for a train state a resume can restore, else why not."""
+    if not isinstance(saved, dict):
+        return f"train state {saved!r} is not an object"
+    other = sorted(str(k) for k in saved if k not in TRAIN_STATE_KEYS)[:3]
+    if other:
+        return f"train state has fields this version does not know: {', '.join(other)}"
+    bad = {k: v for k, v in saved.items() if type(v) is not int or v < 0}
+    return f"train state {bad} is not made of counts" if bad else ""
+
+
 @dataclass
 class Parts:
     """The live objects a checkpoint captures and restores (the model unwrapped from DDP, or

@@ -136,6 +136,29 @@ def test_a_train_state_that_does_not_fit_is_skipped(run, finished_run):
     assert_fell_back(resume(run, corpus), run, "cannot be restored")
 
 
+@pytest.mark.parametrize("saved", [{"step": 20, "nonsense": 1}, {"step": -1},
+                                   {"step": 20, "data_position": "x"}])
+def test_ckpt_verify_refuses_a_train_state_the_resume_cannot_restore(run, saved):
+    """`ckpt verify` said "step 20: ok" and exit 0 of a DCP checkpoint whose manifest's train
+    state the resume then refused ("cannot be restored"): ls and verify told the user that
+    the checkpoint a requeue would skip was good."""
+    rewrite_manifest(run / "checkpoints" / "step-20",
+                     lambda m: m.__setitem__("train_state", saved))
+    verified = pyrecover("ckpt", "verify", str(run))
+    assert verified.returncode == 1 and "Traceback" not in verified.stderr, verified.stderr
+    assert verified.stdout.startswith("step 20: INVALID: "), verified.stdout
+    assert "train state" in verified.stdout, verified.stdout
+
+
+def test_the_checkpoint_code_knows_the_loop_s_train_state_fields():
+    from dataclasses import fields
+
+    from pyrecover.checkpoint.mode import TRAIN_STATE_KEYS
+    from pyrecover.loop import TrainState
+
+    assert set(TRAIN_STATE_KEYS) == {f.name for f in fields(TrainState)}
+
+
 def test_a_symlinked_checkpoint_file_is_refused(run, finished_run):
     _, corpus = finished_run
     newest = run / "checkpoints" / "step-20"
