@@ -129,6 +129,19 @@ def test_ckpt_verify_refuses_a_memory_checkpoint_that_lacks_a_slice_or_has_a_bad
     assert rows[2] == "", rows
 
 
+def survivors_of_step_14(tmp_path) -> RunDir:
+    """survivors_of_step_14 is a memory run that committed step 10, then snapshotted steps 12
+    and 14 and crashed, its survivors persisting step 14's snapshot (`.snap-step-14`)."""
+    state, run, first = memory_run(tmp_path, interval=10, keep=3)
+    first.at_step(10)
+    first.finish(10)
+    second = memory_run(tmp_path, interval=10, keep=3, state=state)[2]
+    for step in (12, 14):
+        second.at_step(step)
+    second.persist_after_failure()
+    return run
+
+
 def memory_run(tmp_path, interval: int, keep: int, state=None):
     """(state, run, manager): memory mode at world size 1, a snapshot every 2 steps, in the
     run directory `tmp_path/run` (a second call with the same `state` is its restart)."""
@@ -216,13 +229,7 @@ def test_storage_failing_on_a_survivors_snapshot_keeps_the_snapshot_for_the_next
 
     from pyrecover.checkpoint import resume
 
-    state, run, first = memory_run(tmp_path, interval=10, keep=3)
-    first.at_step(10)
-    first.finish(10)
-    second = memory_run(tmp_path, interval=10, keep=3, state=state)[2]
-    for step in (12, 14):
-        second.at_step(step)
-    second.persist_after_failure()
+    run = survivors_of_step_14(tmp_path)
     snap = run.checkpoints / ".snap-step-14"
     real = os.lstat
 
@@ -265,13 +272,7 @@ def test_a_survivors_done_marker_filled_with_junk_is_skipped_not_a_traceback(tmp
     KeyError or TypeError from tidy: the run could not resume until someone deleted it."""
     from pyrecover.checkpoint import resume
 
-    state, run, first = memory_run(tmp_path, interval=10, keep=3)
-    first.at_step(10)
-    first.finish(10)
-    second = memory_run(tmp_path, interval=10, keep=3, state=state)[2]
-    for step in (12, 14):
-        second.at_step(step)
-    second.persist_after_failure()
+    run = survivors_of_step_14(tmp_path)
     (run.checkpoints / ".snap-step-14" / "done-r0.json").write_text(junk)
     events = []
     resume.tidy(run.checkpoints, lambda kind, **fields: events.append((kind, fields["step"])))
@@ -285,13 +286,7 @@ def test_a_survivors_part_file_that_is_corrupt_is_named_as_such_not_as_dead_hold
     to the newest disk checkpoint while it committed an older snapshot."""
     from pyrecover.checkpoint import resume
 
-    state, run, first = memory_run(tmp_path, interval=10, keep=3)
-    first.at_step(10)
-    first.finish(10)
-    second = memory_run(tmp_path, interval=10, keep=3, state=state)[2]
-    for step in (12, 14):
-        second.at_step(step)
-    second.persist_after_failure()
+    run = survivors_of_step_14(tmp_path)
     part = run.checkpoints / ".snap-step-14" / "part-s0-r0.bin"
     part.write_bytes(part.read_bytes()[:100])
     said = []
