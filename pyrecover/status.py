@@ -34,6 +34,7 @@ class Status:
     state: str  # finished, stopped, crashed, error, running?, not started
     slurm_state: str | None
     job_id: str | None
+    """The newest job, as SLURM names it (ARRAYID_TASKID for a sweep trial's array task)."""
     step: int
     max_steps: int | None
     starts: int
@@ -48,6 +49,7 @@ class Status:
     goodput: float | None = None
     last_error: str | None = None
     requeue_decisions: list[dict[str, Any]] = field(default_factory=list)
+    """The job script's decisions, each `job_id` as SLURM names the job (as `job_id`)."""
     hangs: list[dict[str, Any]] = field(default_factory=list)
     """`hang` events (the watchdog fired), without their stacks."""
     stragglers: list[dict[str, Any]] = field(default_factory=list)
@@ -96,7 +98,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
                [int(e.get("step", 0)) for e in events if "step" in e
                 and e.get("event") != "hang"], default=0)
     causes = Counter(_cause(attempt) for attempt in runs[:-1])
-    job_id = next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
+    job_id = _newest_job(events)
     began = max((i for i, e in enumerate(events) if e.get("event") in ("start", "resume")),
                 default=-1)  # an error is shown until the run starts again
     last_error = next((_error_of(e) for e in reversed(events[began + 1:])
@@ -112,12 +114,11 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
     restore_s = sum(float(e.get("restore_seconds", 0)) for e in events
                     if e.get("event") == "resume")
     last_ckpt, invalid = _last_checkpoint(run, now)
-    slurm_state = squeue(_slurm_name(events, job_id)) if (squeue and job_id) else None
+    slurm_state = squeue(job_id) if (squeue and job_id) else None
     ended = slurm_state not in LIVE_STATES  # the last job that started it, or none did
     waiting = [q for q in (queued(run.job_script) or []) if q[0] != job_id] if (
         queued and ended) else []
-    if squeue and ended and task is not None and task != (
-            _slurm_name(events, job_id) if job_id else None):
+    if squeue and ended and task is not None and task != job_id:
         task_state = squeue(task)
         if task_state in LIVE_STATES:
             waiting.append((task, task_state))
@@ -136,7 +137,9 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
         checkpoint_seconds=round(checkpoint_s, 3),
         restore_seconds=round(restore_s, 3), wall_seconds=round(book.wall_seconds, 1),
         goodput=book.effective_share, last_error=last_error,
-        requeue_decisions=[e for e in events
+        requeue_decisions=[{**e, "job_id": _slurm_names(events).get(str(e["job_id"]),
+                                                                     e["job_id"])}
+                           if e.get("job_id") else e for e in events
                            if e.get("event") in ("requeue", "no_requeue", "restart_in_job")],
         hangs=[{k: v for k, v in e.items() if k != "stacks"} for e in events
                if e.get("event") == "hang"],
@@ -162,8 +165,7 @@ def slurm_job(path: str | Path) -> str | None:
     if problem:
         raise StatusError(problem)
     events, _ = well_formed(read_jsonl(run.events), needs_time=True)
-    job_id = next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
-    return _slurm_name(events, job_id) if job_id else None
+    return _newest_job(events)
 
 
 MAX_JOBS_ASKED = 20  # a run launched again and again by hand: its newest jobs' queue times
@@ -173,7 +175,8 @@ def _job_times(events: list[dict[str, Any]], sacct) -> list[ledger_mod.JobTimes]
     """_job_times is SLURM's times of every job that ran the run (each array task by its own
     name, not the whole array), newest first until one gives none (accounting off, or the
     older jobs purged from it); not the job queued now, which has not started the run."""
-    names = list(dict.fromkeys(str(e.get("array_task") or e["job_id"]) for e in events
+    named = _slurm_names(events)
+    names = list(dict.fromkeys(named.get(str(e["job_id"]), str(e["job_id"])) for e in events
                                if e.get("job_id") and e.get("event") != "cancel"))
     rows: list[ledger_mod.JobTimes] = []
     for name in reversed(names[-MAX_JOBS_ASKED:]):
@@ -184,10 +187,18 @@ def _job_times(events: list[dict[str, Any]], sacct) -> list[ledger_mod.JobTimes]
     return rows
 
 
-def _slurm_name(events: list[dict[str, Any]], job_id: str) -> str:
-    """_slurm_name is how to ask SLURM about the job: ARRAYID_TASKID for an array task, whose
-    SLURM_JOB_ID may be the whole array's id."""
-    return next((str(e["array_task"]) for e in reversed(events) if e.get("array_task")), job_id)
+def _slurm_names(events: list[dict[str, Any]]) -> dict[str, str]:
+    """_slurm_names maps an array task's SLURM_JOB_ID to its name, ARRAYID_TASKID, as the
+    trainer recorded both: the job script's own records have the job id only, and SLURM
+    answers for the task by its name (its SLURM_JOB_ID may be the whole array's id)."""
+    return {str(e["job_id"]): str(e["array_task"]) for e in events
+            if e.get("job_id") and e.get("array_task")}
+
+
+def _newest_job(events: list[dict[str, Any]]) -> str | None:
+    """_newest_job is the newest job that started the run, by its SLURM name, or None."""
+    job_id = next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
+    return _slurm_names(events).get(job_id, job_id) if job_id else None
 
 
 CONTINUED = "continued after finishing"

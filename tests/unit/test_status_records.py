@@ -293,7 +293,7 @@ def test_a_sweep_trial_waiting_in_its_array_is_named_with_its_task_s_state(tmp_p
     assert (s.job_id, s.slurm_state) == ("57_1", "PENDING")
     s = status.read(run.root, now=100.0, squeue=states.get, queued=lambda script: [],
                     task="40_1")  # not launched again: the task that ran it, as it ended
-    assert (s.job_id, s.slurm_state) == ("41", "CANCELLED")
+    assert (s.job_id, s.slurm_state) == ("40_1", "CANCELLED")
 
 
 def test_a_hung_run_s_progress_is_the_last_step_it_finished_not_the_one_it_hung_in(tmp_path):

@@ -1,0 +1,53 @@
+"""`pyrecover status` names every SLURM job as SLURM itself does, so that what a person reads
+can be given to `scancel`, `sacct` or `squeue -j`: a sweep trial's array task is
+ARRAYID_TASKID, not the SLURM_JOB_ID its trainer and job script saw."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pyrecover import status, status_text
+from pyrecover.rundir import RunDir
+
+
+@pytest.fixture
+def array_task_env(monkeypatch):
+    """The environment SLURM gives task 1 of job array 40, whose own job id is 41."""
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "40")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+
+
+def _requeue_by_the_job_script(run: RunDir, at: float) -> None:
+    """The record the job script's `record` writes (slurm/blocks.py): SLURM_JOB_ID only."""
+    with run.events.open("a") as f:
+        f.write(json.dumps({"event": "requeue", "time": at, "job_id": "41",
+                            "restart_count": 0, "in_job_restart": 0, "exit_code": 75,
+                            "reason": "stopped cleanly"}) + "\n")
+
+
+def test_an_array_task_is_shown_as_arrayid_taskid_not_its_own_job_id(tmp_path, array_task_env):
+    """Status read 'SLURM job 41: PENDING' and 'requeue job 41' for task 40_1; `sacct -j 41`
+    answers, but a person looking for the trial in `squeue` sees 40_1 and nothing named 41."""
+    run = RunDir(tmp_path / "trial-1")
+    run.create()
+    run.event("phase", phase="process_start", time=1.0)
+    run.event("start", step=0, time=2.0)
+    run.event("stop", step=5, reason="signal", time=8.0)
+    _requeue_by_the_job_script(run, 9.0)
+    asked: list[str] = []
+
+    def squeue(name: str) -> str:
+        asked.append(name)
+        return "PENDING"
+
+    s = status.read(run.root, now=10.0, squeue=squeue)
+    assert s.job_id == "40_1" and asked == ["40_1"]
+    shown = status_text.render(s)
+    assert "; SLURM job 40_1: PENDING\n" in shown
+    assert "requeue     job 40_1 restart 0: exit 75 -> requeue (stopped cleanly)" in shown
+    assert "41" not in shown.replace(str(run.root), "")
+    assert status.read(run.root, now=10.0).job_id == "40_1"  # SLURM not asked: the same name
