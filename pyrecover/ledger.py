@@ -15,11 +15,12 @@ attempt (one process start, phases.py) is cut into spans that do not overlap:
 - `productive`: the rest of the training span, which ends where a hung phase began (a
   `hang` event's time less its seconds): a hang's wait is no training;
 - `idle`: from an attempt that ended with nothing to start it again (it finished, was
-  refused or cancelled, or was stopped outside a job) to the next launch (its submit, where
+  refused or cancelled; or it ran outside a job and stopped, crashed, hung or was killed
+  with no record, so only its user started it again) to the next launch (its submit, where
   SLURM gave times, else its start): a finished run extended days later was no less
   productive for the days;
 - `remainder`: everything else (stopping, exit, the scheduler's requeue delay where SLURM gave
-  no times, gaps without records): the wall time minus all of the above.
+  no times, gaps without records inside a job): the wall time minus all of the above.
 
 The causes add up to `wall_seconds`, the first record (or submit) to the last. The
 effective share is productive over `launched_seconds`: the wall time less `idle`.
@@ -40,10 +41,13 @@ CAUSES = ("queue_wait", "start_up", "restore", "checkpoint_stall", "lost_work", 
           "idle", "remainder")
 FOR_GOOD = ("finish", "error", "no_requeue", "cancel")
 """Ends after which nothing starts the run again: the time to its next launch is `idle`. So
-does a `stop` outside a job (a person's Ctrl-C)."""
+does any other end of an attempt outside a job (a Ctrl-C's stop, a crash, a hang, a kill that
+left no record): only a person starts it again."""
 ENDS = (*FOR_GOOD, "stop", "crash", "hang", "requeue", "restart_in_job")
 """Every event that ends an attempt. The newest of an attempt's decides: after a requeue or an
-in-job restart, or a crash (a person or a job restarts it), the gap is the remainder's."""
+in-job restart, or a job's stop, crash or hang (its script or SLURM requeues it), or a job
+killed with no record (SLURM requeues a job whose node was lost), the gap is the
+remainder's."""
 
 
 STARTING = ("imports_done", "data_ready", "group_up")
@@ -95,10 +99,15 @@ def _hung_from(attempt: list[dict[str, Any]]) -> float:
 
 
 def _ended_for_good(attempt: list[dict[str, Any]]) -> bool:
-    """_ended_for_good: nothing was left to start the run again after this attempt."""
+    """_ended_for_good: nothing was left to start the run again after this attempt: it ended
+    for good, or it ran outside a job (no record of it names one) and was not restarted by a
+    job script's decision."""
     last = next((e for e in reversed(attempt) if e.get("event") in ENDS), None)
-    return last is not None and (last["event"] in FOR_GOOD or (
-        last["event"] == "stop" and not last.get("job_id")))
+    if last is not None and last["event"] in FOR_GOOD:
+        return True
+    if last is not None and last["event"] in ("requeue", "restart_in_job"):
+        return False
+    return not any(e.get("job_id") for e in attempt)
 
 
 def _times(records: list[dict[str, Any]]) -> list[float]:

@@ -33,7 +33,7 @@ def status(
     checkpoint and computed again. Goodput: the share of the wall time (first record to last,
     across every requeue) spent in productive training; the ledger below it splits that wall
     time by cause (queue wait, start up, restore, checkpoint stall, lost work, productive,
-    remainder), adding up to it. Last interruption: each phase of the newest stop and start,
+    idle, remainder), adding up to it. Last interruption: each phase of the newest stop and start,
     with the seconds between them.
 
     \b

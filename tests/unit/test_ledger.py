@@ -34,7 +34,7 @@ METRICS = ([{"time": 112.0 + s, "step": s, "step_time": 1.0, "checkpoint_stall_t
 
 
 def test_each_cause_is_counted_once_and_all_add_up_to_the_wall_time():
-    book = ledger(EVENTS, METRICS)
+    book = ledger(*in_job((EVENTS, METRICS)))  # a job: SLURM started it again after the kill
     c = book.causes
     assert book.wall_seconds == 73.0  # 100 .. 173
     assert c["start_up"] == 10.0 + 2.0 + 8.0 + 1.0
@@ -223,12 +223,41 @@ def test_the_time_between_a_finish_and_a_later_launch_is_idle_and_no_share_of_it
     assert sum(queued.causes.values()) == pytest.approx(queued.wall_seconds, abs=1e-6)
 
 
-def test_a_requeue_inside_a_job_or_a_crash_is_no_idle_time():
+def in_job(part: tuple[list[dict], list[dict]], job_id: str = "7") -> tuple[list, list]:
+    """in_job: an attempt's records as a SLURM job's trainer writes them (with its job id)."""
+    return [{**e, "job_id": job_id} for e in part[0]], part[1]
+
+
+def test_a_requeue_inside_a_job_or_a_job_killed_without_a_record_is_no_idle_time():
     a = attempt(0, 0, 20, stopped=True)
     events, metrics = run_of((finished(a[0], job_id="7"), a[1]), attempt(300, 20, 30))
     assert ledger(events, metrics).causes["idle"] == 0.0  # the job's own requeue
-    events, metrics = run_of(attempt(0, 0, 20), attempt(300, 10, 30))  # killed, restarted
+    # A node lost: SLURM requeued the job, which left no record, and it resumed.
+    events, metrics = run_of(in_job(attempt(0, 0, 20)), in_job(attempt(300, 10, 30)))
     assert ledger(events, metrics).causes["idle"] == 0.0
+    crashed = attempt(0, 0, 20)
+    crashed[0].append({"event": "crash", "time": 22.5, "error": "boom", "job_id": "7"})
+    events, metrics = run_of(crashed, in_job(attempt(300, 10, 30)))
+    assert ledger(events, metrics).causes["idle"] == 0.0
+
+
+@pytest.mark.parametrize("end", ["", "crash", "hang"])
+def test_a_run_started_by_hand_and_killed_was_idle_until_it_was_started_again(end):
+    """`kill -9` of a run started by hand (no record of its end), started again a day later:
+    the day read as the ledger's remainder, 99.9% of the wall time, and the effective share
+    fell to 0.04%. Outside a job nothing but its user starts the run again, as after a
+    Ctrl-C's stop: the time from its last record to the next start is idle."""
+    killed = attempt(0, 0, 20, ckpts=(10,))
+    if end:
+        killed[0].append({"event": end, "time": 22.5, "rank": 0, "seconds": 0.0})
+    events, metrics = run_of(killed, attempt(86_400, 10, 30, stopped=True))
+    book = ledger(events, metrics)
+    last = 22.5 if end else 22.0  # its last record
+    assert book.causes["idle"] == pytest.approx(86_400 - last)
+    assert book.causes["remainder"] == pytest.approx(last - 22.0)  # its end after its last step
+    assert sum(book.causes.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
+    assert book.launched_seconds == pytest.approx(book.wall_seconds - book.causes["idle"])
+    assert book.effective_share is not None and book.effective_share > 0.5
 
 
 def test_a_start_that_failed_before_choosing_a_checkpoint_spent_its_time_starting_up():
