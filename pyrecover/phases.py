@@ -124,6 +124,33 @@ def attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return [a for a in out if a]
 
 
+DECISIONS = ("requeue", "restart_in_job", "no_requeue")
+"""The job script's records of how a step of the job ended (slurm/blocks.py)."""
+
+
+def trainerless(attempt: list[dict[str, Any]]) -> bool:
+    """trainerless: the job script's records alone, none of the trainer's."""
+    return all(e.get("event") in JOB_SCRIPT_EVENTS for e in attempt)
+
+
+def job_attempts(attempts: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """job_attempts: every start of the run, in order: the trainer's (`attempts`), and each
+    start of the job that ended before its trainer recorded anything, the job script's
+    decision alone, which `attempts` leaves in the attempt before it (or alone). A
+    `pyrecover cancel` record alone is no start."""
+    out = []
+    for attempt in attempts:
+        chunk: list[dict[str, Any]] = []
+        for e in attempt:
+            chunk.append(e)
+            if e.get("event") in DECISIONS:  # the end of a step of the job
+                out.append(chunk)
+                chunk = []
+        if chunk and not trainerless(chunk):
+            out.append(chunk)
+    return out
+
+
 def _written_early(before: list[dict[str, Any]], start: dict[str, Any]) -> list[dict[str, Any]]:
     """_written_early takes off the end of `before` (in place) the records another rank wrote
     after `start`'s process started, ahead of its held-back phases, and returns them."""

@@ -92,8 +92,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
     garbled = [0]  # lines that are no JSON object at all
     events, skipped_events = well_formed(read_jsonl(run.events, garbled), needs_time=True)
     metrics, skipped_metrics = well_formed(read_jsonl(run.metrics, garbled), needs_time=False)
-    runs = [a for a in phases.attempts(events)  # one per process start, a failed one too,
-            if any(e.get("event") not in phases.JOB_SCRIPT_EVENTS for e in a)]  # not a cancel
+    runs = phases.job_attempts(phases.attempts(events))  # one per start, failed too
     step = max([int(m.get("step", 0)) for m in metrics] +  # (a hang's step is unfinished)
                [int(e.get("step", 0)) for e in events if "step" in e
                 and e.get("event") != "hang"], default=0)
@@ -104,10 +103,12 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
     last_error = next((_error_of(e) for e in reversed(events[began + 1:])
                        if e.get("event") in ("error", "crash") or _health_failed(e)), None)
     state = _state(events)
+    if runs and phases.trainerless(runs[-1]) and runs[-1][-1].get("event") in RESTARTS:
+        state = f"{TRAINERLESS} ({RESTARTS[runs[-1][-1]['event']]})"  # and may again
     if state == RUNNING_OR_KILLED:  # a held lock: running; free, holder here and gone: killed
         holder = live_holder(run)
         state = state if holder is None else f"running ({holder})" if holder else KILLED
-    if last_error is None and state.startswith("ended:"):
+    if last_error is None and (state.startswith("ended:") or state.startswith(TRAINERLESS)):
         last_error = _logged_error(run)  # failed before it could record an event
     checkpoint_s = sum(float(e.get("blocked", e.get("seconds", 0))) for e in events
                        if e.get("event") == "checkpoint")
@@ -201,6 +202,12 @@ def _newest_job(events: list[dict[str, Any]]) -> str | None:
     return _slurm_names(events).get(job_id, job_id) if job_id else None
 
 
+RESTARTS = {"requeue": "requeued", "restart_in_job": "restarted in the job"}
+TRAINERLESS = "failed before the trainer started"
+"""A start of the job that ended before its trainer recorded anything (the container did not
+start, an import failed): the job script's decision is its only record (phases.trainerless)."""
+
+
 CONTINUED = "continued after finishing"
 """The cause of an attempt that finished, continued by a launch with more steps: no restart."""
 
@@ -208,7 +215,10 @@ CONTINUED = "continued after finishing"
 def _cause(attempt: list[dict[str, Any]]) -> str:
     """_cause names why an attempt that another one followed ended: a hang, a failed health
     check, its stop, crash or error, its finish (a finished run continued with more steps), a
-    start that never began training, or a kill that left no record."""
+    start that never began training, a start of the job before its trainer recorded anything,
+    or a kill that left no record."""
+    if phases.trainerless(attempt):
+        return TRAINERLESS
     if any(e.get("event") == "hang" for e in attempt):
         return "hang"
     if any(_health_failed(e) for e in attempt):  # exit 77, before training

@@ -23,18 +23,21 @@ def status(
     State: finished, stopped (will resume; a run started by hand: resumes when started again),
     crashed, hung (the watchdog ended a stuck rank, exit 76), health check failed (exit 77,
     before training; a job excludes the node and requeues), error, cancelled, ended (the job
-    gave up: why), not started (no start recorded yet), running (who holds the run's lock),
+    gave up: why), failed before the trainer started (the job's newest start ended before
+    its trainer recorded anything, say the container did not start; requeued, or restarted in
+    the job), not started (no start recorded yet), running (who holds the run's lock),
     killed (no end recorded, and the lock is free and was last held by a process on this host
     that is gone, or the job script requeued or restarted it), or "running or killed" (the
     lock's last holder was on another host, whose lock may be invisible here, or the storage has
-    no locks to ask). Starts: one per process start; each one after the first is a restart, by
-    why the one before ended (stop and its signal, time limit, crash, hang, health check failed,
-    error, ended during start-up, killed with no record). Lost: steps computed after the last
-    checkpoint and computed again. Goodput: the share of the wall time (first record to last,
-    across every requeue) spent in productive training; the ledger below it splits that wall
-    time by cause (queue wait, start up, restore, checkpoint stall, lost work, productive,
-    idle, remainder), adding up to it. Last interruption: each phase of the newest stop and start,
-    with the seconds between them.
+    no locks to ask). Starts: one per process start, and one per start of the job that ended
+    before its trainer recorded anything; each one after the first is a restart, by why the one
+    before ended (stop and its signal, time limit, crash, hang, health check failed, error,
+    ended during start-up, failed before the trainer started, killed with no record). Lost:
+    steps computed after the last checkpoint and computed again. Goodput: the share of the
+    wall time (first record to last, across every requeue) spent in productive training; the
+    ledger below it splits that wall time by cause (queue wait, start up, restore, checkpoint
+    stall, lost work, productive, idle, remainder), adding up to it. Last interruption: each
+    phase of the newest stop and start, with the seconds between them.
 
     \b
     Examples:
