@@ -6,6 +6,7 @@ torch's import; data.py builds the token stream from it.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import os
 from pathlib import Path
@@ -68,6 +69,19 @@ def _matches(path: Path, suffixes: tuple[str, ...]) -> bool:
         s.count(".") > 1 and path.name.endswith(s) for s in suffixes)
 
 
+def _read(path: Path, limit: int | None) -> tuple[bytes, int | None]:
+    """_read is the file's bytes and None, or where it holds more than `limit` bytes, its
+    first ones and its size (at least limit + 1): never more than the limit and a byte are
+    read, so a huge file past the limit costs no time and no memory."""
+    with path.open("rb") as f:
+        if limit is None:
+            return f.read(), None
+        raw = f.read(max(0, limit) + 1)
+        if len(raw) <= max(0, limit):
+            return raw, None
+        return raw, max(len(raw), os.fstat(f.fileno()).st_size)
+
+
 def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = (".py",),
             max_bytes: int | None = None, replace: bool = True) -> Prepared:
     """prepare writes one row per text file under src_dir into a parquet `text` column.
@@ -118,18 +132,19 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         if not path.is_file():
             continue
         try:
-            # bytes, then decoded: read_text's text mode would turn \r\n and \r into \n
-            raw = path.read_bytes()
+            # bytes, then decoded: read_text's text mode would turn \r\n and \r into \n;
+            # megabytes of UTF-8, as the tokens are bytes: not characters
+            raw, size = _read(path, None if max_bytes is None else max_bytes - total)
+            if size is not None:  # past the limit: what was read must still be UTF-8 text
+                codecs.getincrementaldecoder("utf-8")().decode(raw, final=False)
+                too_big = (path, size)
+                break
             text = raw.decode("utf-8")
         except (UnicodeDecodeError, OSError):
             not_utf8 += 1
             continue
         if not text:
             continue
-        # megabytes of UTF-8, as the tokens are bytes: not characters
-        if max_bytes is not None and total + len(raw) > max_bytes:
-            too_big = (path, len(raw))
-            break
         # a name that is not UTF-8 (parquet strings are) keeps its odd bytes as \xNN
         paths.append(os.fsencode(path.relative_to(src)).decode("utf-8", "backslashreplace"))
         texts.append(text)

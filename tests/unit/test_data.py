@@ -340,3 +340,37 @@ def test_an_unreadable_corpus_record_is_refused_and_a_record_is_replaced_whole(t
     (run.checkpoints / "step-2").mkdir()
     with pytest.raises(DataError, match=r"is damaged \(cannot be read: Is a directory\)"):
         check_corpus(run, now, "c.parquet")
+
+
+# Runs the CLI with at most 3 GiB of address space: a file read whole past that is a
+# MemoryError where a bounded read is not.
+BOUNDED = ("-c", "import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_AS, "
+           "(3 << 30, 3 << 30)); sys.argv[0] = 'pyrecover'; "
+           "runpy.run_module('pyrecover', run_name='__main__')")
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_prepare_stops_at_the_limit_without_reading_a_huge_file_whole(tmp_path, first):
+    """`data prepare --max-mb 1` of a folder holding a 16 GB file read all of it before
+    looking at the limit: a MemoryError traceback (or minutes of reading and swapping)."""
+    from helpers import pyrecover
+
+    src = tmp_path / "src"
+    src.mkdir()
+    if not first:
+        (src / "a.txt").write_text("small\n")
+    with open(src / "huge.txt", "wb") as f:  # sparse: 16 GB of NUL, valid UTF-8
+        f.truncate(16 << 30)
+    out = tmp_path / "c.parquet"
+    done = pyrecover("data", "prepare", str(src), str(out), "--suffix", ".txt", "--max-mb", "1",
+                     via=BOUNDED)
+    assert "Traceback" not in done.stderr
+    if first:
+        assert done.returncode == 2
+        assert done.stderr.strip().splitlines() == [
+            f"error: the first file, {src / 'huge.txt'} ({(16 << 30) / 1e6:.3f} MB of text), "
+            "is larger than the limit of 1 MB; raise the limit"]
+        assert not out.exists()
+    else:
+        assert done.returncode == 0, done.stderr
+        assert pq.read_table(out).column("text").to_pylist() == ["small\n"]
