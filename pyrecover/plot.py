@@ -240,7 +240,8 @@ def _draw(title: str, losses: list[Series], speed: list[Series], found: list[Mar
     plt.rcParams["svg.fonttype"] = "none"  # text stays text in an SVG: searchable
     fig, (top, low) = plt.subplots(2, 1, sharex=True, figsize=(width / DPI, height / DPI),
                                    dpi=DPI, height_ratios=(3, 2), layout="constrained")
-    fig.suptitle(title[:80], fontsize="medium", x=0.02, ha="left")
+    size = _font_size(width, height)
+    fig.suptitle(title[:80], fontsize=size, x=0.02, ha="left")
     steps = [s for ser in losses for s in ser.steps] + [m.step for m in found]
     for m in found:  # checkpoints first: interruptions are drawn over them
         if m.kind == "checkpoint":
@@ -269,18 +270,19 @@ def _draw(title: str, losses: list[Series], speed: list[Series], found: list[Mar
         if m.kind == "resume":
             top.annotate(f"resume at {m.step}" + (f", {m.label} steps" if m.label else ""),
                          (m.step, 1), xycoords=top.get_xaxis_transform(), xytext=(4, -4),
-                         textcoords="offset points", va="top", fontsize="small",
+                         textcoords="offset points", va="top", fontsize=size * 0.833,
                          color=_rgb(RESUME))
-    top.set_ylabel("loss")
+    top.set_ylabel("loss", fontsize=size)
     top.grid(True, color="0.9")
-    right = _throughput_panel(low, speed, found)
-    # One legend for both panels, above them, where it hides no data.
+    right = _throughput_panel(low, speed, found, size)
+    for ax in (top, low, right):
+        ax.tick_params(labelsize=size)
+    # One legend for both panels, below them, where it hides no data nor the title.
     handles, labels = [], []
     for ax in (top, low, right):
         h, lab = ax.get_legend_handles_labels()
         handles, labels = handles + h, labels + lab
-    fig.legend(handles, labels, loc="outside upper right", fontsize="small", frameon=False,
-               ncols=min(len(handles), max(2, width // 140)))
+    _legend(fig, handles, labels, size * 0.833, width)  # "small", as the annotation
     top.set_xlim(0, max(steps) * 1.02 or 1)
     fig.canvas.draw()  # fixes the layout, so the pixel positions below are final
     box = top.get_window_extent()
@@ -290,18 +292,36 @@ def _draw(title: str, losses: list[Series], speed: list[Series], found: list[Mar
     return fig, layout
 
 
-def _throughput_panel(ax, speed: list[Series], found: list[Mark]):
+def _legend(fig, handles: list, labels: list[str], size: float, width: int) -> None:
+    """_legend puts one legend below the panels in as many columns as fit across the picture
+    (one of many rows took half of a small one)."""
+    renderer = fig.canvas.get_renderer()
+    for ncols in range(len(handles), 0, -1):
+        legend = fig.legend(handles, labels, loc="outside lower center", fontsize=size,
+                            frameon=False, ncols=ncols, handlelength=1.5, columnspacing=1.0)
+        if ncols == 1 or legend.get_window_extent(renderer).width <= 0.96 * width:
+            return
+        legend.remove()
+
+
+def _font_size(width: int, height: int) -> float:
+    """_font_size: matplotlib's 10 points from 640x360 up, down to 6 at the smallest size, so
+    the text of a small picture leaves its panels room."""
+    return max(6.0, min(10.0, width / 64, height / 36))
+
+
+def _throughput_panel(ax, speed: list[Series], found: list[Mark], size: float = 10.0):
     """_throughput_panel draws tokens/s per start and, on a right axis that it returns, each
     checkpoint's stall of the loop."""
     for i, ser in enumerate(speed):
         ax.plot(ser.steps, ser.losses, color=_rgb(THROUGHPUT), linewidth=1,
                 label="tokens/s" if i == 0 else None)
-    ax.set_ylabel("tokens/s")
-    ax.set_xlabel("step")
+    ax.set_ylabel("tokens/s", fontsize=size)
+    ax.set_xlabel("step", fontsize=size)
     ax.grid(True, color="0.9")
     stalls = [(m.step, m.stall) for m in found if m.kind == "checkpoint" and m.stall is not None]
     right = ax.twinx()
-    right.set_ylabel("checkpoint stall (s)")
+    right.set_ylabel("checkpoint stall (s)" if size >= 8 else "stall (s)", fontsize=size)
     if stalls:
         right.plot([s for s, _ in stalls], [v for _, v in stalls], linestyle="none",
                    marker="v", color=_rgb(CHECKPOINT), label="checkpoint stall")

@@ -363,4 +363,20 @@ def test_a_start_over_after_a_kill_before_the_first_checkpoint_is_drawn_as_a_res
     out = tmp_path / "run.png"
     layout = plot.write(run.root, out, width=800, height=400)
     pixels = read_png(out).load()
-    assert pixels[layout.x(4), layout.top + 40] == plot.LOST  # the redone steps, shaded
+    # the redone steps, shaded (under the grid's lines)
+    assert plot.LOST in {pixels[layout.x(4), layout.top + d] for d in range(36, 44)}
+
+
+@pytest.mark.parametrize("size", [(320, 200), (400, 250), (960, 540)])
+def test_at_any_size_the_legend_leaves_the_panels_room_and_nothing_is_cut_off(
+        interrupted_run, tmp_path, size):
+    """At 320x200, the smallest size allowed, the legend took half the picture: the loss
+    panel was 22 pixels high, and the right axis's label ran off the bottom edge."""
+    width, height = size
+    out = tmp_path / "small.png"
+    layout = plot.write(interrupted_run.root, out, width=width, height=height)
+    assert layout.bottom - layout.top >= 0.25 * height  # the loss panel
+    pixels = read_png(out).load()
+    edges = [(x, y) for x in range(width) for y in (0, height - 1)] + [
+        (x, y) for x in (0, width - 1) for y in range(height)]
+    assert {pixels[p] for p in edges} == {(255, 255, 255)}  # drawn inside its margins
