@@ -130,6 +130,8 @@ def launch(
 
     if dry_run:  # what the launch itself would refuse
         record.check(Path(job.run_dir), rec)
+        if is_bayes:  # (a relaunch: its experiment, and each trial that started)
+            bayes.check_relaunch(Path(job.run_dir), cfg, world)
         for trial_cfg in cfgs:
             check_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()), trials.RENAME)
         notes()
@@ -155,6 +157,8 @@ def launch(
     made = submit.made_for(sweep_dir.absolute())  # before anything is written
     _refuse_a_second_live_array(sweep_dir)
     record.check(sweep_dir, rec)  # before wandb is asked: a refused launch registers nothing
+    if is_bayes:  # what keep_base and refresh would refuse, before sweep.yaml is written
+        bayes.check_relaunch(sweep_dir, cfg, world)
     for trial_cfg in cfgs:  # (what prepare_run_dir would refuse, too)
         check_run_dir(trial_cfg, RunDir(trial_cfg.run_dir()), trials.RENAME)
     rec, cfgs = wandb_sweep.attach(sweep_file, sweep_dir, rec, cfgs or [cfg], os.environ)

@@ -34,7 +34,7 @@ import yaml
 
 from pyrecover import config as config_mod
 from pyrecover.config import Config, ConfigError
-from pyrecover.experiment import prepare_run_dir, write_config
+from pyrecover.experiment import check_run_dir, prepare_run_dir, write_config
 from pyrecover.rundir import RunDir, replace_text
 from pyrecover.sweep import SweepError, agent, record, spec, trials
 from pyrecover.tracking import RUN_ID_FILE, SWEEP_PARAMS
@@ -135,33 +135,54 @@ def _domain(p: spec.Param) -> str:
     return f"min {p.low:g}, max {p.high:g}"
 
 
-def keep_base(sweep_dir: Path, cfg: Config) -> None:
-    """keep_base records the experiment every trial starts from; a relaunch whose experiment
-    changes what the trials compute is refused, as a run's restart is, and one that changes
-    only limits (train.max_steps, ...) records them, as a run's restart does."""
-    path = sweep_dir / BASE
-    if path.is_file():
+def check_relaunch(sweep_dir: Path, base: Config, world_size: int | None
+                   ) -> list[tuple[Config, RunDir]]:
+    """check_relaunch refuses, writing nothing, what a relaunch with `base` would: an
+    experiment that changes what the trials compute (as a run's restart is refused), and a
+    started trial whose recorded config does not read or would not restart with it. Returns
+    each started trial's config and folder (`--dry-run` asks it too)."""
+    _check_base(sweep_dir, base)
+    if not (sweep_dir / record.RECORD).is_file():
+        return []  # a new sweep: no trial has started
+    rec = record.read(sweep_dir)
+    keys = list(rec.parameters or {})
+    started = []
+    for t in rec.trials:
+        trial = sweep_dir / t["dir"]
+        values = recorded(trial, keys)
+        if values is not None:
+            cfg = _at(trials.trial_config(rec.name, base, int(t["index"]), values, world_size,
+                                          f"trial {t['index']}"), trial)
+            check_run_dir(cfg, RunDir(trial), trials.RENAME)
+            started.append((cfg, RunDir(trial)))
+    return started
+
+
+def _check_base(sweep_dir: Path, cfg: Config) -> None:
+    """_check_base refuses an experiment that changes what the recorded one computes."""
+    if (sweep_dir / BASE).is_file():
         changed = config_mod.diff_identity(load_base(sweep_dir), cfg)
         if changed:
             raise SweepError(f"{sweep_dir} was launched with another experiment "
                              f"({'; '.join(changed)}); give this sweep another name")
-    replace_text(path, config_mod.dump(cfg, "the experiment every trial of this bayes sweep "
-                                      "starts from; trial-<i>/run.yaml adds its values"))
+
+
+def keep_base(sweep_dir: Path, cfg: Config) -> None:
+    """keep_base records the experiment every trial starts from; a relaunch whose experiment
+    changes what the trials compute is refused, as a run's restart is, and one that changes
+    only limits (train.max_steps, ...) records them, as a run's restart does."""
+    _check_base(sweep_dir, cfg)
+    replace_text(sweep_dir / BASE, config_mod.dump(
+        cfg, "the experiment every trial of this bayes sweep starts from; trial-<i>/run.yaml "
+        "adds its values"))
 
 
 def refresh(sweep_dir: Path, base: Config, world_size: int | None) -> None:
     """refresh rewrites the run.yaml of every trial that has its values from `base` (a
     relaunch with --set train.max_steps=N reaches the trials that started already, as a grid
     sweep's relaunch does), checked as a run's restart is."""
-    rec = record.read(sweep_dir)
-    keys = list(rec.parameters or {})
-    for t in rec.trials:
-        trial = sweep_dir / t["dir"]
-        values = recorded(trial, keys)
-        if values is not None:
-            cfg = trials.trial_config(rec.name, base, int(t["index"]), values, world_size,
-                                      f"trial {t['index']}")
-            prepare_run_dir(_at(cfg, trial), RunDir(trial), rename=trials.RENAME)
+    for cfg, run in check_relaunch(sweep_dir, base, world_size):
+        prepare_run_dir(cfg, run, rename=trials.RENAME)
 
 
 def _at(cfg: Config, trial: Path) -> Config:
