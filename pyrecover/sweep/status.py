@@ -95,10 +95,13 @@ def _trial(path: Path, index: int, params: dict[str, Any] | str | None, rec: rec
     if isinstance(params, str):  # _recorded's problem
         return Trial(index, str(path), {}, params, slurm_state, 0, None, 0, None, None)
     if params is None:  # bayes: wandb hands the values out at the trial's first start
-        # A task that ended without them (values refused, cancelled) has the job's record.
-        ended = run_status.read(path).state if run.problem() is None else "not started"
+        # A task that ended or failed without them (values refused, wandb unreachable,
+        # cancelled) has the job's records: its state and its restarts.
+        s = run_status.read(path) if run.problem() is None else None
+        ended = s.state if s is not None else "not started"
         state = NO_VALUES if ended == "not started" else f"{ended}, {NO_VALUES}"
-        return Trial(index, str(path), {}, state, slurm_state, 0, None, 0, None, None)
+        return Trial(index, str(path), {}, state, slurm_state, 0, None,
+                     _restarts(s) if s is not None else 0, None, None)
     params = dict(params)
     values = [v for v in (_number(m.get(rec.metric)) for m in read_jsonl(run.metrics))
               if v is not None]
@@ -113,10 +116,14 @@ def _trial(path: Path, index: int, params: dict[str, Any] | str | None, rec: rec
         str(s.last_error).startswith(DIVERGED_ERROR)
     return Trial(index=index, run_dir=str(path), params=params, state=s.state,
                  slurm_state=slurm_state, step=s.step, max_steps=s.max_steps,
-                 restarts=sum(n for cause, n in s.restarts_by_cause.items()
-                              if cause != run_status.CONTINUED),
+                 restarts=_restarts(s),
                  last=values[-1] if values and not diverged else None,
                  best=best, diverged=diverged)
+
+
+def _restarts(s: run_status.Status) -> int:
+    """_restarts: the trial's restarts, every cause but a finished run continued."""
+    return sum(n for cause, n in s.restarts_by_cause.items() if cause != run_status.CONTINUED)
 
 
 def _number(value: Any) -> float | None:

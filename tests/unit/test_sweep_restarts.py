@@ -51,3 +51,23 @@ def test_a_trial_whose_job_fails_before_the_trainer_starts_counts_its_restarts(t
     assert s.state == "failed before the trainer started (requeued)"
     (row,) = [t for t in sweep_status.read(root).trials if t.index == 4]
     assert row.restarts == 1 and row.state == s.state
+
+
+def test_a_bayes_trial_that_never_got_its_values_counts_its_restarts(tmp_path, monkeypatch):
+    """wandb could not be asked at the task's first starts (exit 1 before training, the job
+    requeuing it): the bayes trial's row read 0 restarts, whatever its task had been
+    through."""
+    from test_sweep_bayes import launched
+
+    _, sweep_dir = launched(tmp_path)
+    trial = RunDir(sweep_dir / "trial-0")
+    trial.create()
+    monkeypatch.setenv("SLURM_JOB_ID", "121")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "120")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    for restart in range(3):  # as the job script records them (slurm/blocks.py)
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        trial.event("requeue", exit_code=1, reason="crash", time=10.0 * (restart + 1))
+    (row,) = [t for t in sweep_status.read(sweep_dir).trials if t.index == 0]
+    assert row.restarts == 2
+    assert row.state == f"{status.TRAINERLESS} (requeued), {sweep_status.NO_VALUES}"
