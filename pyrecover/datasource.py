@@ -69,6 +69,9 @@ def _matches(path: Path, suffixes: tuple[str, ...]) -> bool:
         s.count(".") > 1 and path.name.endswith(s) for s in suffixes)
 
 
+READ_CHUNK = 1 << 24  # bytes: a limit far above any file asks for no buffer of its size
+
+
 def _read(path: Path, limit: int | None) -> tuple[bytes, int | None]:
     """_read is the file's bytes and None, or where it holds more than `limit` bytes, its
     first ones and its size (at least limit + 1): never more than the limit and a byte are
@@ -76,10 +79,15 @@ def _read(path: Path, limit: int | None) -> tuple[bytes, int | None]:
     with path.open("rb") as f:
         if limit is None:
             return f.read(), None
-        raw = f.read(max(0, limit) + 1)
-        if len(raw) <= max(0, limit):
-            return raw, None
-        return raw, max(len(raw), os.fstat(f.fileno()).st_size)
+        limit = max(0, limit)
+        chunks, got = [], 0
+        while got <= limit:
+            chunk = f.read(min(limit + 1 - got, READ_CHUNK))
+            if not chunk:
+                return b"".join(chunks), None
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks), max(got, os.fstat(f.fileno()).st_size)
 
 
 def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = (".py",),

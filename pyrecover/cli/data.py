@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -40,5 +41,6 @@ def prepare(
                          "~/my-texts")
     # `--suffix txt` means `.txt`: Path.suffix, which it is matched against, has the dot
     suffixes = tuple(s if s.startswith(".") or not s else f".{s}" for s in suffix or [".py"])
-    max_bytes = int(max_mb * 1e6) if max_mb is not None else None
+    # (a limit past any file's size, 1e308 MB an infinity of bytes, is none)
+    max_bytes = int(min(max_mb * 1e6, sys.maxsize)) if max_mb is not None else None
     typer.echo(datasource.prepare(src_dir, out, suffixes, max_bytes, replace=force).summary(out))

@@ -374,3 +374,19 @@ def test_prepare_stops_at_the_limit_without_reading_a_huge_file_whole(tmp_path, 
     else:
         assert done.returncode == 0, done.stderr
         assert pq.read_table(out).column("text").to_pylist() == ["small\n"]
+
+
+@pytest.mark.parametrize("limit", ["1e300", "1e308"])
+def test_a_limit_larger_than_any_corpus_takes_every_file(tmp_path, limit):
+    """--max-mb 1e308 was an OverflowError traceback (1e308 MB is an infinity of bytes), and
+    1e300 one too once each file was read to the limit: such a limit is no limit."""
+    from helpers import pyrecover
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("small\n")
+    out = tmp_path / "c.parquet"
+    done = pyrecover("data", "prepare", str(src), str(out), "--suffix", ".txt", "--max-mb",
+                     limit)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert pq.read_table(out).column("text").to_pylist() == ["small\n"]
