@@ -15,8 +15,9 @@ attempt (one process start, phases.py) is cut into spans that do not overlap:
 - `productive`: the rest of the training span, which ends where a hung phase began (a
   `hang` event's time less its seconds): a hang's wait is no training;
 - `idle`: from an attempt that ended with nothing to start it again (it finished, was
-  refused or cancelled; or it ran outside a job and stopped, crashed, hung or was killed
-  with no record, so only its user started it again) to the next launch (its submit, where
+  refused or cancelled; or it stopped, crashed, hung or was killed with no record outside a
+  job, or in a job that neither its script nor SLURM started again, so only its user
+  started it again: by hand, or as a new job) to the next launch (its submit, where
   SLURM gave times, else its start): a finished run extended days later was no less
   productive for the days;
 - `remainder`: everything else (stopping, exit, the scheduler's requeue delay where SLURM gave
@@ -42,12 +43,11 @@ CAUSES = ("queue_wait", "start_up", "restore", "checkpoint_stall", "lost_work", 
 FOR_GOOD = ("finish", "error", "no_requeue", "cancel")
 """Ends after which nothing starts the run again: the time to its next launch is `idle`. So
 does any other end of an attempt outside a job (a Ctrl-C's stop, a crash, a hang, a kill that
-left no record): only a person starts it again."""
+left no record), or in a job the next attempt is not of: only a person starts it again."""
 ENDS = (*FOR_GOOD, "stop", "crash", "hang", "requeue", "restart_in_job")
 """Every event that ends an attempt. The newest of an attempt's decides: after a requeue or an
-in-job restart, or a job's stop, crash or hang (its script or SLURM requeues it), or a job
-killed with no record (SLURM requeues a job whose node was lost), the gap is the
-remainder's."""
+in-job restart, or a job's stop, crash, hang or kill with no record that the same job
+started again (SLURM requeues a job whose node was lost), the gap is the remainder's."""
 
 
 STARTING = ("imports_done", "data_ready", "group_up")
@@ -98,16 +98,21 @@ def _hung_from(attempt: list[dict[str, Any]]) -> float:
     return min(began, default=float("inf"))
 
 
-def _ended_for_good(attempt: list[dict[str, Any]]) -> bool:
+def _ended_for_good(attempt: list[dict[str, Any]], following: list[dict[str, Any]]) -> bool:
     """_ended_for_good: nothing was left to start the run again after this attempt: it ended
-    for good, or it ran outside a job (no record of it names one) and was not restarted by a
-    job script's decision."""
+    for good; or no job script's decision restarted it, and it ran outside a job (no record
+    of it names one) or in a job that `following`, the next attempt, is not of."""
     last = next((e for e in reversed(attempt) if e.get("event") in ENDS), None)
     if last is not None and last["event"] in FOR_GOOD:
         return True
     if last is not None and last["event"] in ("requeue", "restart_in_job"):
         return False
-    return not any(e.get("job_id") for e in attempt)
+    mine = _job_ids(attempt)
+    return not mine or not mine & _job_ids(following)
+
+
+def _job_ids(attempt: list[dict[str, Any]]) -> set[str]:
+    return {str(e["job_id"]) for e in attempt if e.get("job_id")}
 
 
 def _times(records: list[dict[str, Any]]) -> list[float]:
@@ -215,7 +220,7 @@ def ledger(events: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]],
         following = starts[i + 1] if i + 1 < len(runs) else float("inf")
         last = max(_times(attempt) + _times(mine))
         job = _job_of(jobs, float("-inf") if i == 0 else previous_end, started)
-        if i > 0 and _ended_for_good(runs[i - 1]):  # launched again by someone, later
+        if i > 0 and _ended_for_good(runs[i - 1], attempt):  # launched again by someone
             causes["idle"] += _span(previous_end, job.submit if job is not None else started)
         if job is not None:  # the queue wait that led to this attempt, after the one before
             used.append(job)

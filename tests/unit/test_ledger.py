@@ -298,3 +298,23 @@ def test_each_attempt_s_rows_are_found_in_one_pass_not_one_pass_per_attempt():
     _CountedRows.passes = 0
     assert ledger(events, rows) == expected
     assert _CountedRows.passes <= 5
+
+
+def test_a_job_that_ended_without_a_requeue_was_idle_until_a_new_job_was_launched():
+    """Job 7 lost its node and was not requeued (no record of its end); its user launched the
+    run again a day later as job 8: the day read as the remainder, as if SLURM had been
+    restarting it. A new job is a new launch; the same job started again is SLURM's doing."""
+    killed, later = attempt(0, 0, 20, ckpts=(10,)), attempt(86_400, 10, 30, stopped=True)
+    book = ledger(*run_of(in_job(killed, "7"), in_job(later, "8")))
+    assert book.causes["idle"] == pytest.approx(86_400 - 22.0)
+    assert book.causes["remainder"] == pytest.approx(0.0, abs=1e-6)
+    jobs = [JobTimes(-5.0, -1.0, 23.0), JobTimes(80_000.0, 86_399.0, None)]
+    queued = ledger(*run_of(in_job(killed, "7"), in_job(later, "8")), jobs)
+    assert queued.causes["idle"] == pytest.approx(80_000 - 22.0)
+    assert queued.causes["queue_wait"] == pytest.approx(4.0 + 6_399.0)
+    assert sum(queued.causes.values()) == pytest.approx(queued.wall_seconds, abs=1e-6)
+    # Started again by hand, outside any job: the same.
+    assert ledger(*run_of(in_job(killed, "7"), later)).causes["idle"] == pytest.approx(
+        86_400 - 22.0)
+    # Requeued by SLURM (the same job) or by its script: no idle time.
+    assert ledger(*run_of(in_job(killed, "7"), in_job(later, "7"))).causes["idle"] == 0.0
