@@ -18,8 +18,9 @@ from pyrecover.sweep.trials import TRIAL_PREFIX
 
 
 def indices(trials: int, max_parallel: int | None) -> str:
-    """indices is sbatch's --array value: `0-N` and `%M` to run at most M at once."""
-    return f"0-{trials - 1}" + (f"%{max_parallel}" if max_parallel else "")
+    """indices is sbatch's --array value: `0-N` and `%M` to run at most M at once. A limit
+    above the trial count limits nothing: it is the trial count (sbatch refuses a huge M)."""
+    return f"0-{trials - 1}" + (f"%{min(max_parallel, trials)}" if max_parallel else "")
 
 
 def array_spec(base: Config, profile: ClusterProfile, python: str, trials: int,

@@ -1,0 +1,47 @@
+"""`sweep launch` given values a user may type: what the array script says, or one line."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from helpers import TINY, default_cluster, pyrecover
+
+from pyrecover.sweep import render
+
+GRID = {"method": "grid", "parameters": {"train.lr": {"values": [1e-3, 3e-3, 1e-2]}}}
+
+
+def test_a_limit_above_the_trial_count_is_the_trial_count():
+    assert render.indices(3, 10**23) == "0-2%3"
+    assert render.indices(3, 2) == "0-2%2"
+    assert render.indices(3, None) == "0-2"
+
+
+@pytest.mark.parametrize("where", ["flag", "file"])
+def test_a_huge_max_parallel_runs_every_trial_at_once_instead_of_failing_at_sbatch(
+        tmp_path, where):
+    """--max-parallel 99999999999999999999999 went into `#SBATCH --array=0-2%999...`, which
+    the dry run showed and sbatch refuses at submit."""
+    huge = 99999999999999999999999
+    path = tmp_path / "lr.yaml"
+    sweep = dict(GRID, max_parallel=huge) if where == "file" else GRID
+    path.write_text(yaml.safe_dump(sweep, sort_keys=False))
+    flag = ["--max-parallel", str(huge)] if where == "flag" else []
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--dry-run", *flag,
+                     "--launcher", "none", "--set", f"run.storage={tmp_path / 'st'}",
+                     cwd=tmp_path, env=default_cluster(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --array=0-2%3\n" in done.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_a_max_parallel_below_one_is_one_line(tmp_path, value):
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump(GRID, sort_keys=False))
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--dry-run",
+                     "--max-parallel", value, "--launcher", "none",
+                     "--set", f"run.storage={tmp_path / 'st'}", cwd=tmp_path,
+                     env=default_cluster(tmp_path))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: --max-parallel={value} is not allowed: expected >= 1"]
