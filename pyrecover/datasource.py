@@ -58,8 +58,20 @@ class Prepared(NamedTuple):
         """summary is the line `data prepare` and the demo print."""
         skipped = [f"{n} {what}" for n, what in ((self.not_utf8, "not UTF-8 text"),
                                                  (self.links, "symbolic link(s)")) if n]
-        return (f"wrote {out}: {self.files} files, {self.bytes / 1e6:.1f} MB of text"
+        return (f"wrote {out}: {_count(self.files, 'file')}, {amount(self.bytes)} of text"
                 + (f" (skipped: {', '.join(skipped)})" if skipped else ""))
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def amount(size: int) -> str:
+    """amount is a size of text for people: a 12-byte corpus is "12 bytes", not "0.0 MB"
+    (decimal units, as --max-mb's)."""
+    if size < 1000:
+        return _count(size, "byte")
+    return f"{size / 1e3:.1f} kB" if size < 999_950 else f"{size / 1e6:.1f} MB"
 
 
 def _matches(path: Path, suffixes: tuple[str, ...]) -> bool:

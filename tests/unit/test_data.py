@@ -173,7 +173,7 @@ def test_prepare_is_reproducible_and_keeps_sorted_file_order(tmp_path):
     (src / "link.py").symlink_to(tmp_path / "elsewhere.py")  # never followed out of src
     done = prepare(src, tmp_path / "one.parquet")
     assert done == (2, 12, 1, 1)
-    assert done.summary("one.parquet") == ("wrote one.parquet: 2 files, 0.0 MB of text "
+    assert done.summary("one.parquet") == ("wrote one.parquet: 2 files, 12 bytes of text "
                                            "(skipped: 1 not UTF-8 text, 1 symbolic link(s))")
     prepare(src, tmp_path / "two.parquet")
     one, two = pq.read_table(tmp_path / "one.parquet"), pq.read_table(tmp_path / "two.parquet")
