@@ -46,6 +46,15 @@ def check_source(path: str | Path, column: str) -> pa.Schema:
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
+class Cut(NamedTuple):
+    """The files a size limit left out: how many, the first (in the corpus's order), and
+    the limit in bytes."""
+
+    files: int
+    first: str
+    limit: int
+
+
 class Prepared(NamedTuple):
     """What `prepare` wrote, and what it left out."""
 
@@ -53,13 +62,18 @@ class Prepared(NamedTuple):
     bytes: int
     not_utf8: int = 0  # files that are not UTF-8 text (or could not be read)
     links: int = 0  # symbolic links, never followed (as rglob follows no linked folder)
+    cut: Cut | None = None  # the files the limit left out
 
     def summary(self, out: str | Path) -> str:
         """summary is the line `data prepare` and the demo print."""
         skipped = [f"{n} {what}" for n, what in ((self.not_utf8, "not UTF-8 text"),
                                                  (self.links, "symbolic link(s)")) if n]
+        notes = [f"skipped: {', '.join(skipped)}"] if skipped else []
+        if self.cut is not None:
+            notes.append(f"the limit of {self.cut.limit / 1e6:g} MB left out "
+                         f"{_count(self.cut.files, 'file')}, from {self.cut.first} on")
         return (f"wrote {out}: {_count(self.files, 'file')}, {amount(self.bytes)} of text"
-                + (f" (skipped: {', '.join(skipped)})" if skipped else ""))
+                + (f" ({'; '.join(notes)})" if notes else ""))
 
 
 def _count(n: int, what: str) -> str:
@@ -141,7 +155,9 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
     paths, texts, total = [], [], 0
     not_utf8 = links = 0
     too_big: tuple[Path, int] | None = None  # the file the limit stopped at
-    for path in sorted(src.rglob("*")):
+    later: list[Path] = []  # and the paths after it
+    found = sorted(src.rglob("*"))
+    for i, path in enumerate(found):
         link = path.is_symlink()
         # a linked folder is counted whatever its name: rglob does not go into it
         if suffixes and not _matches(path, suffixes) and not (link and path.is_dir()):
@@ -158,6 +174,7 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
             if size is not None:  # past the limit: what was read must still be UTF-8 text
                 codecs.getincrementaldecoder("utf-8")().decode(raw, final=False)
                 too_big = (path, size)
+                later = found[i + 1:]  # files it would have taken: said, not read
                 break
             text = raw.decode("utf-8")
         except (UnicodeDecodeError, OSError):
@@ -165,8 +182,7 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
             continue
         if not text:
             continue
-        # a name that is not UTF-8 (parquet strings are) keeps its odd bytes as \xNN
-        paths.append(os.fsencode(path.relative_to(src)).decode("utf-8", "backslashreplace"))
+        paths.append(_name(path.relative_to(src)))
         texts.append(text)
         total += len(raw)
     if not texts and too_big is not None:
@@ -189,4 +205,15 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
             raise DataError(f"cannot write {out_path}: {exc.strerror or exc}") from None
         # A full disk, a quota, an I/O error: the storage's fault (exit 1), as other writes.
         raise storage_error("write", out_path, exc) from None
-    return Prepared(len(texts), total, not_utf8, links)
+    cut = None
+    if too_big is not None and max_bytes is not None:
+        left = 1 + sum(1 for p in later if (not suffixes or _matches(p, suffixes))
+                       and not p.is_symlink() and p.is_file())
+        cut = Cut(left, _name(too_big[0].relative_to(src)), max_bytes)
+    return Prepared(len(texts), total, not_utf8, links, cut)
+
+
+def _name(path: Path) -> str:
+    """_name is a path as the corpus's path column holds it: a name that is not UTF-8 (parquet
+    strings are) keeps its odd bytes as \\xNN."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pyarrow.parquet as pq
 import pytest
+from helpers import pyrecover
 
 from pyrecover.datasource import prepare
 
@@ -17,6 +19,23 @@ def test_the_summary_says_a_small_corpus_s_size_in_a_unit_that_shows_it(tmp_path
     done = prepare(src, tmp_path / "c.parquet", (".txt",))
     plural = "" if done.files == 1 else "s"
     assert done.summary("c.parquet") == f"wrote c.parquet: 1 file{plural}, {said} of text"
+
+
+def test_data_prepare_says_which_files_the_limit_left_out(tmp_path):
+    """--max-mb stopped at the limit without a word: the summary read as if every file was in."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    for name in ("a.txt", "b.txt", "sub/c.txt", "sub/d.txt"):
+        (src / name).write_text("x" * 600)
+    (src / "e.md").write_text("not asked for")
+    out = tmp_path / "c.parquet"
+    done = pyrecover("data", "prepare", str(src), str(out), "--suffix", ".txt",
+                     "--max-mb", "0.0015")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines() == [
+        f"wrote {out}: 2 files, 1.2 kB of text (the limit of 0.0015 MB left out 2 files, "
+        "from sub/c.txt on)"]
+    assert pq.read_table(out).column("path").to_pylist() == ["a.txt", "b.txt"]
 
 
 def test_a_limit_that_takes_every_file_says_nothing_of_one(tmp_path):
