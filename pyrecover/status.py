@@ -197,8 +197,12 @@ def _slurm_names(events: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def _newest_job(events: list[dict[str, Any]]) -> str | None:
-    """_newest_job is the newest job that started the run, by its SLURM name, or None."""
-    job_id = next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
+    """_newest_job is the newest job that started the run, by its SLURM name, or None. A
+    `cancel` record names a job that may never have started it (a relaunch cancelled in the
+    queue): it counts only where no job started the run."""
+    started = [e for e in events if e.get("job_id") and e.get("event") != "cancel"]
+    job_id = next((str(e["job_id"]) for e in reversed(started or events) if e.get("job_id")),
+                  None)
     return _slurm_names(events).get(job_id, job_id) if job_id else None
 
 

@@ -51,3 +51,30 @@ def test_an_array_task_is_shown_as_arrayid_taskid_not_its_own_job_id(tmp_path, a
     assert "requeue     job 40_1 restart 0: exit 75 -> requeue (stopped cleanly)" in shown
     assert "41" not in shown.replace(str(run.root), "")
     assert status.read(run.root, now=10.0).job_id == "40_1"  # SLURM not asked: the same name
+
+
+def test_a_cancelled_job_that_never_started_the_run_is_not_shown_as_its_job(
+        tmp_path, monkeypatch):
+    """`pyrecover cancel` of a run whose job 100 trains and whose relaunch 200 waits in the
+    queue records a cancel of each, 200's last. Status then read 'SLURM job 200: CANCELLED'
+    while job 100 was still saving its checkpoint, and `pyrecover cancel` again said job
+    200 had nothing to cancel: the newest job came from any record, the cancel's too."""
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    monkeypatch.setenv("SLURM_JOB_ID", "100")
+    run.event("start", step=0, time=2.0)
+    monkeypatch.delenv("SLURM_JOB_ID")  # `pyrecover cancel` runs on the login node
+    run.event("cancel", job_id="100", slurm_state="RUNNING", time=5.0)
+    run.event("cancel", job_id="200", slurm_state="PENDING", time=5.1)
+    slurm = {"100": "COMPLETING", "200": "CANCELLED"}
+    s = status.read(run.root, now=6.0, squeue=slurm.get)
+    assert (s.job_id, s.slurm_state) == ("100", "COMPLETING")
+    assert status.slurm_job(run.root) == "100"
+
+
+def test_a_run_whose_only_job_was_cancelled_in_the_queue_still_names_it(tmp_path):
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    run.event("cancel", job_id="200", slurm_state="PENDING", time=5.0)
+    s = status.read(run.root, now=6.0, squeue={"200": "CANCELLED"}.get)
+    assert (s.job_id, s.slurm_state, s.state) == ("200", "CANCELLED", "cancelled")
