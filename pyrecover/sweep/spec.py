@@ -231,6 +231,10 @@ def _param(key: str, raw: Any, source: str) -> Param:
     q = _number(raw, "q", where) if "q" in raw else 1.0
     if q <= 0:
         raise SweepError(f"{where}: q={q!r} must be > 0")
+    far = next((k for k, x in (("max", high), ("min", low)) if not math.isfinite(x / q)), None)
+    if dist == "q_uniform" and far is not None:  # round() of it: an OverflowError
+        raise SweepError(f"{where}: q={q!r} is too small for min={low!r} and max={high!r} "
+                         f"({far} / q is past a float's range); give a larger q")
     if dist == "q_uniform" and low < high and round(low / q) == round(high / q):
         given = f"q={q!r}" if "q" in raw else "q (default 1)"
         raise SweepError(f"{where}: q_uniform rounds to multiples of {given}, so every value "

@@ -45,3 +45,19 @@ def test_a_max_parallel_below_one_is_one_line(tmp_path, value):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"error: --max-parallel={value} is not allowed: expected >= 1"]
+
+
+@pytest.mark.parametrize("q", ["1e-320", "5e-324"])
+def test_a_q_too_small_for_the_range_is_one_line_not_a_traceback(tmp_path, q):
+    """q_uniform with q: 1e-320 was an OverflowError traceback: max / q is past float's
+    range, and no multiple of such a q can be counted."""
+    path = tmp_path / "q.yaml"
+    path.write_text("method: random\nrun_cap: 2\nparameters:\n  train.warmup_steps: "
+                    f"{{distribution: q_uniform, min: 0, max: 10, q: {q}}}\n")
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--dry-run",
+                     "--launcher", "none", "--set", f"run.storage={tmp_path / 'st'}",
+                     cwd=tmp_path, env=default_cluster(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: {path}: parameters.train.warmup_steps: q={float(q)!r} is too small for "
+        "min=0.0 and max=10.0 (max / q is past a float's range); give a larger q"]
