@@ -39,6 +39,10 @@ def prepare(
     if not src_dir.strip():  # `"$TEXTS"` unset: as a Path, "" is the current folder
         raise user_error("SRC_DIR is empty; give the folder of text files to read, e.g. "
                          "~/my-texts")
+    pattern = next((s for s in suffix or [] if any(c in s for c in "*?[")), None)
+    if pattern is not None:  # as `ls *.txt` has it: no name ends in ".*.txt"
+        raise user_error(f"--suffix={pattern!r} is a pattern; give the file ending itself, "
+                         f"e.g. --suffix {Path(pattern).suffix or '.txt'}")
     # `--suffix txt` means `.txt`: Path.suffix, which it is matched against, has the dot
     suffixes = tuple(s if s.startswith(".") or not s else f".{s}" for s in suffix or [".py"])
     # (a limit past any file's size, 1e308 MB an infinity of bytes, is none)

@@ -44,3 +44,19 @@ def test_a_limit_that_takes_every_file_says_nothing_of_one(tmp_path):
     (src / "a.txt").write_text("x" * 600)
     done = prepare(src, tmp_path / "c.parquet", (".txt",), max_bytes=600)
     assert done.summary("c.parquet") == "wrote c.parquet: 1 file, 600 bytes of text"
+
+
+@pytest.mark.parametrize("given", ["*.txt", "a?.txt", "[ab].txt"])
+def test_a_suffix_given_as_a_pattern_is_one_line_naming_the_ending(tmp_path, given):
+    """--suffix '*.txt', as `ls *.txt` would have it, said 'no readable .*.txt files': no
+    file's name ends in '.*.txt', and nothing said that the option takes an ending."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello\n")
+    out = tmp_path / "c.parquet"
+    done = pyrecover("data", "prepare", str(src), str(out), "--suffix", given)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: --suffix={given!r} is a pattern; give the file ending itself, e.g. "
+        "--suffix .txt"]
+    assert not out.exists()
