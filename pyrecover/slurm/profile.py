@@ -299,9 +299,16 @@ def _coerce(source: str, key: str, value: Any, hint: Any) -> Any:
     return value
 
 
+MAX_COUNT = 2**31 - 1
+"""The largest count sbatch reads (a C int: `--cpus-per-task=2147483648` is refused at submit)
+and the job script's bash compares without an error."""
+
+
 def _at_least(key: str, value: int, low: int) -> None:
     if value < low:
         _bad(key, value, f"an integer >= {low}")
+    if value > MAX_COUNT:
+        _bad(key, value, f"an integer {low} to {MAX_COUNT}")
 
 
 def _bad(key: str, value: Any, allowed: str) -> typing.NoReturn:

@@ -189,3 +189,29 @@ def test_the_commented_site_examples_work_once_uncommented(tmp_path, source):
     profile.validate(prof)
     assert prof.qos and prof.constraint == "a100&ib" and prof.mem == "0" and prof.exclusive
     assert "--reservation=big" in prof.sbatch_extra
+
+
+@pytest.mark.parametrize("key", ["nodes", "gpus_per_node", "cpus_per_task", "max_restarts",
+                                 "spare_nodes", "max_restarts_in_job"])
+def test_a_count_past_what_sbatch_and_bash_read_is_refused_before_the_submit(key):
+    """--cpus-per-task 99999999999999999999 passed --dry-run into '#SBATCH
+    --cpus-per-task=99999999999999999999', which sbatch refuses at submit ('Numeric argument
+    to big'); a max_restarts that big made the job script's `[ -ge ]` an error at every
+    failure. Each count is an int for sbatch, and bash, too."""
+    low = 0 if "restarts" in key or key == "spare_nodes" else 1
+    profile.validate(dataclasses.replace(profile.ClusterProfile(), **{key: 2**31 - 1}))
+    with pytest.raises(LaunchError) as caught:
+        profile.validate(dataclasses.replace(profile.ClusterProfile(), **{key: 2**31}))
+    assert str(caught.value).startswith(f"{key}=2147483648 is not allowed: expected an "
+                                        f"integer {low} to 2147483647 (cluster profile key")
+
+
+def test_a_huge_cpus_per_task_is_one_line_at_dry_run(tmp_path):
+    done = pyrecover("launch", "--config", str(TINY), "--dry-run", "--launcher", "none",
+                     "--cpus-per-task", "99999999999999999999",
+                     "--set", f"run.storage={tmp_path / 'st'}", cwd=tmp_path,
+                     env=default_cluster(tmp_path))
+    assert done.returncode == 2, done.stdout
+    assert done.stderr.strip().splitlines() == [
+        "error: cpus_per_task=99999999999999999999 is not allowed: expected an integer 1 to "
+        "2147483647 (cluster profile key cpus_per_task, option --cpus-per-task)"]
