@@ -60,13 +60,15 @@ class Prepared(NamedTuple):
 
     files: int
     bytes: int
-    not_utf8: int = 0  # files that are not UTF-8 text (or could not be read)
+    not_utf8: int = 0  # files that are not UTF-8 text
     links: int = 0  # symbolic links, never followed (as rglob follows no linked folder)
     cut: Cut | None = None  # the files the limit left out
+    unreadable: int = 0  # files it could not read (permissions, I/O errors)
 
     def summary(self, out: str | Path) -> str:
         """summary is the line `data prepare` and the demo print."""
         skipped = [f"{n} {what}" for n, what in ((self.not_utf8, "not UTF-8 text"),
+                                                 (self.unreadable, "unreadable"),
                                                  (self.links, "symbolic link(s)")) if n]
         notes = [f"skipped: {', '.join(skipped)}"] if skipped else []
         if self.cut is not None:
@@ -153,7 +155,7 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         raise DataError(f"{out} already exists; pass --force to replace it (a run trained on "
                         "it would then resume on other data)")
     paths, texts, total = [], [], 0
-    not_utf8 = links = 0
+    not_utf8 = unreadable = links = 0
     too_big: tuple[Path, int] | None = None  # the file the limit stopped at
     later: list[Path] = []  # and the paths after it
     found = sorted(src.rglob("*"))
@@ -177,8 +179,11 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
                 later = found[i + 1:]  # files it would have taken: said, not read
                 break
             text = raw.decode("utf-8")
-        except (UnicodeDecodeError, OSError):
+        except UnicodeDecodeError:
             not_utf8 += 1
+            continue
+        except OSError:  # said apart: a file it may not read is no encoding problem
+            unreadable += 1
             continue
         if not text:
             continue
@@ -210,7 +215,7 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         left = 1 + sum(1 for p in later if (not suffixes or _matches(p, suffixes))
                        and not p.is_symlink() and p.is_file())
         cut = Cut(left, _name(too_big[0].relative_to(src)), max_bytes)
-    return Prepared(len(texts), total, not_utf8, links, cut)
+    return Prepared(len(texts), total, not_utf8, links, cut, unreadable)
 
 
 def _name(path: Path) -> str:

@@ -60,3 +60,20 @@ def test_a_suffix_given_as_a_pattern_is_one_line_naming_the_ending(tmp_path, giv
         f"error: --suffix={given!r} is a pattern; give the file ending itself, e.g. "
         "--suffix .txt"]
     assert not out.exists()
+
+
+def test_a_file_it_may_not_read_is_counted_as_unreadable_not_as_not_utf8(tmp_path):
+    """A colleague's file without read permission was summed up as '1 not UTF-8 text':
+    the user looked for an encoding problem in a file that was plain text."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello\n")
+    (src / "b.txt").write_text("private\n")
+    (src / "b.txt").chmod(0)
+    (src / "c.txt").write_bytes(b"\xff\xfe")
+    out = tmp_path / "c.parquet"
+    done = pyrecover("data", "prepare", str(src), str(out), "--suffix", ".txt",
+                     file_permissions=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines() == [
+        f"wrote {out}: 1 file, 6 bytes of text (skipped: 1 not UTF-8 text, 1 unreadable)"]
