@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -43,6 +44,12 @@ def prepare(
     if pattern is not None:  # as `ls *.txt` has it: no name ends in ".*.txt"
         raise user_error(f"--suffix={pattern!r} is a pattern; give the file ending itself, "
                          f"e.g. --suffix {Path(pattern).suffix or '.txt'}")
+    listed = next((s for s in suffix or [] if re.search(r"[,\s]", s)), None)
+    if listed is not None:  # no name ends in ".txt,.py": it reads as a list, and is none
+        endings = " ".join(f"--suffix {e if e.startswith('.') else '.' + e}"
+                           for e in re.split(r"[,\s]+", listed) if e)
+        raise user_error(f"--suffix={listed!r} is not one file ending; give each ending its "
+                         f"own option: {endings or '--suffix .txt'}")
     # `--suffix txt` means `.txt`: Path.suffix, which it is matched against, has the dot
     suffixes = tuple(s if s.startswith(".") or not s else f".{s}" for s in suffix or [".py"])
     # (a limit past any file's size, 1e308 MB an infinity of bytes, is none)

@@ -77,3 +77,18 @@ def test_a_file_it_may_not_read_is_counted_as_unreadable_not_as_not_utf8(tmp_pat
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines() == [
         f"wrote {out}: 1 file, 6 bytes of text (skipped: 1 not UTF-8 text, 1 unreadable)"]
+
+
+@pytest.mark.parametrize("given", [".txt,.py", ".txt .py", "txt, py,"])
+def test_several_endings_in_one_suffix_are_one_line_saying_to_give_each_its_own(tmp_path, given):
+    """--suffix .txt,.py said 'no readable .txt,.py files under src' of a folder holding
+    a.txt and b.py: read as if both endings had been looked for."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello\n")
+    (src / "b.py").write_text("b = 1\n")
+    done = pyrecover("data", "prepare", str(src), str(tmp_path / "c.parquet"), "--suffix", given)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: --suffix={given!r} is not one file ending; give each ending its own "
+        "option: --suffix .txt --suffix .py"]
