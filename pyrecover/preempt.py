@@ -101,9 +101,11 @@ class StopFlag:
         return signal.Signals(self.signum).name if self.signum is not None else None
 
 
-# Caught from the first moment of `pyrecover train` (catch_early): SLURM's and torchrun's
-# stop signals, whose default action ends the process. Not SIGINT: Ctrl-C stays immediate.
-EARLY_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM")
+# Caught from the first moment of `pyrecover train` (catch_early): every stop signal a run
+# may name (run.stop_signal, config_checks.py) and torchrun's TERM, whose default actions end
+# the process. Not SIGINT: Ctrl-C stays immediate. SIGTERM last: a launcher takes a worker
+# that catches it for one that catches the others already (spawn.catching).
+EARLY_SIGNALS = ("SIGHUP", "SIGXCPU", "SIGUSR1", "SIGUSR2", "SIGTERM")
 _early: StopFlag | None = None
 
 
@@ -111,7 +113,8 @@ def catch_early() -> None:
     """catch_early records the stop signals from the start of a trainer's process (before its
     imports, its data and its health check: seconds), so a preemption during start-up is a
     clean stop at the first step and not a death by the signal, which the job script counts
-    as a failure. `take_over` hands what it caught to the run's flag. Idempotent."""
+    as a failure. `take_over` (a trainer) or `end_early` (a launcher) hands what it caught
+    on. Idempotent."""
     global _early
     if _early is None:
         _early = StopFlag().install(EARLY_SIGNALS)
@@ -122,22 +125,32 @@ def take_over(signals: tuple[str, ...]) -> StopFlag:
     caught that is one of `signals` is the run's; one that is not is delivered again with the
     handler it had before, as if never caught (USR1 for a run that stops on USR2 still ends
     it, as it always did)."""
-    global _early
     flag = StopFlag().install(signals)
+    caught, at, before = end_early(tuple(flag._old))
+    flag._old.update(before)  # uninstall restores what was there before either
+    if caught is not None:  # (else keep one the flag itself took meanwhile)
+        flag.signum, flag.received_at = caught, at
+    return flag
+
+
+def end_early(signals: tuple[int, ...]) -> tuple[int | None, float | None, dict[int, object]]:
+    """end_early ends catch_early's catch for a caller that has put its own handlers in for
+    `signals`: the other signals it caught get back the handlers they had before it, and a
+    signal it caught that is not one of `signals` is delivered again, as if never caught.
+    Returns the signal of `signals` it caught (None: none) and when, and the handlers it had
+    replaced for `signals`, which the caller restores when done (none where not catching)."""
+    global _early
     early, _early = _early, None
     if early is None:
-        return flag
+        return None, None, {}
+    before = {sig: old for sig, old in early._old.items() if sig in signals}
     for sig, old in early._old.items():
-        if sig in flag._old:
-            flag._old[sig] = old  # uninstall restores what was there before either
-        else:
+        if sig not in signals:
             signal.signal(sig, old)  # type: ignore[arg-type]
-    if early.signum is not None:
-        if early.signum in flag._old:
-            flag.signum, flag.received_at = early.signum, early.received_at
-        else:
-            os.kill(os.getpid(), early.signum)
-    return flag
+    if early.signum is not None and early.signum not in signals:
+        os.kill(os.getpid(), early.signum)
+        return None, None, before
+    return early.signum, early.received_at, before
 
 
 def caught_early() -> int | None:

@@ -142,7 +142,10 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
 
     forwarded = tuple(dict.fromkeys((*FORWARDED, *([stop] if stop else []))))
     old = {s: signal.signal(s, forward) for s in forwarded}
-    early = preempt.caught_early()  # caught by this launcher before it could forward
+    # The early catch (preempt.catch_early) ends here: what it caught is handed on; a signal
+    # this launcher does not hand on ends it, as if never caught (HUP, stopping on USR2).
+    early, _, before = preempt.end_early(forwarded)
+    old.update(before)  # restored at the end: the handlers from before the early catch
     if early is not None:
         forward(early, None)
     # From here the main thread takes them with sigtimedwait, which says who sent each.

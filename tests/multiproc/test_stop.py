@@ -185,18 +185,19 @@ def test_a_launcher_at_a_terminal_hands_on_a_kill_but_not_the_terminals_ctrl_c(t
     assert err.count(CTRL_C) == 1 and "KeyboardInterrupt" not in err, err[-3000:]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc, stop", [(1, "USR2"), (2, "USR2"), (1, "HUP"), (2, "XCPU")])
 def test_a_stop_signal_during_start_up_is_a_clean_stop_at_the_first_step(tmp_path, corpus,
-                                                                          nproc):
+                                                                          nproc, stop):
     """A preemption while the trainer still starts (imports, data, health check: seconds on
     a GPU node) ended it by the signal's default action (exit 140), which the job script
     counts as a failure, with no record. The signal goes to the process as soon as it
     catches it; under --nproc that is the launcher, before its workers exist, which hands
-    it on once each worker catches it."""
+    it on once each worker catches it. A run.stop_signal of HUP or XCPU was not caught
+    before the run read its config: it still ended the process (exit 129, 152)."""
     from pyrecover.spawn import catching
 
     argv = ["train", *(["--nproc", "2"] if nproc > 1 else []),
-            *tiny_args(tmp_path, corpus, "run", *LONG)]
+            *tiny_args(tmp_path, corpus, "run", *LONG, f"run.stop_signal={stop}")]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
     proc = subprocess.Popen([sys.executable, "-m", "pyrecover", *argv], env=env,
                             start_new_session=True, stdout=subprocess.DEVNULL,
@@ -204,13 +205,13 @@ def test_a_stop_signal_during_start_up_is_a_clean_stop_at_the_first_step(tmp_pat
     deadline = time.monotonic() + 120
     while not catching(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.001)
-    os.kill(proc.pid, signal.SIGUSR2)
+    os.kill(proc.pid, getattr(signal, f"SIG{stop}"))
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == EXIT_STOPPED, err
     events = list(read_jsonl(tmp_path / "run" / "events.jsonl"))
     assert not [e for e in events if e["event"] == "start"][1:]  # it started once
-    (stop,) = [e for e in events if e["event"] == "stop"]
-    assert stop["reason"] == "SIGUSR2" and stop["step"] == 1
+    (stopped,) = [e for e in events if e["event"] == "stop"]
+    assert stopped["reason"] == f"SIG{stop}" and stopped["step"] == 1
     assert [e["step"] for e in events if e["event"] == "checkpoint"] == [1]
     # Caught while it imported torch, before it read its data: from its first moment, not
     # once the run's own handlers were in (those come after the data and the health check).

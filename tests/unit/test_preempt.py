@@ -145,3 +145,47 @@ def test_the_launcher_asks_its_terminal_not_its_stderr_whether_a_ctrl_c_reached_
     alone = subprocess.run([sys.executable, "-c", probe], stdin=subprocess.DEVNULL,
                            capture_output=True, text=True, timeout=120, start_new_session=True)
     assert (at_terminal.stdout, alone.stdout) == ("True\n", "False\n"), (at_terminal, alone)
+
+
+@pytest.mark.parametrize("stop", ["USR1", "USR2", "TERM", "HUP", "XCPU"])
+def test_every_stop_signal_a_run_may_name_is_caught_from_the_start_and_is_the_runs(stop):
+    """run.stop_signal HUP or XCPU reaching a trainer before it read its config ended it
+    (the early catch knew only USR1, USR2 and TERM). INT is left out on purpose: a Ctrl-C
+    during start-up quits at once."""
+    import subprocess
+    import sys
+
+    from pyrecover.config import load
+
+    load(None, [f"run.stop_signal={stop}"])  # a name the config accepts
+    code = ("import os, signal\n"
+            "from pyrecover import preempt\n"
+            "preempt.catch_early()\n"
+            f"os.kill(os.getpid(), signal.SIG{stop})\n"
+            f"print(preempt.take_over(('{stop}', 'SIGTERM', 'SIGINT')).reason, flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout) == (0, f"SIG{stop}\n"), done.stderr
+
+
+def test_a_launcher_that_hands_its_stop_signals_on_gives_the_early_catch_of_others_back():
+    """`train --nproc N` handles the signals it hands on itself and never takes over a run's
+    flag: the early catch of the others (HUP for a run that stops on USR2) must end there
+    too, or that signal would be swallowed for the whole run."""
+    from pyrecover import preempt
+
+    others = (signal.SIGHUP, signal.SIGXCPU, signal.SIGUSR1)
+    before = {s: signal.getsignal(s) for s in (*others, signal.SIGUSR2)}
+    preempt.catch_early()
+    os.kill(os.getpid(), signal.SIGUSR2)  # before the launcher handled it: caught early
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the launcher's own handler
+    try:
+        caught, at, handlers = preempt.end_early((signal.SIGUSR2,))
+        assert caught == signal.SIGUSR2 and at is not None  # the launcher's to hand on
+        assert preempt.caught_early() is None
+        assert {s: signal.getsignal(s) for s in others} == {s: before[s] for s in others}
+        assert handlers == {signal.SIGUSR2: before[signal.SIGUSR2]}  # what it restores
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN  # the launcher's stays
+        assert preempt.end_early((signal.SIGUSR2,)) == (None, None, {})  # once only
+    finally:
+        signal.signal(signal.SIGUSR2, before[signal.SIGUSR2])
