@@ -135,10 +135,17 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                 return  # a Ctrl-C reached every worker already
         for p in procs:
             if p.poll() is None:
-                if catching(p.pid):
+                if takes(p, signum):
                     p.send_signal(signum)
                 else:  # its default action would end a worker still starting: held back
                     held.append((p, signum))
+
+    def takes(p: subprocess.Popen, signum: int) -> bool:
+        """takes: worker `p` catches stop signals (SIGTERM, which preempt.catch_early installs
+        last, from its first moment) and, for the run's stop signal, that one too (it caught
+        TERM alone, and a HUP that stops the run killed it). One it never catches (USR1 for a
+        run that stops on USR2) ends it as it always did."""
+        return catching(p.pid, signal.SIGTERM, *([signum] if signum == stop else []))
 
     forwarded = tuple(dict.fromkeys((*FORWARDED, *([stop] if stop else []))))
     old = {s: signal.signal(s, forward) for s in forwarded}
@@ -157,7 +164,7 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
         stopped_since: float | None = None  # since when every live worker is stopped
         while None in [p.poll() for p in procs]:
             for p, signum in list(held):
-                if p.poll() is not None or catching(p.pid):
+                if p.poll() is not None or takes(p, signum):
                     held.remove((p, signum))
                     if p.poll() is None:
                         p.send_signal(signum)
@@ -240,17 +247,17 @@ def ended(code: int) -> str:
     return f"exited with code {code}"
 
 
-def catching(pid: int) -> bool:
-    """catching tells whether process `pid` handles SIGTERM itself yet (its SigCgt mask in
-    /proc): a trainer does from its first moment (preempt.catch_early), so a stop signal sent
-    after that is a clean stop, and one sent before would end it. True where /proc cannot
-    tell (it has no such file or field)."""
+def catching(pid: int, *signums: int) -> bool:
+    """catching tells whether process `pid` handles each of `signums` (default: SIGTERM)
+    itself yet, from its SigCgt mask in /proc. True where /proc cannot tell (it has no such
+    file or field)."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             fields = dict(line.split(b":", 1) for line in f if b":" in line)
-        return bool(int(fields[b"SigCgt"].strip(), 16) >> (signal.SIGTERM - 1) & 1)
+        mask = int(fields[b"SigCgt"].strip(), 16)
     except (OSError, KeyError, ValueError):
         return True
+    return all(mask >> (s - 1) & 1 for s in signums or (signal.SIGTERM,))
 
 
 # A rank that found another one gone (1), or stopped cleanly (75), names no cause of its own.

@@ -1,0 +1,79 @@
+"""`train --nproc N`'s launcher hands a stop signal on to a worker only once the worker
+catches it: a worker that catches SIGTERM but not yet the run's stop signal is not ended by
+the stop signal's default action."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pyrecover.spawn import catching
+
+# Catches TERM from the start; the run's stop signal (HUP) only once the test says so.
+WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+folder = Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: (folder / "term").touch())
+(folder / "ready").touch()
+while not (folder / "go").exists():
+    time.sleep(0.01)
+signal.signal(signal.SIGHUP, lambda *_: os._exit(75))
+while True:
+    time.sleep(0.01)
+"""
+
+LAUNCHER = """
+import os, signal, sys
+from pyrecover import spawn
+sys.exit(spawn.spawn_local([sys.executable, "-c", sys.argv[1], sys.argv[2]], 1, os.environ,
+                           stop=signal.SIGHUP))
+"""
+
+
+def wait_for(what, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert proc.poll() is None, f"the launcher ended first: {proc.communicate()}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_stop_signal_waits_for_a_worker_that_catches_sigterm_but_not_it_yet(tmp_path: Path):
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER, str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists()
+                 and catching(launcher.pid, signal.SIGHUP), launcher)
+        os.kill(launcher.pid, signal.SIGHUP)
+        # Handed on after the HUP (the lower number goes first): once the worker has the TERM,
+        # the launcher has dealt with the HUP, which killed it where it was sent at once.
+        os.kill(launcher.pid, signal.SIGTERM)
+        wait_for((tmp_path / "term").exists, launcher)
+        (tmp_path / "go").touch()
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    assert launcher.returncode == 75, err
+
+
+def test_catching_reads_the_mask_of_each_signal_asked_about(tmp_path: Path):
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists():
+            assert worker.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        assert catching(worker.pid, signal.SIGTERM) and catching(worker.pid)
+        assert not catching(worker.pid, signal.SIGHUP)
+        assert not catching(worker.pid, signal.SIGTERM, signal.SIGHUP)
+    finally:
+        worker.kill()
+        worker.wait()
