@@ -13,6 +13,8 @@ if sys.argv[1:2] == ["train"]:
 
 try:
     from pyrecover.cli import main  # noqa: E402
+except KeyboardInterrupt:  # a Ctrl-C this early quits at once, as typer's own does: no trace
+    sys.exit(130)
 except ModuleNotFoundError as missing:  # run from a source tree over a Python without them
     top = (missing.name or "").split(".")[0]  # (`make gpu-check` where pip could not install)
     if not top or top == "pyrecover":

@@ -114,6 +114,8 @@ def main() -> None:
         startup.use_bytecode_cache()  # before torch is imported (startup.py)
     try:
         _main()
+    except KeyboardInterrupt:  # outside the command (typer's own exits 130): while it starts
+        sys.exit(130)
     except SystemExit as done:
         from pyrecover import dist
 
