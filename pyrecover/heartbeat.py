@@ -98,12 +98,45 @@ def start(addr: str, port: int, rank: int, world_size: int, node: str, attempt: 
         return None
 
 
+# What a store client says once its host closed the connection (it never reconnects): torch
+# printed a 20-line C++ trace at each use after it, so there is none (ClosedStore).
+CLOSED = ("broken pipe", "connection reset", "got 0 bytes", "connection refused")
+
+
+class StoreClosed(ConnectionError):
+    """The store's host closed this client's connection: the store is not used again."""
+
+
+class ClosedStore:
+    """ClosedStore is `store` until one of its uses fails because its host closed the
+    connection (rank 0's process, which holds it, has left); each later use raises
+    StoreClosed at once, without the C++ warning and trace torch prints for every failed
+    use. A timeout (a blip, a stopped host) is not a closed connection."""
+
+    def __init__(self, store: Any) -> None:
+        self._store, self.closed = store, False
+
+    def __getattr__(self, name: str) -> Any:
+        use = getattr(self._store, name)
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if self.closed:
+                raise StoreClosed("the store's host closed the connection")
+            try:
+                return use(*args, **kwargs)
+            except Exception as exc:
+                self.closed = any(text in str(exc).lower() for text in CLOSED)
+                raise
+        return guarded
+
+
 class Heartbeat:
     """Heartbeat beats for one rank in a thread (`start`), and finds silent peers (`silent`)."""
 
     def __init__(self, store: Any, rank: int, world_size: int, node: str,
                  every_s: float = BEAT_S) -> None:
-        self.store, self.rank, self.world_size, self.node = store, rank, world_size, node
+        self.rank, self.world_size, self.node = rank, world_size, node
+        self.store = ClosedStore(store)
         self._left = False  # stop() ran
         self._said_exit = True  # stop() wrote `exit`
         self._started = time.monotonic()
@@ -137,7 +170,7 @@ class Heartbeat:
                 # store that stopped answering (its host left: the job is ending) ends them.
                 failed += 1
                 log.debug("rank %d: heartbeat not written (%s)", self.rank, exc)
-                if failed >= GIVE_UP_FAILURES:
+                if failed >= GIVE_UP_FAILURES or self.store.closed:
                     return
 
     def stop(self, wait: bool = True) -> None:

@@ -249,3 +249,39 @@ def test_a_restarted_attempt_reads_neither_the_last_attempts_error_nor_its_exits
     for beats in (*old, new):
         beats.stop(wait=False)
     del server
+
+
+SERVER = """
+import time
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30), wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_store_whose_host_left_costs_one_cpp_trace_per_rank_not_one_per_use(capfd):
+    """Rank 0's process holds the store; once it has left (a hang report, an error), each
+    use of the store by a peer (a beat, the hang report's look for silent ranks, its `exit`,
+    its error) printed torch's 20-line C++ trace of the broken pipe: under `train --nproc N`
+    a hang flooded the log with them. The first failure that says the connection is closed
+    is the last use."""
+    import subprocess
+    import sys
+
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        beat = heartbeat.Heartbeat(heartbeat.connect("127.0.0.1", port), 1, 2, "node",
+                                   every_s=0.05).start()
+    finally:
+        server.kill()
+        server.wait()
+    beat._thread.join(timeout=60)  # its beats end once the store is gone
+    assert not beat._thread.is_alive()
+    assert beat.silent() is None  # nothing named, as before
+    beat.say_error("DataError: x")
+    assert beat.stopped_on_error() is None
+    beat.stop()
+    assert capfd.readouterr().err.count("TCPStore.cpp") <= 1
