@@ -126,16 +126,43 @@ def cancel(
     if not jobs:
         raise status_mod.StatusError(f"job {job} of {run_dir} is not queued or running ("
                                      f"{state or 'SLURM does not list it'}); nothing to cancel")
+    requeues = False
     for queued, said_state in jobs:
         RunDir(run_dir).event("cancel", job_id=queued, slurm_state=said_state)
-        said = cancel_job(queued)
-        if said:
-            raise status_mod.StatusError(f"could not cancel job {queued}: {said}")
+        done = cancel_job(queued)
+        if done.refused:
+            raise status_mod.StatusError(f"could not cancel job {queued}: {done.refused}")
+        if done.requeueable and said_state != "PENDING":
+            typer.echo(requeue_kept(queued, done.requeueable), err=True)
+            requeues = True
+            continue
         typer.echo(f"cancelled job {queued} ({said_state}): " + (
             "it was waiting in the queue and will not start" if said_state == "PENDING" else
             "it saves a checkpoint at its next step and is not requeued; `pyrecover status` "
             "shows when it has ended"),
             err=True)
+        if done.requeueable:  # (a job that never started runs no script to requeue it)
+            typer.echo(requeue_note(queued, done.requeueable), err=True)
+    if requeues:  # a fault of SLURM's, not the user's mistake
+        raise typer.Exit(1)
+
+
+def one_line(said: str) -> str:
+    return " ".join(said.split())
+
+
+def requeue_note(job: str, said: str) -> str:
+    return (f"note: scontrol did not make job {job} non-requeueable ({one_line(said)}); it "
+            "had not started, so nothing requeues it")
+
+
+def requeue_kept(job: str, said: str) -> str:
+    """requeue_kept is the error line for a running job (or array) scancel took while
+    `scontrol update Requeue=0` failed: its job script takes the cancel for a preemption."""
+    return (f"error: job {job} was cancelled, but scontrol did not make it non-requeueable "
+            f"({one_line(said)}): its job script takes the cancel for a preemption and may "
+            "requeue itself; if `pyrecover status` shows it queued again, "
+            f"`scancel {job}` while it waits ends it for good")
 
 
 def _cancel_sweep(sweep_dir: Path) -> None:
@@ -153,6 +180,7 @@ def _cancel_sweep(sweep_dir: Path) -> None:
                                      "has a job array in the queue is unknown: try again once "
                                      "SLURM answers (`squeue --me`)")
     arrays = list(dict.fromkeys(job.split("_")[0] for job, _ in queued))
+    requeues = False
     if not arrays:
         raise status_mod.StatusError(f"sweep {sweep_dir} has no job array queued or running; "
                                      "nothing to cancel")
@@ -162,10 +190,14 @@ def _cancel_sweep(sweep_dir: Path) -> None:
         for index, state in sorted(live.items()):
             RunDir(Path(sweep_dir) / trial_name(index)).event(
                 "cancel", job_id=f"{array}_{index}", slurm_state=state)
-        said = cancel_job(array)
-        if said:
-            raise status_mod.StatusError(f"could not cancel job array {array}: {said}")
+        done = cancel_job(array)
+        if done.refused:
+            raise status_mod.StatusError(f"could not cancel job array {array}: {done.refused}")
         running = [f"{trial_name(i)} ({s})" for i, s in sorted(live.items()) if s != "PENDING"]
+        if done.requeueable and running:
+            typer.echo(requeue_kept(array, done.requeueable), err=True)
+            requeues = True
+            continue
         waiting = [trial_name(i) for i, s in sorted(live.items()) if s == "PENDING"]
         parts = []
         if running:
@@ -177,3 +209,7 @@ def _cancel_sweep(sweep_dir: Path) -> None:
         parts = parts or ["no task of it requeues"]  # (SLURM listed none of its tasks)
         typer.echo(f"cancelled job array {array}: {'; '.join(parts)}; `pyrecover sweep status "
                    f"{sweep_dir}` shows when they have ended", err=True)
+        if done.requeueable:  # (only waiting tasks: none runs a script to requeue it)
+            typer.echo(requeue_note(array, done.requeueable), err=True)
+    if requeues:
+        raise typer.Exit(1)

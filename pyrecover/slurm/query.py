@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 # States of a job that is queued or running (squeue's %T): such a job still starts a trainer.
 LIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
@@ -172,20 +173,29 @@ def signal_job(job_id: str, signal: str) -> None:
                    timeout=30)
 
 
-def cancel_job(job_id: str) -> str | None:
+class Cancelled(NamedTuple):
+    """What `cancel_job` got: `refused`, scancel's complaint (the job was not cancelled);
+    `requeueable`, scontrol's complaint where scancel took a job that scontrol did not make
+    non-requeueable (a running job script then requeues it)."""
+
+    refused: str | None
+    requeueable: str | None
+
+
+def cancel_job(job_id: str) -> Cancelled:
     """cancel_job ends the job for good: a pyrecover job script takes scancel's SIGTERM for a
     preemption and requeues itself, so the job is made non-requeueable first (`scontrol
-    update Requeue=0`). Returns scancel's complaint, or None once it took the job (a job
-    that already ended is no error to callers that ignore the answer)."""
-    said = None
+    update Requeue=0`). A job that already ended is no error to callers that ignore the
+    answer."""
+    said = []
     for argv in (["scontrol", "update", f"JobId={job_id}", "Requeue=0"], ["scancel", job_id]):
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-            said = None if done.returncode == 0 else (done.stderr.strip() or
-                                                      f"{argv[0]} exited {done.returncode}")
+            said.append(None if done.returncode == 0 else (done.stderr.strip() or
+                                                           f"{argv[0]} exited {done.returncode}"))
         except (OSError, subprocess.TimeoutExpired) as exc:
-            said = f"{argv[0]}: {exc}"
-    return said
+            said.append(f"{argv[0]}: {exc}")
+    return Cancelled(refused=said[1], requeueable=said[0] if said[1] is None else None)
 
 
 def queued_jobs(script: str | Path) -> list[tuple[str, str]] | None:

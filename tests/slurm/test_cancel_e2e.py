@@ -1,0 +1,90 @@
+"""`pyrecover cancel` on a real local SLURM cluster when SLURM takes only half of it.
+
+The cancel is two commands: `scontrol update Requeue=0` (so that the job script does not take
+the cancel for a preemption and requeue itself), then `scancel`. A controller may refuse the
+first (a site's policy, a job it will not change) and still take the second.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from localslurm import LocalSlurm
+
+pytestmark = pytest.mark.slurm
+
+SLEEPER = "#!/bin/bash\nsleep 300\n"
+
+
+def refusing_scontrol(folder: Path, cluster: LocalSlurm) -> dict[str, str]:
+    """An environment whose `scontrol` refuses every `update` as a controller that does not
+    allow it answers, and is the real scontrol for everything else. It stands in for a site
+    whose SLURM refuses the change: the local cluster, run by root here, never does."""
+    real = shutil.which("scontrol", path=cluster.client_env()["PATH"])
+    folder.mkdir()
+    stand_in = folder / "scontrol"
+    stand_in.write_text(
+        "#!/bin/bash\n"
+        'if [ "$1" = update ]; then\n'
+        '    echo "slurm_update error: Access/permission denied" >&2\n'
+        "    exit 1\n"
+        "fi\n"
+        f'exec "{real}" "$@"\n')
+    stand_in.chmod(0o755)
+    env = cluster.client_env()
+    env["PATH"] = os.pathsep.join([str(folder), env["PATH"]])
+    return env
+
+
+def run_with_job(cluster: LocalSlurm, tmp_path: Path, *sbatch_args: str) -> tuple[Path, int]:
+    """A run directory whose job.sbatch (a sleep) is queued as a launch would queue it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").touch()  # what marks a run directory
+    script = run_dir / "job.sbatch"
+    script.write_text(SLEEPER)
+    out = cluster.run("sbatch", "--parsable", "--requeue", "-o", str(tmp_path / "job.out"),
+                      *sbatch_args, str(script))
+    return run_dir, int(out.stdout.strip().split(";")[0])
+
+
+def cancel(run_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pyrecover", "cancel", str(run_dir)], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_running_job_scontrol_would_not_make_non_requeueable_is_said_and_fails_the_cancel(
+        local_slurm, jobs, tmp_path):
+    """scancel took the job, but its script takes that for a preemption and requeues: the
+    cancel is not for good, and the user has to hear it (it was dropped: exit 0, no word)."""
+    run_dir, job_id = run_with_job(local_slurm, tmp_path)
+    jobs.append(job_id)
+    local_slurm.wait_job(job_id, states=("RUNNING",), timeout=60)
+    done = cancel(run_dir, refusing_scontrol(tmp_path / "bin", local_slurm))
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"error: job {job_id} was cancelled, but scontrol did not make it non-requeueable "
+        "(slurm_update error: Access/permission denied): its job script takes the cancel for "
+        "a preemption and may requeue itself; if `pyrecover status` shows it queued again, "
+        f"`scancel {job_id}` while it waits ends it for good")
+    assert "Traceback" not in done.stderr
+
+
+def test_a_waiting_job_is_cancelled_for_good_though_scontrol_refused_and_the_user_hears_it(
+        local_slurm, jobs, tmp_path):
+    """A job that never started runs no script that could requeue it: cancelled for good,
+    with a note of what scontrol said."""
+    run_dir, job_id = run_with_job(local_slurm, tmp_path, "--hold")
+    jobs.append(job_id)
+    done = cancel(run_dir, refusing_scontrol(tmp_path / "bin", local_slurm))
+    assert done.returncode == 0, done.stderr
+    assert local_slurm.wait_job(job_id, timeout=60) == "CANCELLED"
+    assert f"cancelled job {job_id} (PENDING): it was waiting in the queue" in done.stderr
+    assert (f"note: scontrol did not make job {job_id} non-requeueable (slurm_update error: "
+            "Access/permission denied); it had not started, so nothing requeues it"
+            ) in done.stderr
