@@ -173,6 +173,11 @@ def init_profile(path: str | Path, sinfo_text: str | None,
     if target.exists():
         raise LaunchError(f"{target} already exists: edit it, or pass another path to "
                           "--init-cluster")
+    blocker = next((folder for folder in target.parents if folder.exists()), None)
+    if blocker is not None and not blocker.is_dir():  # the OS said "File exists"
+        raise LaunchError(f"cannot write {target}: {blocker} is a file, not a folder; name a "
+                          "path in a folder, e.g. --init-cluster "
+                          f"{shlex.quote(str(blocker.parent / 'cluster.yaml'))}")
     partitions = parse_sinfo(sinfo_text) if sinfo_text else None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

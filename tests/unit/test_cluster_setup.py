@@ -192,3 +192,17 @@ def test_sweep_launch_says_the_same_notes_for_its_array_and_each_swept_data_path
         "note: partition debug has 2 node(s) with 4 or more GPUs (sinfo), and this job asks "
         "for 3: SLURM would keep it pending for good; check --nodes, --gpus-per-node"
     ], done.stderr  # (no --spare-nodes, which sweep launch lacks)
+
+
+@pytest.mark.parametrize("under", ["cluster.yaml", "sub/cluster.yaml"])
+def test_init_cluster_under_a_file_names_the_file_in_the_way(tmp_path, under):
+    """A folder of the path that is a file: it said `cannot write notes/cluster.yaml: File
+    exists`, the OS's words, naming neither the file in the way nor what to do."""
+    env = {"HOME": str(tmp_path), "PATH": str(Path(sys.executable).parent)}  # no sinfo here
+    (tmp_path / "notes").write_text("mine\n")
+    done = pyrecover("launch", "--init-cluster", f"notes/{under}", env=env, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: cannot write notes/{under}: notes is a file, not a folder; name a path in a "
+        "folder, e.g. --init-cluster cluster.yaml"]
+    assert (tmp_path / "notes").read_text() == "mine\n"
