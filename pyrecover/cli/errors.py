@@ -13,7 +13,7 @@ import typer
 
 from pyrecover.preempt import EXIT_USER_ERROR
 
-__all__ = ["EXIT_USER_ERROR", "finite", "folder", "user_error"]
+__all__ = ["EXIT_USER_ERROR", "finite", "folder", "one_config", "user_error"]
 
 
 def user_error(problem: BaseException | str) -> typer.Exit:
@@ -37,3 +37,14 @@ def folder(value: str, flag: str) -> Path:
     if not value.strip():
         raise user_error(f"{flag} is empty; give a folder, e.g. {flag} /scratch/$USER/bench")
     return Path(os.path.expanduser(value))
+
+
+def one_config(configs: list[Path] | None) -> Path | None:
+    """one_config is the one --config given, if any. The option is declared repeatable only
+    to see a second one: click keeps the last of a single option, and `--config a.yaml
+    --config b.yaml` ran b.yaml alone, with nothing said (the files are not merged)."""
+    if configs and len(configs) > 1:
+        raise user_error(f"--config given {len(configs)} times "
+                         f"({', '.join(map(str, configs))}): a run reads one experiment YAML; "
+                         "merge them into one file, or override its keys with --set KEY=VALUE")
+    return configs[0] if configs else None

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from pyrecover.cli import site_options as site
-from pyrecover.cli.errors import user_error
+from pyrecover.cli.errors import one_config, user_error
 
 if TYPE_CHECKING:
     from pyrecover.config import Config
@@ -29,9 +29,9 @@ P = site.P  # help text: which options override the profile
 
 def launch(
     ctx: typer.Context,
-    config: Annotated[Path | None, typer.Option(
-        "--config", "-c", help="Experiment YAML (e.g. launch/experiments/gpt-125m.yaml); "
-        "without it the demo defaults.")] = None,
+    configs: Annotated[list[Path] | None, typer.Option(
+        "--config", "-c", metavar="<path>", help="Experiment YAML (e.g. "
+        "launch/experiments/gpt-125m.yaml); without it the demo defaults.")] = None,
     cluster: site.Cluster = None,
     init_cluster: Annotated[str | None, typer.Option(
         metavar="PATH", help="Write a commented starting cluster profile to PATH (from sinfo "
@@ -91,9 +91,11 @@ def launch(
     from pyrecover.slurm import LaunchError, query, render, sinfo, submit
     from pyrecover.slurm import profile as profile_mod
 
+    config = one_config(configs)
     if init_cluster is not None:
-        ignored = [f"--{name.replace('_', '-')}" for name in ctx.params if name != "init_cluster"
-                   and getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
+        ignored = [next(o for o in p.opts if o.startswith("--")) for p in ctx.command.params
+                   if p.name not in ("init_cluster", None) and getattr(
+                       ctx.get_parameter_source(p.name), "name", "") == "COMMANDLINE"]
         if ignored:  # it writes what sinfo says and launches nothing
             raise user_error(f"--init-cluster writes a starting profile from sinfo and launches "
                              f"nothing, so {', '.join(ignored)} would be ignored: run it alone, "

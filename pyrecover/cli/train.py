@@ -9,18 +9,18 @@ from typing import Annotated
 
 import typer
 
-from pyrecover.cli.errors import user_error
+from pyrecover.cli.errors import one_config, user_error
 
-ConfigOpt = Annotated[Path | None, typer.Option(
-    "--config", "-c", help="Experiment YAML (e.g. launch/experiments/tiny.yaml). "
-    "Without it the embedded CPU demo defaults are used.")]
+ConfigOpt = Annotated[list[Path] | None, typer.Option(
+    "--config", "-c", metavar="<path>", help="Experiment YAML (e.g. "
+    "launch/experiments/tiny.yaml). Without it the embedded CPU demo defaults are used.")]
 SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", "-s", metavar="KEY=VALUE",
     help="Override one config key, e.g. --set train.max_steps=100. Repeatable.")]
 
 
 def train(
-    config: ConfigOpt = None,
+    configs: ConfigOpt = None,
     overrides: SetOpt = None,
     run_dir: Annotated[str | None, typer.Option(
         help="Run directory; default <run.storage>/<run.exp_name>.")] = None,
@@ -56,6 +56,7 @@ def train(
     from pyrecover.rundir import RunDir
 
     spawn.follow_launcher(os.environ)  # a worker of `train --nproc N` ends with it
+    config = one_config(configs)
     if run_dir is not None and not run_dir.strip():  # an unset shell variable: not here
         raise user_error("--run-dir is empty; give the run's folder, e.g. --run-dir runs/NAME")
     cfg = config_mod.load(config, overrides or [])

@@ -89,6 +89,11 @@ def committed_run(root):
      "not a readable parquet file"),
     (["train", "--config", str(TINY), "--run-dir", "run/run.yaml"],
      "run directory 'run/run.yaml' is a file, not a folder"),  # was 'File exists', exit 1
+    (["train", "--config", str(TINY), "-c", "b.yaml"],  # was b.yaml alone, silently
+     f"--config given 2 times ({TINY}, b.yaml): a run reads one experiment YAML; merge them "
+     "into one file, or override its keys with --set KEY=VALUE"),
+    (["launch", "--config", "a.yaml", "--config", "b.yaml", "--dry-run"],
+     "--config given 2 times (a.yaml, b.yaml)"),
     (["demo", "--workdir", ""], "--workdir is empty"),  # was the current folder
     (["demo", "--workdir", "run/run.yaml"], "--workdir run/run.yaml is a file, not a folder"),
     (["launch", "--init-cluster", ""], "--init-cluster is empty"),
