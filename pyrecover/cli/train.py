@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -132,4 +133,10 @@ def demo(
     if Path(workdir).exists() and not Path(workdir).is_dir():
         raise user_error(f"--workdir {workdir} is a file, not a folder; give a folder, e.g. "
                          "--workdir runs")
+    try:  # before the corpus is built: a folder that cannot be had is the user's to fix
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=workdir).close()
+    except OSError as exc:
+        raise user_error(f"--workdir {workdir} cannot be written ({exc.strerror or exc}); give "
+                         "a folder this user can write, e.g. --workdir runs") from None
     raise typer.Exit(demo_mod.run(Path(workdir), nproc))

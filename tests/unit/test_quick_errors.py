@@ -96,6 +96,9 @@ def committed_run(root):
      "--config given 2 times (a.yaml, b.yaml)"),
     (["demo", "--workdir", ""], "--workdir is empty"),  # was the current folder
     (["demo", "--workdir", "run/run.yaml"], "--workdir run/run.yaml is a file, not a folder"),
+    (["demo", "--workdir", "/proc/pyrecover-demo"],  # was exit 1, after building a corpus
+     "--workdir /proc/pyrecover-demo cannot be written (No such file or directory); give a "
+     "folder this user can write, e.g. --workdir runs"),
     (["launch", "--init-cluster", ""], "--init-cluster is empty"),
     (["launch", "--init-cluster", "run"], "is a folder; --init-cluster writes a file"),
     (["ckpt", "export", "run", "--out", "m.safetensors", "--format", "torch"],
