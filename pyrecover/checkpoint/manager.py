@@ -175,9 +175,9 @@ class CheckpointManager:
             newest = store.committed_steps(self.root)
             raise said_once(SaveFailed(  # every rank's error, gathered at the commit
                 f"the checkpoint of step {step} could not be written ({self.last_error}); "
-                + (f"the newest valid one is step {newest[0][0]}" if newest
-                   else "there is no valid checkpoint yet")
-                + ". Fix the storage, then run the same command again to resume"), self.rank)
+                + (f"the newest valid one is step {newest[0][0]}" if newest else "there is no "
+                   "valid checkpoint yet") + "; fix the storage, then run the same command again "
+                + ("to resume from it" if newest else "to start over at step 0")), self.rank)
 
     def persist_after_failure(self) -> None:
         """persist_after_failure saves what this rank holds after a peer died (memory mode).

@@ -95,3 +95,15 @@ def test_a_convert_on_a_full_disk_is_one_line_exit_1_and_leaves_nothing(tmp_path
                            str(out / "new" / "state.pt" / "x.pt"))
     assert under_file.returncode == 2
     assert "is a file, not a folder" in one_error_line(under_file.stderr)
+
+
+def test_a_failed_final_save_of_a_run_without_checkpoints_says_it_starts_over(tmp_path, corpus):
+    """It said `run the same command again to resume`, where there is nothing to resume."""
+    done = pyrecover("train", *tiny_args(tmp_path, corpus, "run", "train.max_steps=4",
+                                         "checkpoint.interval=100"), max_file_bytes=300_000)
+    assert done.returncode == 1, done.stderr
+    line = one_error_line(done.stderr)
+    assert "the checkpoint of step 4 could not be written" in line and "File too large" in line
+    assert line.endswith("there is no valid checkpoint yet; fix the storage, then run the same "
+                         "command again to start over at step 0"), line
+    assert not (tmp_path / "run" / "checkpoints" / "step-4").exists()
