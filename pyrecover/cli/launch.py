@@ -174,14 +174,19 @@ def _refuse_live(run: RunDir) -> None:
 
     end = (f"let it run, or end it with `pyrecover cancel {shlex.quote(str(run.root))}` first, "
            "or launch under another --exp-name")
-    jobs = query.queued_jobs(run.job_script)
+    jobs = query.queued_jobs(run.job_script, ending=True)  # a requeue passes COMPLETING
     if jobs is None and run.job_script.exists():  # launched before: its job may be queued
         raise LaunchError(f"squeue did not answer, so whether run {run.root} already has a "
                           "job in the queue is unknown: try again once SLURM answers "
                           "(`squeue --me`)")
-    if jobs:
-        raise LaunchError(f"run {run.root} already has SLURM job {jobs[0][0]} ({jobs[0][1]}): "
+    live = [job for job in jobs or [] if job[1] != "COMPLETING"]
+    if live:
+        raise LaunchError(f"run {run.root} already has SLURM job {live[0][0]} ({live[0][1]}): "
                           + end)
+    if jobs:
+        raise LaunchError(f"run {run.root} already has SLURM job {jobs[0][0]} (COMPLETING): it "
+                          "is ending, or being requeued to run again; launch again once "
+                          "`squeue --me` no longer lists it")
     holder = live_holder(run)
     if holder:  # started some other way (a job script of one's own, srun by hand)
         raise LaunchError(f"run {run.root} is in use by a live run ({holder}): " + end)

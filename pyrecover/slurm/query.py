@@ -198,11 +198,12 @@ def cancel_job(job_id: str) -> Cancelled:
     return Cancelled(refused=said[1], requeueable=said[0] if said[1] is None else None)
 
 
-def queued_jobs(script: str | Path) -> list[tuple[str, str]] | None:
+def queued_jobs(script: str | Path, ending: bool = False) -> list[tuple[str, str]] | None:
     """queued_jobs is [(job id, state)] of this user's jobs that run the batch script
     `script` (squeue's %o, the absolute path sbatch recorded) and are queued or running: a
     run's own jobs, also those that never started and so left no event in the run directory.
-    COMPLETING jobs are left out (they are ending). None when squeue does not answer."""
+    COMPLETING jobs are left out (they are ending) unless `ending`: one being requeued is
+    COMPLETING too, and runs again. None when squeue does not answer."""
     try:
         out = subprocess.run(["squeue", "-h", "--me", "-o", "%i|%T|%o"], capture_output=True,
                              text=True, timeout=10)
@@ -210,16 +211,18 @@ def queued_jobs(script: str | Path) -> list[tuple[str, str]] | None:
         return None
     if out.returncode != 0:
         return None
-    return parse_queued(out.stdout, script)
+    return parse_queued(out.stdout, script, ending)
 
 
-def parse_queued(text: str, script: str | Path) -> list[tuple[str, str]]:
-    """parse_queued reads `squeue -o %i|%T|%o` lines: the live jobs whose script is `script`."""
+def parse_queued(text: str, script: str | Path, ending: bool = False) -> list[tuple[str, str]]:
+    """parse_queued reads `squeue -o %i|%T|%o` lines: the live jobs whose script is `script`
+    (COMPLETING ones too where `ending`)."""
     want = os.path.realpath(script)
     jobs = []
     for line in text.splitlines():
         parts = line.strip().split("|", 2)
-        if len(parts) != 3 or parts[1] not in LIVE_STATES or parts[1] == "COMPLETING":
+        if len(parts) != 3 or parts[1] not in LIVE_STATES or (
+                parts[1] == "COMPLETING" and not ending):
             continue
         if os.path.realpath(parts[2]) == want:
             jobs.append((parts[0], parts[1]))

@@ -18,7 +18,7 @@ def test_a_run_s_queued_jobs_are_the_live_ones_that_run_its_own_script(tmp_path:
     text = "\n".join([
         f"101|PENDING|{script}",
         f"102|RUNNING|{tmp_path / 'link' / 'a' / 'job.sbatch'}",
-        f"103|COMPLETING|{script}",  # ending: a new job waits for its lock, no more
+        f"103|COMPLETING|{script}",  # ending, or being requeued
         f"104|REQUEUE_HOLD|{script}",
         f"105|RUNNING|{other}",
         f"106_3|RUNNING|{script}",  # an array task's id
@@ -29,6 +29,8 @@ def test_a_run_s_queued_jobs_are_the_live_ones_that_run_its_own_script(tmp_path:
     assert query.parse_queued(text, script) == [
         ("101", "PENDING"), ("102", "RUNNING"), ("104", "REQUEUE_HOLD"), ("106_3", "RUNNING")]
     assert query.parse_queued(text, other) == [("105", "RUNNING")]
+    # launch's question: a job being requeued is COMPLETING too, and runs again
+    assert ("103", "COMPLETING") in query.parse_queued(text, script, ending=True)
     assert query.parse_queued("", script) == []
 
 
