@@ -39,12 +39,17 @@ def folder(value: str, flag: str) -> Path:
     return Path(os.path.expanduser(value))
 
 
-def one_config(configs: list[Path] | None) -> Path | None:
+def one_config(configs: list[str] | None) -> Path | None:
     """one_config is the one --config given, if any. The option is declared repeatable only
     to see a second one: click keeps the last of a single option, and `--config a.yaml
-    --config b.yaml` ran b.yaml alone, with nothing said (the files are not merged)."""
+    --config b.yaml` ran b.yaml alone, with nothing said (the files are not merged). It is
+    taken as text: an empty one (`--config "$CFG"`, the variable unset) would be the Path
+    '.', "a folder, not a YAML file", naming what the user never wrote."""
     if configs and len(configs) > 1:
         raise user_error(f"--config given {len(configs)} times "
-                         f"({', '.join(map(str, configs))}): a run reads one experiment YAML; "
+                         f"({', '.join(configs)}): a run reads one experiment YAML; "
                          "merge them into one file, or override its keys with --set KEY=VALUE")
-    return configs[0] if configs else None
+    if configs and not configs[0].strip():
+        raise user_error("--config is empty; name the experiment YAML, e.g. --config "
+                         "launch/experiments/tiny.yaml")
+    return Path(configs[0]) if configs else None

@@ -29,7 +29,7 @@ P = site.P  # help text: which options override the profile
 
 def launch(
     ctx: typer.Context,
-    configs: Annotated[list[Path] | None, typer.Option(
+    configs: Annotated[list[str] | None, typer.Option(
         "--config", "-c", metavar="<path>", help="Experiment YAML (e.g. "
         "launch/experiments/gpt-125m.yaml); without it the demo defaults.")] = None,
     cluster: site.Cluster = None,

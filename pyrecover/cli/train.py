@@ -12,7 +12,7 @@ import typer
 
 from pyrecover.cli.errors import one_config, user_error
 
-ConfigOpt = Annotated[list[Path] | None, typer.Option(
+ConfigOpt = Annotated[list[str] | None, typer.Option(
     "--config", "-c", metavar="<path>", help="Experiment YAML (e.g. "
     "launch/experiments/tiny.yaml). Without it the embedded CPU demo defaults are used.")]
 SetOpt = Annotated[list[str] | None, typer.Option(

@@ -94,6 +94,9 @@ def committed_run(root):
      "into one file, or override its keys with --set KEY=VALUE"),
     (["launch", "--config", "a.yaml", "--config", "b.yaml", "--dry-run"],
      "--config given 2 times (a.yaml, b.yaml)"),
+    (["train", "--config", ""],  # an unset variable: it said "config file '.' is a folder"
+     "--config is empty; name the experiment YAML, e.g. --config launch/experiments/tiny.yaml"),
+    (["launch", "--config", " ", "--dry-run"], "--config is empty"),
     (["demo", "--workdir", ""], "--workdir is empty"),  # was the current folder
     (["demo", "--workdir", "run/run.yaml"], "--workdir run/run.yaml is a file, not a folder"),
     (["demo", "--workdir", "/proc/pyrecover-demo"],  # was exit 1, after building a corpus
