@@ -122,6 +122,7 @@ def launch(
     cfg, batch_note = resolve_for_run(cfg, prof.nodes * prof.gpus_per_node)
     prof, image_notes = site.dry_run_image(prof, cwd) if dry_run else (prof, [])
     spec = render.job_spec(cfg, prof, sys.executable)
+    _refuse_file_in_the_way(spec.run)
     script = render.render(spec)
     argv = submit.sbatch_argv(spec.run.job_script)
     idle = ["--max-restarts-in-job has no effect without spare nodes (a failure requeues); "
@@ -190,6 +191,19 @@ def _refuse_live(run: RunDir) -> None:
     holder = live_holder(run)
     if holder:  # started some other way (a job script of one's own, srun by hand)
         raise LaunchError(f"run {run.root} is in use by a live run ({holder}): " + end)
+
+
+def _refuse_file_in_the_way(run: RunDir) -> None:
+    """A run directory that cannot be made because a file is where it, or a folder above it,
+    goes is a choice of run.storage or --exp-name: refused before --dry-run shows a script
+    that could never be written (the launch said `storage: cannot create`, exit 1)."""
+    from pyrecover.slurm import LaunchError
+
+    blocker = next((path for path in (run.root, *run.root.parents) if path.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise LaunchError(f"run directory {run.root} cannot be made: {blocker} is a file, not "
+                          "a folder; set run.storage to a folder of runs (--set "
+                          "run.storage=DIR), or choose another --exp-name")
 
 
 def _notes(cfg: Config, spec: JobSpec) -> list[str]:
