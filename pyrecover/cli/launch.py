@@ -108,8 +108,8 @@ def launch(
         return
     cwd = os.getcwd()
     sets = list(overrides or [])
-    sets += [f"checkpoint.mode={mode}"] if mode is not None else []
-    sets += [f"run.exp_name={exp_name}"] if exp_name is not None else []
+    sets += _shorthand("--mode", "checkpoint.mode", mode, sets)
+    sets += _shorthand("--exp-name", "run.exp_name", exp_name, sets)
     cfg = config_mod.load(config, sets)
     cfg = config_mod.from_dict(config_mod.to_dict(render.absolute_paths(cfg, cwd)))
     prof = site.resolve(
@@ -191,6 +191,20 @@ def _refuse_live(run: RunDir) -> None:
     holder = live_holder(run)
     if holder:  # started some other way (a job script of one's own, srun by hand)
         raise LaunchError(f"run {run.root} is in use by a live run ({holder}): " + end)
+
+
+def _shorthand(flag: str, key: str, value: str | None, sets: list[str]) -> list[str]:
+    """_shorthand is `--set KEY=VALUE` for `flag` VALUE (--mode, --exp-name). Given both ways
+    with another value, it is refused: the shorthand won, even over a --set after it (where
+    of two --set the later wins)."""
+    if value is None:
+        return []
+    given = [item.partition("=")[2].strip() for item in sets
+             if item.partition("=")[0].strip() == key]
+    if given and given[-1] != value:  # (the last --set of the key is the one it set)
+        raise user_error(f"{flag} {value} and --set {key}={given[-1]} disagree: give {key} "
+                         "once")
+    return [f"{key}={value}"]
 
 
 def _refuse_file_in_the_way(run: RunDir) -> None:

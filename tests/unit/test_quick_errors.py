@@ -97,6 +97,11 @@ def committed_run(root):
     (["train", "--config", ""],  # an unset variable: it said "config file '.' is a folder"
      "--config is empty; name the experiment YAML, e.g. --config launch/experiments/tiny.yaml"),
     (["launch", "--config", " ", "--dry-run"], "--config is empty"),
+    # the shorthand won silently, even over a --set after it
+    (["launch", "--mode", "dcp", "--set", "checkpoint.mode=memory", "--dry-run"],
+     "--mode dcp and --set checkpoint.mode=memory disagree: give checkpoint.mode once"),
+    (["launch", "--set", "run.exp_name=a", "--exp-name", "b", "--dry-run"],
+     "--exp-name b and --set run.exp_name=a disagree"),
     (["demo", "--workdir", ""], "--workdir is empty"),  # was the current folder
     (["demo", "--workdir", "run/run.yaml"], "--workdir run/run.yaml is a file, not a folder"),
     (["demo", "--workdir", "/proc/pyrecover-demo"],  # was exit 1, after building a corpus
