@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pyrecover import config as config_mod
 from pyrecover import datasource
-from pyrecover.rundir import RunDir, read_jsonl
+from pyrecover.rundir import RunDir, RunLocked, live_holder, read_jsonl
 
 KILL_AFTER_STEPS = 30  # steps past the first checkpoint: work the kill throws away
 DEMO_RUN = "local-demo"  # <workdir>/local-demo, replaced at every demo
@@ -41,6 +41,10 @@ def run(workdir: Path, nproc: int) -> int:
                  f"run.exp_name={DEMO_RUN}"]
     cfg = config_mod.load(None, overrides)
     run_dir = RunDir(cfg.run_dir())
+    holder = live_holder(run_dir)  # (another demo in this folder): not removed under it
+    if holder:
+        raise RunLocked(f"the previous demo run {run_dir.root} is in use by a live run "
+                        f"({holder}): let it finish, or give this demo another --workdir")
     if not corpus.is_file():
         stdlib = sysconfig.get_paths()["stdlib"]
         say(f"building the corpus from the standard library's .py files in {stdlib}")

@@ -79,3 +79,22 @@ def test_a_demo_stopped_by_sigterm_stops_its_run_cleanly_and_leaves_no_process(t
     stops = [e for e in read_jsonl(tmp_path / "local-demo" / "events.jsonl")
              if e["event"] == "stop"]
     assert [s["reason"] for s in stops] == ["SIGTERM"]  # a clean stop, saved
+
+
+def test_a_demo_leaves_a_live_demo_run_in_the_same_workdir_alone(tmp_path):
+    """A second `pyrecover demo` in the same folder (another terminal) removed the first's
+    run directory under its live trainer and trained in its place."""
+    from pyrecover.rundir import RunDir, RunLock
+
+    run = RunDir(tmp_path / "local-demo")
+    run.create()
+    (run.root / "mine").write_text("the live run's\n")
+    with RunLock(run):
+        done = pyrecover("demo", "--workdir", str(tmp_path), timeout=120)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout == ""  # nothing built, removed or started
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"error: the previous demo run {run.root} is in use by a live run "
+                           "(host "), line
+    assert line.endswith("): let it finish, or give this demo another --workdir"), line
+    assert (run.root / "mine").read_text() == "the live run's\n"
