@@ -139,4 +139,10 @@ def demo(
     except OSError as exc:
         raise user_error(f"--workdir {workdir} cannot be written ({exc.strerror or exc}); give "
                          "a folder this user can write, e.g. --workdir runs") from None
+    previous = Path(workdir) / demo_mod.DEMO_RUN  # (rmtree: "Not a directory", exit 1)
+    if previous.is_symlink() or (previous.exists() and not previous.is_dir()):
+        what = "a symbolic link" if previous.is_symlink() else "a file"
+        raise user_error(f"{previous} is {what} where the demo's run folder goes (every demo "
+                         "replaces that folder): move it away, or give this demo another "
+                         "--workdir")
     raise typer.Exit(demo_mod.run(Path(workdir), nproc))

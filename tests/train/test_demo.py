@@ -98,3 +98,15 @@ def test_a_demo_leaves_a_live_demo_run_in_the_same_workdir_alone(tmp_path):
                            "(host "), line
     assert line.endswith("): let it finish, or give this demo another --workdir"), line
     assert (run.root / "mine").read_text() == "the live run's\n"
+
+
+def test_a_file_where_the_demo_run_goes_is_one_line_exit_2_and_kept(tmp_path):
+    """It built the corpus, then said `error: .../local-demo: Not a directory`, exit 1."""
+    (tmp_path / "local-demo").write_text("mine\n")
+    done = pyrecover("demo", "--workdir", str(tmp_path), timeout=120)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"error: {tmp_path / 'local-demo'} is a file where the demo's run folder goes (every "
+        "demo replaces that folder): move it away, or give this demo another --workdir"]
+    assert (tmp_path / "local-demo").read_text() == "mine\n"
