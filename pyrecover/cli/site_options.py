@@ -17,9 +17,10 @@ P = "cluster profile"
 LAUNCHERS = "srun|torchrun|spawn|none"
 CHECKPOINT_MODES = "vanilla|dcp|memory"
 
-Cluster = Annotated[Path | None, typer.Option(
-    help="Cluster profile YAML (e.g. launch/clusters/local.yaml); the options below override "
-    "its keys. Default: $PYRECOVER_CLUSTER, else ~/.config/pyrecover/cluster.yaml.")]
+Cluster = Annotated[str | None, typer.Option(  # text: an empty one is not the Path '.'
+    metavar="<path>", help="Cluster profile YAML (e.g. launch/clusters/local.yaml); the "
+    "options below override its keys. Default: $PYRECOVER_CLUSTER, else "
+    "~/.config/pyrecover/cluster.yaml.")]
 Nodes = Annotated[int | None, typer.Option(help=f"Nodes, per trial in a sweep ({P}: nodes).")]
 Partition = Annotated[str | None, typer.Option(help=f"Partition ({P}: partition).")]
 Account = Annotated[str | None, typer.Option(help=f"Account ({P}: account).")]
@@ -62,7 +63,7 @@ SbatchExtra = Annotated[list[str] | None, typer.Option(
     f"({P}: sbatch_extra).")]
 
 
-def resolve(cluster: Path | None, bind: list[str] | None, sbatch_extra: list[str] | None,
+def resolve(cluster: str | None, bind: list[str] | None, sbatch_extra: list[str] | None,
             **overrides: Any):
     """resolve is the profile a submission uses (pyrecover.slurm.profile.resolve): the
     options given (None: not given) over the profile found from `cluster` or the

@@ -102,6 +102,10 @@ def find_profile(option: str | Path | None, environ: Mapping[str, str], home: st
     """find_profile picks the cluster profile: `--cluster`, else $PYRECOVER_CLUSTER, else
     ~/.config/pyrecover/cluster.yaml when it exists. Raises LaunchError when none is set. A
     leading `~` is the home folder (bash leaves it in `--cluster=~/site.yaml`)."""
+    if option is not None and not str(option).strip():  # `--cluster "$X"`, X unset: not '.'
+        raise LaunchError("--cluster is empty; name a cluster profile YAML, e.g. --cluster "
+                          "launch/clusters/local.yaml, or leave it out (then "
+                          f"${PROFILE_ENV}, else ~/{USER_PROFILE})")
     if option is not None:
         return Path(option).expanduser()
     if environ.get(PROFILE_ENV):

@@ -97,6 +97,9 @@ def committed_run(root):
     (["train", "--config", ""],  # an unset variable: it said "config file '.' is a folder"
      "--config is empty; name the experiment YAML, e.g. --config launch/experiments/tiny.yaml"),
     (["launch", "--config", " ", "--dry-run"], "--config is empty"),
+    (["launch", "--cluster", "", "--dry-run"],  # it said "cluster profile '.' is a folder"
+     "--cluster is empty; name a cluster profile YAML, e.g. --cluster "
+     "launch/clusters/local.yaml, or leave it out"),
     # the shorthand won silently, even over a --set after it
     (["launch", "--mode", "dcp", "--set", "checkpoint.mode=memory", "--dry-run"],
      "--mode dcp and --set checkpoint.mode=memory disagree: give checkpoint.mode once"),
