@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from pyrecover.cli.errors import user_error
+
 
 def status(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")],
@@ -77,8 +79,9 @@ def status(
 
 
 def cancel(
-    run_dir: Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>), "
-                                            "a sweep's trial, or a sweep's folder.")],
+    run_dir: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+        help="The run directory (<storage>/<exp_name>), a sweep's trial, or a sweep's "
+        "folder.")],
 ) -> None:
     """End a run's SLURM job for good: it saves a checkpoint and is not requeued.
 
@@ -96,6 +99,14 @@ def cancel(
       pyrecover cancel runs/tiny-lr           # every trial of the sweep
       pyrecover cancel runs/tiny-lr/trial-3   # one trial
     """
+    if not run_dir.strip():  # `cancel "$RUN"`, RUN unset: not the run in the current folder
+        raise user_error("the run directory is empty; name the run's folder, e.g. pyrecover "
+                         "cancel runs/NAME")
+    _cancel(Path(run_dir))
+
+
+def _cancel(run_dir: Path) -> None:
+    """_cancel is `cancel` of the run (or sweep) folder `run_dir`."""
     from pyrecover import status as status_mod
     from pyrecover.rundir import RunDir
     from pyrecover.slurm.query import LIVE_STATES, cancel_job, queued_jobs, squeue_state

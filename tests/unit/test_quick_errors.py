@@ -97,6 +97,9 @@ def committed_run(root):
     (["train", "--config", ""],  # an unset variable: it said "config file '.' is a folder"
      "--config is empty; name the experiment YAML, e.g. --config launch/experiments/tiny.yaml"),
     (["launch", "--config", " ", "--dry-run"], "--config is empty"),
+    # an unset variable was the current folder: `cancel "$RUN"` in a run cancelled that run
+    (["cancel", ""], "the run directory is empty; name the run's folder, e.g. pyrecover "
+     "cancel runs/NAME"),
     (["launch", "--cluster", "", "--dry-run"],  # it said "cluster profile '.' is a folder"
      "--cluster is empty; name a cluster profile YAML, e.g. --cluster "
      "launch/clusters/local.yaml, or leave it out"),
