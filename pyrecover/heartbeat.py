@@ -41,6 +41,7 @@ LEAVE_WAIT_S = 3.0  # rank 0 waits this long at most for the others' `exit` (Hea
 # ... and this long once a rank said it stops on an error: a peer not in a collective yet
 # (compiling, saving) reads that error only while rank 0 still serves the store.
 LEAVE_AFTER_ERROR_WAIT_S = 30.0
+DEAD_S = 1.5  # a peer whose counter did not move this long while rank 0 waits to leave died
 START_S = 10.0  # a peer without a heartbeat this long after rank 0's began never starts one
 GIVE_UP_FAILURES = 3  # beats in a row the store did not take (each up to its 5 s timeout)
 
@@ -202,21 +203,32 @@ class Heartbeat:
         one error line. Rank 0 waits for them, `wait_s` at most (LEAVE_WAIT_S, or
         LEAVE_AFTER_ERROR_WAIT_S once a rank said its error: a rank that died or hangs never
         writes it), and for a rank that has not beaten yet (it may be just starting: rank 0
-        failed at once) until START_S; the other ranks, and a rank 0 whose store no longer
-        answered, go at once. Call it after `stop`."""
+        failed at once) until START_S, but not for one whose counter stands still DEAD_S (it
+        died); the other ranks, and a rank 0 whose store no longer answered, go at once. Call
+        it after `stop`."""
         if self.rank != 0 or not self._left or not self._said_exit:
             return
         others = [r for r in range(self.world_size) if r != self.rank]
         said = self.stopped_on_error() is not None  # by any rank
         bound = LEAVE_AFTER_ERROR_WAIT_S if said else LEAVE_WAIT_S
         deadline = time.monotonic() + (bound if wait_s is None else wait_s)
+        dead_s = max(DEAD_S, 3 * self.every_s)  # a live peer beats on until its `exit`
+        moved: dict[int, tuple[bytes, float]] = {}  # each peer's value, and since when
         while others and time.monotonic() < deadline:
             # A peer whose store client failed never beats: not waited for once START_S is past
             absent = b"" if time.monotonic() - self._started < START_S else EXITED
             try:
-                if all(v == EXITED for v in self._read(others, absent).values()):
-                    return
+                values = self._read(others, absent)
             except Exception:  # the store went (torchrun's agent hosts it): nothing to wait for
+                return
+            now = time.monotonic()
+            for r, value in values.items():
+                if moved.get(r, (None,))[0] != value:
+                    moved[r] = (value, now)
+            # A peer that died (SIGKILL, the OOM killer) never writes `exit`: its counter
+            # stands still, and waiting LEAVE_WAIT_S for it delayed every crash's restart.
+            if all(v == EXITED or (v and now - moved[r][1] >= dead_s)
+                   for r, v in values.items()):
                 return
             time.sleep(0.05)
 

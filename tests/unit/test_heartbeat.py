@@ -126,6 +126,31 @@ def test_rank_0_which_holds_the_store_leaves_after_the_others_have_said_exit(mon
 
 
 
+def test_rank_0_does_not_wait_for_a_peer_that_died_but_waits_for_one_that_beats(monkeypatch):
+    """After a crash (a peer SIGKILLed: no `exit` ever), rank 0 left only after LEAVE_WAIT_S,
+    3 s of every crash's restart (`bench restart --local --interrupt crash`: "kill ->
+    survivors exit 3.12"), and under SLURM's KillWait on a busy node it was killed before it
+    recorded its exit. A peer whose counter stands still is not waited for; one whose
+    heartbeat still beats (it is leaving too) is."""
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),
+                      wait_for_workers=False)
+    monkeypatch.setattr(heartbeat, "LEAVE_WAIT_S", 120.0)  # far past any busy machine's lag
+    monkeypatch.setattr(heartbeat, "DEAD_S", 0.5)
+    beats = [heartbeat.Heartbeat(heartbeat.connect("127.0.0.1", port), rank, 3, "n",
+                                 every_s=0.05).start() for rank in range(3)]
+    beats[2]._stop.set()  # rank 2 dies: its counter stands still, and it never says `exit`
+    beats[2]._thread.join()
+    done = threading.Event()
+    leaving = threading.Thread(target=lambda: (beats[0].stop(), done.set()))
+    leaving.start()
+    assert not done.wait(1.5)  # rank 1 beats on: it is waited for, rank 2 or not
+    beats[1].stop()
+    assert done.wait(60)  # not LEAVE_WAIT_S: rank 2 is not waited for
+    leaving.join()
+    del server
+
+
 class LookedStore:
     """The real store's client, which says (`looked`) when rank 0 first looked for a peer."""
 
