@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from pyrecover.cli import site_options as site
-from pyrecover.cli.errors import finite, folder, user_error
+from pyrecover.cli.errors import finite, folder, one_config, user_error
 
 bench_app = typer.Typer(help="Measure checkpoints against the storage's limits, training "
                         "throughput against a plain loop, an interruption to the first resumed "
@@ -25,6 +25,7 @@ bench_app = typer.Typer(help="Measure checkpoints against the storage's limits, 
 ModeOpt = Annotated[list[str] | None, typer.Option(
     "--mode", metavar="vanilla|dcp-sync|dcp-async|memory",
     help="Checkpoint mode to measure; repeatable. Default: all.")]
+GPU_CHECK_CONFIG = "launch/experiments/gpt-125m.yaml"
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON for machines.")]
 
 
@@ -66,8 +67,9 @@ def ckpt(
 
 @bench_app.command("train", short_help="Training tokens/s with each checkpoint mode, against none.")
 def train(
-    config: Annotated[Path | None, typer.Option(
-        "--config", "-c", help="Experiment YAML; default: the embedded CPU demo.")] = None,
+    configs: Annotated[list[str] | None, typer.Option(
+        "--config", "-c", metavar="PATH",
+        help="Experiment YAML; default: the embedded CPU demo.")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", "-s", metavar="KEY=VALUE",
         help="Override one config key, e.g. --set data.path=corpus.parquet. Repeatable.")]
@@ -97,6 +99,7 @@ def train(
     so read the GPU) every train.log_interval steps, as the config says: --warmup and
     --steps are rounded up to multiples of it.
     """
+    config = one_config(configs)
     traces = folder(profile_dir, "--profile-dir")
     from pyrecover import config as config_mod
     from pyrecover.config import ConfigError
@@ -138,9 +141,9 @@ def memory(
         help="Size of the synthetic model + AdamW state on each rank, in GB.")] = 1.0,
     repeat: Annotated[int, typer.Option(help="Runs of every figure; the tables show the "
                                         "median, min and max.")] = 3,
-    config: Annotated[Path | None, typer.Option(
-        "--config", "-c", help="Experiment YAML for the throughput runs; default: the "
-        "embedded CPU demo.")] = None,
+    configs: Annotated[list[str] | None, typer.Option(
+        "--config", "-c", metavar="PATH", help="Experiment YAML for the throughput runs; "
+        "default: the embedded CPU demo.")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", "-s", metavar="KEY=VALUE", help="Override one config key of the throughput "
         "runs, e.g. --set data.path=corpus.parquet. Repeatable.")] = None,
@@ -153,7 +156,7 @@ def memory(
 ) -> None:
     """Memory mode at world size 2 (2 local processes): the loop's wait per snapshot, persist
     by 2 ranks vs 1, and training tokens/s with a snapshot every step, as ratios."""
-    where = folder(directory, "--dir")
+    where, config = folder(directory, "--dir"), one_config(configs)
     from pyrecover.bench import common, memory
     from pyrecover.config import ConfigError
     from pyrecover.datasource import DataError
@@ -175,9 +178,9 @@ def restart(
     cluster: Annotated[Path | None, typer.Option(
         help="Cluster profile YAML, as for launch (default: launch's). The cluster itself is "
         "the one SLURM's commands reach (SLURM_CONF).")] = None,
-    config: Annotated[Path | None, typer.Option(
-        "--config", "-c", help="Experiment YAML to train (e.g. launch/experiments/tiny.yaml)."
-        )] = None,
+    configs: Annotated[list[str] | None, typer.Option(
+        "--config", "-c", metavar="PATH",
+        help="Experiment YAML to train (e.g. launch/experiments/tiny.yaml).")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", "-s", metavar="KEY=VALUE",
         help="Override one experiment key, e.g. --set data.path=c.parquet. Repeatable.")]
@@ -219,7 +222,7 @@ def restart(
     local SLURM cluster. With --local there is no job: e.g. `pyrecover bench restart --local
     --nproc 2 --dir /tmp/b --config launch/experiments/tiny.yaml --set train.device=cpu`.
     """
-    where = folder(directory, "--dir")
+    where, config = folder(directory, "--dir"), one_config(configs)
     from pyrecover.bench import common
     from pyrecover.bench import restart as bench_restart
 
@@ -266,8 +269,9 @@ def compile_(
         "--dir", metavar="<path>",
         help="Storage for the run (as run.storage would be); a temporary folder "
         "inside it is removed afterwards.")],
-    config: Annotated[Path | None, typer.Option(
-        "--config", "-c", help="Experiment YAML; default: the embedded CPU demo.")] = None,
+    configs: Annotated[list[str] | None, typer.Option(
+        "--config", "-c", metavar="PATH",
+        help="Experiment YAML; default: the embedded CPU demo.")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", "-s", metavar="KEY=VALUE",
         help="Override one config key, e.g. --set data.path=corpus.parquet. Repeatable.")]
@@ -281,7 +285,7 @@ def compile_(
     Every attempt is `pyrecover train` with train.compile=true in a fresh process and TMPDIR,
     one step each; compiling needs a C compiler (and on a GPU, Triton).
     """
-    where = folder(directory, "--dir")
+    where, config = folder(directory, "--dir"), one_config(configs)
     from pyrecover.bench import common
     from pyrecover.bench import compile as bench_compile
     from pyrecover.config import ConfigError
@@ -299,8 +303,9 @@ def gpu_check(
     out: Annotated[str, typer.Option(
         metavar="<path>", help="Folder for report.txt, report.json and the logs.")]
     = "runs/gpu-check",
-    config: Annotated[Path, typer.Option("--config", "-c", help="Experiment YAML to train.")]
-    = Path("launch/experiments/gpt-125m.yaml"),
+    configs: Annotated[list[str] | None, typer.Option(
+        "--config", "-c", metavar="PATH",
+        help=f"Experiment YAML to train.  [default: {GPU_CHECK_CONFIG}]")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", "-s", metavar="KEY=VALUE",
         help="Override one config key of the training runs. Repeatable.")] = None,
@@ -349,6 +354,7 @@ def gpu_check(
     it.
     """
     report_dir = folder(out, "--out")
+    config = one_config(configs) or Path(GPU_CHECK_CONFIG)
     from pyrecover.bench import gpu_check as check
 
     if not math.isfinite(step_timeout) or step_timeout < 0:

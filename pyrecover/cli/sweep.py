@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 
 from pyrecover.cli import site_options as site
+from pyrecover.cli.errors import one_config
 
 sweep_app = typer.Typer(help="Grid, random and bayes searches: one SLURM job array, a run per "
                         "trial.", no_args_is_help=True)
@@ -27,8 +28,9 @@ FROM_WANDB = "values from wandb's bayes controller at each trial's first start"
 def launch(
     sweep_file: Annotated[Path, typer.Argument(
         metavar="SWEEP.yaml", help="wandb's sweep format; parameters are config keys.")],
-    config: Annotated[Path | None, typer.Option(
-        "--config", "-c", help="Experiment YAML every trial starts from.")] = None,
+    configs: Annotated[list[str] | None, typer.Option(
+        "--config", "-c", metavar="PATH",
+        help="Experiment YAML every trial starts from.")] = None,
     cluster: site.Cluster = None,
     max_parallel: Annotated[int | None, typer.Option(
         help="Trials running at once (--array=0-N%M); default: the sweep file's "
@@ -77,7 +79,7 @@ def launch(
     from pyrecover.slurm.render import absolute_paths
     from pyrecover.sweep import SweepError, bayes, record, render, spec, trials, wandb_sweep
 
-    cwd = os.getcwd()
+    config, cwd = one_config(configs), os.getcwd()
     sweep = trials.absolute_values(spec.load(sweep_file), cwd)
     sets = list(overrides or []) + ([f"checkpoint.mode={mode}"] if mode else [])
     trials.check_sets(sweep, sweep_file, overrides or [], mode)

@@ -97,6 +97,13 @@ def committed_run(root):
     (["train", "--config", ""],  # an unset variable: it said "config file '.' is a folder"
      "--config is empty; name the experiment YAML, e.g. --config launch/experiments/tiny.yaml"),
     (["launch", "--config", " ", "--dry-run"], "--config is empty"),
+    # the benches and sweep launch ran b.yaml alone, silently, as train and launch did
+    *[(args + ["-c", "a.yaml", "--config", "b.yaml"], "--config given 2 times (a.yaml, b.yaml)")
+      for args in (["bench", "train"], ["bench", "memory", "--dir", "b"],
+                   ["bench", "restart", "--dir", "b"], ["bench", "compile", "--dir", "b"],
+                   ["bench", "gpu-check", "--out", "g"], ["sweep", "launch", "s.yaml"])],
+    (["bench", "train", "--config", ""], "--config is empty"),
+    (["sweep", "launch", "s.yaml", "--config", "", "--dry-run"], "--config is empty"),
     # an unset variable was the current folder: `cancel "$RUN"` in a run cancelled that run
     (["cancel", ""], "the run directory is empty; name the run's folder, e.g. pyrecover "
      "cancel runs/NAME"),
