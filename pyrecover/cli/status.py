@@ -11,7 +11,8 @@ from pyrecover.cli.errors import user_error
 
 
 def status(
-    run_dir: Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")],
+    run_dir: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+        help="The run directory (<storage>/<exp_name>).")],
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object, for scripts.")] =
     False,
     clear_bad_nodes: Annotated[bool, typer.Option(
@@ -46,6 +47,20 @@ def status(
       pyrecover status runs/tiny
       pyrecover status runs/tiny --json
     """
+    _status(_run_dir(run_dir, "status"), as_json, clear_bad_nodes)
+
+
+def _run_dir(text: str, command: str) -> Path:
+    """_run_dir is the run directory a command names. An empty one (`status "$RUN"`, RUN
+    unset) is refused: as a Path it is the current folder, the run it was typed in."""
+    if not text.strip():
+        raise user_error("the run directory is empty; name the run's folder, e.g. pyrecover "
+                         f"{command} runs/NAME")
+    return Path(text)
+
+
+def _status(run_dir: Path, as_json: bool, clear_bad_nodes: bool) -> None:
+    """_status is `status` of the run directory `run_dir`."""
     import json
 
     from pyrecover import status as status_mod
@@ -99,10 +114,7 @@ def cancel(
       pyrecover cancel runs/tiny-lr           # every trial of the sweep
       pyrecover cancel runs/tiny-lr/trial-3   # one trial
     """
-    if not run_dir.strip():  # `cancel "$RUN"`, RUN unset: not the run in the current folder
-        raise user_error("the run directory is empty; name the run's folder, e.g. pyrecover "
-                         "cancel runs/NAME")
-    _cancel(Path(run_dir))
+    _cancel(_run_dir(run_dir, "cancel"))
 
 
 def _cancel(run_dir: Path) -> None:

@@ -134,6 +134,17 @@ def test_a_mistake_is_one_line_exit_2_before_torch_is_imported(tmp_path, args, m
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr
 
 
+@pytest.mark.parametrize("flags", [[], ["--json"], ["--clear-bad-nodes"]])
+def test_status_of_an_empty_run_directory_is_refused_not_the_run_in_the_current_folder(
+        tmp_path, flags):
+    """`pyrecover status "$RUN"`, RUN unset, showed (or cleared the bad nodes of) the run it
+    was typed in, as `cancel ""` cancelled it."""
+    outcome, stderr, printed = run_cli("status", "", *flags, cwd=committed_run(tmp_path / "r"))
+    assert (outcome, printed) == ("exit=2 torch=False", []), stderr
+    assert stderr.strip().splitlines() == ["error: the run directory is empty; name the run's "
+                                           "folder, e.g. pyrecover status runs/NAME"]
+
+
 @pytest.mark.parametrize("nproc", ["1", "2"])
 def test_a_data_mistake_on_an_existing_run_is_recorded_as_its_error_before_torch(tmp_path, nproc):
     """The job script and `status` read a start's error from the run's events; the trainer
