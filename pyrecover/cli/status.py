@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pyrecover.cli.errors import user_error
+from pyrecover.cli.errors import EXIT_USER_ERROR, user_error
 
 
 def status(
@@ -149,12 +149,16 @@ def _cancel(run_dir: Path) -> None:
     if not jobs:
         raise status_mod.StatusError(f"job {job} of {run_dir} is not queued or running ("
                                      f"{state or 'SLURM does not list it'}); nothing to cancel")
-    requeues = False
-    for queued, said_state in jobs:
-        RunDir(run_dir).event("cancel", job_id=queued, slurm_state=said_state)
+    requeues = refused = False
+    for queued, said_state in jobs:  # every one, whichever scancel refuses
         done = cancel_job(queued)
         if done.refused:
-            raise status_mod.StatusError(f"could not cancel job {queued}: {done.refused}")
+            typer.echo(f"error: could not cancel job {queued}: {one_line(done.refused)}",
+                       err=True)
+            refused = True
+            continue
+        # recorded once taken: status reads it as the run's end (a job cancelled in start-up)
+        RunDir(run_dir).event("cancel", job_id=queued, slurm_state=said_state)
         if done.requeueable and said_state != "PENDING":
             typer.echo(requeue_kept(queued, done.requeueable), err=True)
             requeues = True
@@ -166,6 +170,8 @@ def _cancel(run_dir: Path) -> None:
             err=True)
         if done.requeueable:  # (a job that never started runs no script to requeue it)
             typer.echo(requeue_note(queued, done.requeueable), err=True)
+    if refused:  # as the one line of a single refused job was
+        raise typer.Exit(EXIT_USER_ERROR)
     if requeues:  # a fault of SLURM's, not the user's mistake
         raise typer.Exit(1)
 

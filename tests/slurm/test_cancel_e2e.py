@@ -41,6 +41,28 @@ def refusing_scontrol(folder: Path, cluster: LocalSlurm) -> dict[str, str]:
     return env
 
 
+def refusing_scancel(folder: Path, cluster: LocalSlurm) -> dict[str, str]:
+    """An environment whose `scancel` refuses the first job it is asked to cancel (and writes
+    its id to folder/refused), as a controller answers for a job it will not cancel, and is
+    the real scancel afterwards. It stands in for a refusal the local cluster, run by root,
+    never gives."""
+    real = shutil.which("scancel", path=cluster.client_env()["PATH"])
+    folder.mkdir()
+    stand_in = folder / "scancel"
+    stand_in.write_text(
+        "#!/bin/bash\n"
+        f'if [ ! -e "{folder}/refused" ]; then\n'
+        f'    echo "$1" > "{folder}/refused"\n'
+        '    echo "scancel: error: Kill job error on job id $1: Access/permission denied" >&2\n'
+        "    exit 1\n"
+        "fi\n"
+        f'exec "{real}" "$@"\n')
+    stand_in.chmod(0o755)
+    env = cluster.client_env()
+    env["PATH"] = os.pathsep.join([str(folder), env["PATH"]])
+    return env
+
+
 def run_with_job(cluster: LocalSlurm, tmp_path: Path, *sbatch_args: str) -> tuple[Path, int]:
     """A run directory whose job.sbatch (a sleep) is queued as a launch would queue it."""
     run_dir = tmp_path / "run"
@@ -88,3 +110,30 @@ def test_a_waiting_job_is_cancelled_for_good_though_scontrol_refused_and_the_use
     assert (f"note: scontrol did not make job {job_id} non-requeueable (slurm_update error: "
             "Access/permission denied); it had not started, so nothing requeues it"
             ) in done.stderr
+
+
+def test_a_job_scancel_refuses_is_said_the_others_are_cancelled_and_only_they_recorded(
+        local_slurm, jobs, tmp_path):
+    """A run with two queued jobs: scancel refusing the first left the second queued, and
+    the refused job's `cancel` was in the run's events (written before scancel ran), so
+    `status` said cancelled of a job still queued."""
+    from pyrecover.rundir import read_jsonl
+
+    run_dir, first = run_with_job(local_slurm, tmp_path, "--hold")
+    jobs.append(first)
+    second = int(local_slurm.run("sbatch", "--parsable", "--hold", "-o", str(tmp_path / "2.out"),
+                                 str(run_dir / "job.sbatch")).stdout.strip().split(";")[0])
+    jobs.append(second)
+    done = cancel(run_dir, refusing_scancel(tmp_path / "bin", local_slurm))
+    refused = (tmp_path / "bin" / "refused").read_text().strip()
+    [taken] = {str(first), str(second)} - {refused}
+    assert done.returncode == 2, done.stderr
+    assert (f"error: could not cancel job {refused}: scancel: error: Kill job error on job id "
+            f"{refused}: Access/permission denied") in done.stderr.splitlines(), done.stderr
+    assert f"cancelled job {taken} (PENDING)" in done.stderr
+    assert local_slurm.wait_job(taken, timeout=60) == "CANCELLED"
+    assert local_slurm.job_state(refused) == "PENDING"
+    recorded = [e["job_id"] for e in read_jsonl(run_dir / "events.jsonl")
+                if e["event"] == "cancel"]
+    assert recorded == [taken]
+    assert "Traceback" not in done.stderr
