@@ -195,9 +195,9 @@ def requeue_kept(job: str, said: str) -> str:
 
 
 def _cancel_sweep(sweep_dir: Path) -> None:
-    """_cancel_sweep ends a sweep's live job array for good: each trial whose task is queued
-    or running records the cancel (as a run's cancel does), then the array is made
-    non-requeueable and cancelled as one job."""
+    """_cancel_sweep ends a sweep's live job arrays for good: each array is made
+    non-requeueable and cancelled as one job, then each trial whose task it took records the
+    cancel (as a run's cancel does)."""
     from pyrecover import status as status_mod
     from pyrecover.rundir import RunDir
     from pyrecover.slurm.query import LIVE_STATES, array_states, cancel_job, queued_jobs
@@ -213,15 +213,19 @@ def _cancel_sweep(sweep_dir: Path) -> None:
     if not arrays:
         raise status_mod.StatusError(f"sweep {sweep_dir} has no job array queued or running; "
                                      "nothing to cancel")
-    for array in arrays:
+    refused = False
+    for array in arrays:  # every one, whichever scancel refuses
         live = {int(task.split("_")[1]): state for task, state in array_states(array).items()
                 if state in LIVE_STATES and task.split("_")[1].isdigit()}
-        for index, state in sorted(live.items()):
-            RunDir(Path(sweep_dir) / trial_name(index)).event(
-                "cancel", job_id=f"{array}_{index}", slurm_state=state)
         done = cancel_job(array)
         if done.refused:
-            raise status_mod.StatusError(f"could not cancel job array {array}: {done.refused}")
+            typer.echo(f"error: could not cancel job array {array}: {one_line(done.refused)}",
+                       err=True)
+            refused = True
+            continue
+        for index, state in sorted(live.items()):  # recorded once taken, as a run's cancel
+            RunDir(Path(sweep_dir) / trial_name(index)).event(
+                "cancel", job_id=f"{array}_{index}", slurm_state=state)
         running = [f"{trial_name(i)} ({s})" for i, s in sorted(live.items()) if s != "PENDING"]
         if done.requeueable and running:
             typer.echo(requeue_kept(array, done.requeueable), err=True)
@@ -240,5 +244,7 @@ def _cancel_sweep(sweep_dir: Path) -> None:
                    f"{sweep_dir}` shows when they have ended", err=True)
         if done.requeueable:  # (only waiting tasks: none runs a script to requeue it)
             typer.echo(requeue_note(array, done.requeueable), err=True)
+    if refused:
+        raise typer.Exit(EXIT_USER_ERROR)
     if requeues:
         raise typer.Exit(1)

@@ -137,3 +137,35 @@ def test_a_job_scancel_refuses_is_said_the_others_are_cancelled_and_only_they_re
                 if e["event"] == "cancel"]
     assert recorded == [taken]
     assert "Traceback" not in done.stderr
+
+
+def test_a_sweep_array_scancel_refuses_leaves_the_others_cancelled_and_its_trials_unrecorded(
+        local_slurm, jobs, tmp_path):
+    """A sweep with two queued arrays (a relaunch's and the first): scancel refusing one
+    stopped the command before the other, and its trials' `cancel` records were written
+    before scancel ran."""
+    from pyrecover.rundir import read_jsonl
+
+    sweep_dir = tmp_path / "sweep"
+    for trial in ("trial-0", "trial-1"):
+        (sweep_dir / trial).mkdir(parents=True)
+    (sweep_dir / "sweep.yaml").write_text("{}\n")  # what marks a sweep's folder
+    (sweep_dir / "job.sbatch").write_text(SLEEPER)
+    arrays = [int(local_slurm.run("sbatch", "--parsable", "--hold", "--array=0-1", "-o",
+                                  str(tmp_path / f"{i}-%a.out"), str(sweep_dir / "job.sbatch")
+                                  ).stdout.strip().split(";")[0]) for i in range(2)]
+    jobs.extend(arrays)
+    done = cancel(sweep_dir, refusing_scancel(tmp_path / "bin", local_slurm))
+    refused = (tmp_path / "bin" / "refused").read_text().strip()
+    [taken] = {str(a) for a in arrays} - {refused}
+    assert done.returncode == 2, done.stderr
+    assert (f"error: could not cancel job array {refused}: scancel: error: Kill job error on "
+            f"job id {refused}: Access/permission denied") in done.stderr.splitlines()
+    assert f"cancelled job array {taken}: trial-0, trial-1 waiting in the queue" in done.stderr
+    assert local_slurm.wait_job(f"{taken}_0", timeout=60) == "CANCELLED"
+    assert local_slurm.job_state(f"{refused}_0") == "PENDING"
+    for index in (0, 1):
+        recorded = [e["job_id"] for e in read_jsonl(sweep_dir / f"trial-{index}" /
+                                                    "events.jsonl") if e["event"] == "cancel"]
+        assert recorded == [f"{taken}_{index}"]
+    assert "Traceback" not in done.stderr
