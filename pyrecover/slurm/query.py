@@ -195,7 +195,22 @@ def cancel_job(job_id: str) -> Cancelled:
                                                            f"{argv[0]} exited {done.returncode}"))
         except (OSError, subprocess.TimeoutExpired) as exc:
             said.append(f"{argv[0]}: {exc}")
-    return Cancelled(refused=said[1], requeueable=said[0] if said[1] is None else None)
+    return Cancelled(refused=said[1],
+                     requeueable=_not_changed(said[0]) if said[1] is None else None)
+
+
+# What scontrol update says per task of an array for a task it did not need to change.
+UNCHANGED_OK = (": No error", ": Job has already finished")
+
+
+def _not_changed(said: str | None) -> str | None:
+    """_not_changed is scontrol update's complaint less its lines for array tasks that were
+    changed or had already ended (no script of theirs is left to requeue them): an array
+    with one task cancelled before exits 1 with `A_0-2: No error` and `A_3: Job has
+    already finished`. None where nothing else is left."""
+    rest = [line for line in (said or "").splitlines() if line.strip()
+            and not line.rstrip().endswith(UNCHANGED_OK)]
+    return "\n".join(rest) or None
 
 
 def queued_jobs(script: str | Path, ending: bool = False) -> list[tuple[str, str]] | None:

@@ -169,3 +169,26 @@ def test_a_sweep_array_scancel_refuses_leaves_the_others_cancelled_and_its_trial
                                                     "events.jsonl") if e["event"] == "cancel"]
         assert recorded == [f"{taken}_{index}"]
     assert "Traceback" not in done.stderr
+
+
+def test_a_sweep_whose_array_has_an_ended_task_is_cancelled_for_good_with_no_error(
+        local_slurm, jobs, tmp_path):
+    """One trial cancelled first (`pyrecover cancel SWEEP/trial-1`): scontrol's Requeue=0 of
+    the whole array then answers "Job has already finished" for that task, and the sweep's
+    cancel said the array may requeue itself (exit 1), though every live task was changed."""
+    sweep_dir = tmp_path / "sweep"
+    (sweep_dir / "trial-0").mkdir(parents=True)
+    (sweep_dir / "sweep.yaml").write_text("{}\n")
+    (sweep_dir / "job.sbatch").write_text(SLEEPER)
+    array = int(local_slurm.run("sbatch", "--parsable", "--array=0-1", "-o",
+                                str(tmp_path / "%a.out"), str(sweep_dir / "job.sbatch")
+                                ).stdout.strip().split(";")[0])
+    jobs.append(array)
+    local_slurm.wait_job(f"{array}_0", states=("RUNNING",), timeout=60)
+    local_slurm.cancel(f"{array}_1")
+    local_slurm.wait_job(f"{array}_1", timeout=60)
+    done = cancel(sweep_dir, local_slurm.client_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.startswith(f"cancelled job array {array}: trial-0 (RUNNING) saves"), \
+        done.stderr
+    assert local_slurm.job_info(f"{array}_0")["Requeue"] == "0"
