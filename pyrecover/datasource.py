@@ -142,7 +142,7 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         what = "a file" if above.exists() else "a broken symbolic link"
         raise DataError(f"{out_path}: {above} is {what}, not a folder; choose a path under a "
                         "folder")
-    if out_path.suffix not in PARQUET_SUFFIXES:
+    if out_path.suffix.lower() not in PARQUET_SUFFIXES:  # out.PARQUET is one too
         raise DataError(f"{out_path} does not end in .parquet, and the corpus is written as "
                         f"parquet; name it e.g. {out_path.with_name(out_path.stem + '.parquet')}")
     run = next((p.parent for p in Path(os.path.abspath(out_path)).resolve().parents

@@ -92,3 +92,15 @@ def test_several_endings_in_one_suffix_are_one_line_saying_to_give_each_its_own(
     assert done.stderr.strip().splitlines() == [
         f"error: --suffix={given!r} is not one file ending; give each ending its own "
         "option: --suffix .txt --suffix .py"]
+
+
+@pytest.mark.parametrize("name", ["c.PARQUET", "c.Parquet", "c.PQ"])
+def test_a_parquet_ending_in_capitals_is_written(tmp_path, name):
+    """out.PARQUET was refused: 'does not end in .parquet ... name it e.g. out.parquet'."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("a = 1\n")
+    done = pyrecover("data", "prepare", str(src), str(tmp_path / name))
+    assert done.returncode == 0, done.stderr
+    assert pq.read_table(tmp_path / name).column("path").to_pylist() == ["a.py"]
+
