@@ -142,6 +142,9 @@ def prepare(src_dir: str | Path, out: str | Path, suffixes: tuple[str, ...] = ("
         what = "a file" if above.exists() else "a broken symbolic link"
         raise DataError(f"{out_path}: {above} is {what}, not a folder; choose a path under a "
                         "folder")
+    if out_path.name.lower() in PARQUET_SUFFIXES:  # Path(".parquet").suffix is ""
+        raise DataError(f"{out_path} is a file ending alone (a hidden file); name the corpus, "
+                        f"e.g. {out_path.with_name('corpus.parquet')}")
     if out_path.suffix.lower() not in PARQUET_SUFFIXES:  # out.PARQUET is one too
         raise DataError(f"{out_path} does not end in .parquet, and the corpus is written as "
                         f"parquet; name it e.g. {out_path.with_name(out_path.stem + '.parquet')}")

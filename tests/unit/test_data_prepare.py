@@ -104,3 +104,16 @@ def test_a_parquet_ending_in_capitals_is_written(tmp_path, name):
     assert done.returncode == 0, done.stderr
     assert pq.read_table(tmp_path / name).column("path").to_pylist() == ["a.py"]
 
+
+@pytest.mark.parametrize("name", [".parquet", ".PQ"])
+def test_an_ending_alone_is_one_line_that_asks_for_a_name(tmp_path, name):
+    """`data prepare src .parquet` said: name it e.g. .parquet.parquet."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("a = 1\n")
+    done = pyrecover("data", "prepare", str(src), f"out/{name}", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: out/{name} is a file ending alone (a hidden file); name the corpus, e.g. "
+        "out/corpus.parquet"]
+    assert not (tmp_path / "out").exists()
