@@ -61,3 +61,17 @@ def test_a_q_too_small_for_the_range_is_one_line_not_a_traceback(tmp_path, q):
     assert done.stderr.strip().splitlines() == [
         f"error: {path}: parameters.train.warmup_steps: q={float(q)!r} is too small for "
         "min=0.0 and max=10.0 (max / q is past a float's range); give a larger q"]
+
+
+def test_a_node_count_past_what_sbatch_reads_is_said_as_the_node_count(tmp_path):
+    """It was said as the trials' global batch size: no world size fits 8 samples."""
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump(GRID, sort_keys=False))
+    done = pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--dry-run",
+                     "--nodes", "99999999999999999999", "--launcher", "none",
+                     "--set", f"run.storage={tmp_path / 'st'}", cwd=tmp_path,
+                     env=default_cluster(tmp_path))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: nodes=99999999999999999999 is not allowed: expected an integer 1 to "
+        "2147483647 (cluster profile key nodes, option --nodes)"]
