@@ -185,18 +185,29 @@ class Cancelled(NamedTuple):
 def cancel_job(job_id: str) -> Cancelled:
     """cancel_job ends the job for good: a pyrecover job script takes scancel's SIGTERM for a
     preemption and requeues itself, so the job is made non-requeueable first (`scontrol
-    update Requeue=0`). A job that already ended is no error to callers that ignore the
-    answer."""
-    said = []
-    for argv in (["scontrol", "update", f"JobId={job_id}", "Requeue=0"], ["scancel", job_id]):
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-            said.append(None if done.returncode == 0 else (done.stderr.strip() or
-                                                           f"{argv[0]} exited {done.returncode}"))
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            said.append(f"{argv[0]}: {exc}")
-    return Cancelled(refused=said[1],
-                     requeueable=_not_changed(said[0]) if said[1] is None else None)
+    update Requeue=0`), and made requeueable again where scancel refuses it. A job that
+    already ended is no error to callers that ignore the answer."""
+    kept = _complaint(["scontrol", "update", f"JobId={job_id}", "Requeue=0"])
+    refused = _complaint(["scancel", job_id])
+    if refused is not None and kept is None:  # not cancelled: its requeues are its own
+        undone = _not_changed(_complaint(["scontrol", "update", f"JobId={job_id}",
+                                          "Requeue=1"]))
+        if undone is not None:
+            refused += (f"; and it is left non-requeueable (scontrol: {undone}): `scontrol "
+                        f"update JobId={job_id} Requeue=1` makes it requeue itself again")
+    return Cancelled(refused=refused,
+                     requeueable=_not_changed(kept) if refused is None else None)
+
+
+def _complaint(argv: list[str]) -> str | None:
+    """_complaint is what the SLURM command `argv` said of a failure, None where it
+    succeeded."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{argv[0]}: {exc}"
+    return None if done.returncode == 0 else (done.stderr.strip() or
+                                              f"{argv[0]} exited {done.returncode}")
 
 
 # What scontrol update says per task of an array for a task it did not need to change.

@@ -192,3 +192,13 @@ def test_a_sweep_whose_array_has_an_ended_task_is_cancelled_for_good_with_no_err
     assert done.stderr.startswith(f"cancelled job array {array}: trial-0 (RUNNING) saves"), \
         done.stderr
     assert local_slurm.job_info(f"{array}_0")["Requeue"] == "0"
+
+
+def test_a_job_scancel_refuses_is_left_requeueable(local_slurm, jobs, tmp_path):
+    """Requeue=0 came first and stayed: the job, never cancelled, then took its next
+    preemption or time limit for a cancel (its script reads Requeue=0) and ended for good."""
+    run_dir, job_id = run_with_job(local_slurm, tmp_path, "--hold")
+    jobs.append(job_id)
+    done = cancel(run_dir, refusing_scancel(tmp_path / "bin", local_slurm))
+    assert done.returncode == 2, done.stderr
+    assert local_slurm.job_info(job_id)["Requeue"] == "1"
