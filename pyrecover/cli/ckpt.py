@@ -9,9 +9,12 @@ from typing import Annotated
 
 import typer
 
+from pyrecover.cli.errors import run_folder
+
 ckpt_app = typer.Typer(help="List, verify, export and convert checkpoints.", no_args_is_help=True)
 
-RunArg = Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")]
+RunArg = Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+    help="The run directory (<storage>/<exp_name>).")]
 StepOpt = Annotated[int | None, typer.Option(help="Checkpoint step; default: the newest valid.")]
 
 
@@ -28,9 +31,10 @@ def ls(
       pyrecover ckpt ls runs/tiny
       pyrecover ckpt ls runs/tiny --fast --json
     """
+    where = run_folder(run_dir, "ckpt ls")
     from pyrecover.checkpoint import listing
 
-    rows = listing.list_checkpoints(listing.open_run(run_dir), checksums=not fast)
+    rows = listing.list_checkpoints(listing.open_run(where), checksums=not fast)
     if as_json:
         for r in rows:
             typer.echo(json.dumps({"step": r.step, "mode": r.mode, "world_size": r.world_size,
@@ -39,7 +43,7 @@ def ls(
                                    "problem": r.problem}))
         return
     if not rows:
-        typer.echo(f"{run_dir}: no checkpoints yet")
+        typer.echo(f"{where}: no checkpoints yet")
         return
     typer.echo(f"{'step':>8}  {'mode':<8} {'world':>5} {'size':>10} {'age':>7}  status")
     for r in rows:
@@ -60,14 +64,15 @@ def verify(run_dir: RunArg, step: Annotated[int | None, typer.Option(
       pyrecover ckpt verify runs/tiny
       pyrecover ckpt verify runs/tiny --step 100
     """
+    where = run_folder(run_dir, "ckpt verify")
     from pyrecover.checkpoint import listing, store
 
-    run = listing.open_run(run_dir)
+    run = listing.open_run(where)
     if step is not None:
         store.step_folder(run, step)  # a step the run lacks: one line, exit 2
     rows = listing.list_checkpoints(run, steps={step} if step is not None else None)
     if not rows:
-        typer.echo(f"error: {run_dir} has no checkpoints", err=True)
+        typer.echo(f"error: {where} has no checkpoints", err=True)
         raise typer.Exit(1)
     for r in rows:
         typer.echo(f"step {r.step}: " + ("ok" if r.valid else f"INVALID: {r.problem}"))
@@ -104,11 +109,12 @@ def export(
       pyrecover ckpt export runs/tiny --step 100 --format safetensors --out model.safetensors
       pyrecover ckpt export runs/tiny --format hf --out my-gpt2/
     """
+    where = run_folder(run_dir, "ckpt export")
     from pyrecover import export as export_mod
     from pyrecover.checkpoint import listing
 
     fmt = export_mod.format_for(out, fmt)
-    done = export_mod.export_model(listing.open_run(run_dir), step, out, fmt, replace=force)
+    done = export_mod.export_model(listing.open_run(where), step, out, fmt, replace=force)
     how = {"torch": "", "safetensors": " as safetensors",
            "hf": " as a Hugging Face GPT-2 folder"}[fmt]
     typer.echo(f"exported step {done.ckpt.step} ({done.ckpt.mode}){how} to {done.out} "
@@ -140,9 +146,10 @@ def convert(
       pyrecover ckpt convert runs/tiny --step 100 --to dcp state-dcp/
       pyrecover ckpt convert runs/tiny --to torch state.pt --force   # replace state.pt
     """
+    where = run_folder(run_dir, "ckpt convert")
     from pyrecover.checkpoint import listing, store
 
-    run = listing.open_run(run_dir)  # what it refuses is said before torch's import
+    run = listing.open_run(where)  # what it refuses is said before torch's import
     listing.convert_target(to, out, run, replace=force)
     if step is not None:
         store.step_folder(run, step)

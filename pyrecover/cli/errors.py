@@ -13,7 +13,7 @@ import typer
 
 from pyrecover.preempt import EXIT_USER_ERROR
 
-__all__ = ["EXIT_USER_ERROR", "finite", "folder", "one_config", "user_error"]
+__all__ = ["EXIT_USER_ERROR", "finite", "folder", "one_config", "run_folder", "user_error"]
 
 
 def user_error(problem: BaseException | str) -> typer.Exit:
@@ -37,6 +37,17 @@ def folder(value: str, flag: str) -> Path:
     if not value.strip():
         raise user_error(f"{flag} is empty; give a folder, e.g. {flag} /scratch/$USER/bench")
     return Path(os.path.expanduser(value))
+
+
+def run_folder(text: str, command: str, kind: str = "run", example: str = "runs/NAME"
+               ) -> Path:
+    """run_folder is the run (sweep, trial) directory an argument names. An empty one
+    (`status "$RUN"`, RUN unset) is refused: as a Path it is the current folder, the run the
+    command was typed in."""
+    if not text.strip():
+        raise user_error(f"the {kind} directory is empty; name the {kind}'s folder, e.g. "
+                         f"pyrecover {command} {example}")
+    return Path(text)
 
 
 def one_config(configs: list[str] | None) -> Path | None:

@@ -7,11 +7,12 @@ from typing import Annotated
 
 import typer
 
-from pyrecover.cli.errors import user_error
+from pyrecover.cli.errors import run_folder, user_error
 
 
 def plot(
-    run_dir: Annotated[Path, typer.Argument(help="The run directory (<storage>/<exp_name>).")],
+    run_dir: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+        help="The run directory (<storage>/<exp_name>).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="The file to write: .png, .svg or .pdf "
                                        "(the suffix picks the format).")] =
     Path("run.png"),
@@ -28,10 +29,11 @@ def plot(
       pyrecover plot runs/tiny --out run.png
       pyrecover plot runs/tiny --out run.svg --width 1920 --height 1080
     """
+    where = run_folder(run_dir, "plot")
     from pyrecover import plot as plot_mod
 
     try:
-        plot_mod.write(run_dir, out, width, height)
+        plot_mod.write(where, out, width, height)
     except plot_mod.PlotError as exc:
         raise user_error(exc) from None
     typer.echo(f"wrote {out}")

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pyrecover.cli.errors import EXIT_USER_ERROR, user_error
+from pyrecover.cli.errors import EXIT_USER_ERROR, run_folder
 
 
 def status(
@@ -47,16 +47,7 @@ def status(
       pyrecover status runs/tiny
       pyrecover status runs/tiny --json
     """
-    _status(_run_dir(run_dir, "status"), as_json, clear_bad_nodes)
-
-
-def _run_dir(text: str, command: str) -> Path:
-    """_run_dir is the run directory a command names. An empty one (`status "$RUN"`, RUN
-    unset) is refused: as a Path it is the current folder, the run it was typed in."""
-    if not text.strip():
-        raise user_error("the run directory is empty; name the run's folder, e.g. pyrecover "
-                         f"{command} runs/NAME")
-    return Path(text)
+    _status(run_folder(run_dir, "status"), as_json, clear_bad_nodes)
 
 
 def _status(run_dir: Path, as_json: bool, clear_bad_nodes: bool) -> None:
@@ -114,7 +105,7 @@ def cancel(
       pyrecover cancel runs/tiny-lr           # every trial of the sweep
       pyrecover cancel runs/tiny-lr/trial-3   # one trial
     """
-    _cancel(_run_dir(run_dir, "cancel"))
+    _cancel(run_folder(run_dir, "cancel"))
 
 
 def _cancel(run_dir: Path) -> None:

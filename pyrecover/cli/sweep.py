@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from pyrecover.cli import site_options as site
-from pyrecover.cli.errors import one_config
+from pyrecover.cli.errors import one_config, run_folder
 
 sweep_app = typer.Typer(help="Grid, random and bayes searches: one SLURM job array, a run per "
                         "trial.", no_args_is_help=True)
@@ -196,7 +196,8 @@ def launch(
 
 @sweep_app.command("status", short_help="Show every trial, ranked by the metric.")
 def status(
-    sweep_dir: Annotated[Path, typer.Argument(help="<run.storage>/<sweep name>.")],
+    sweep_dir: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+        help="<run.storage>/<sweep name>.")],
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object, for scripts.")] =
     False,
 ) -> None:
@@ -207,20 +208,22 @@ def status(
       pyrecover sweep status runs/tiny-lr
       pyrecover sweep status runs/tiny-lr --json
     """
+    where = run_folder(sweep_dir, "sweep status", "sweep")
     import json
 
     from pyrecover.slurm.query import array_states, slow_note
     from pyrecover.sweep import status as sweep_status
 
     with slow_note("squeue"):
-        report = sweep_status.read(sweep_dir, slurm=array_states)
+        report = sweep_status.read(where, slurm=array_states)
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else
                sweep_status.render(report))
 
 
 @sweep_app.command("values", short_help="A bayes trial's values (run by the job array).")
 def values(
-    trial_dir: Annotated[Path, typer.Argument(help="<run.storage>/<sweep name>/trial-<i>.")],
+    trial_text: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+        metavar="trial_dir", help="<run.storage>/<sweep name>/trial-<i>.")],
     world_size: Annotated[int | None, typer.Option(
         min=1, help="The trial's world size, to check the values against.")] = None,
 ) -> None:
@@ -230,6 +233,7 @@ def values(
     The job array runs this before each task's first step; exit 2: a value the config or the
     sweep refuses (nothing is recorded), exit 1: wandb could not be asked.
     """
+    trial_dir = run_folder(trial_text, "sweep values", "trial", "runs/NAME/trial-0")
     import socket
 
     from pyrecover.config import Config

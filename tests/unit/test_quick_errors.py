@@ -145,6 +145,25 @@ def test_status_of_an_empty_run_directory_is_refused_not_the_run_in_the_current_
                                            "folder, e.g. pyrecover status runs/NAME"]
 
 
+@pytest.mark.parametrize("args, kind, example", [
+    (["ckpt", "ls", ""], "run", "ckpt ls runs/NAME"),
+    (["ckpt", "verify", ""], "run", "ckpt verify runs/NAME"),
+    (["ckpt", "export", "", "--out", "m.pt"], "run", "ckpt export runs/NAME"),
+    (["ckpt", "convert", "", "--to", "torch", "m.pt"], "run", "ckpt convert runs/NAME"),
+    (["plot", ""], "run", "plot runs/NAME"),
+    (["sweep", "status", ""], "sweep", "sweep status runs/NAME"),
+    (["sweep", "values", ""], "trial", "sweep values runs/NAME/trial-0"),
+])
+def test_an_empty_run_or_sweep_directory_is_refused_not_the_current_folder(
+        tmp_path, args, kind, example):
+    """`ckpt ls "$RUN"`, RUN unset, listed (and `plot` drew) the run it was typed in;
+    `sweep status ""` said that '.' is not a sweep directory, naming what was never typed."""
+    outcome, stderr, printed = run_cli(*args, cwd=committed_run(tmp_path / "r"))
+    assert (outcome, printed) == ("exit=2 torch=False", []), stderr
+    assert stderr.strip().splitlines() == [f"error: the {kind} directory is empty; name the "
+                                           f"{kind}'s folder, e.g. pyrecover {example}"]
+
+
 @pytest.mark.parametrize("nproc", ["1", "2"])
 def test_a_data_mistake_on_an_existing_run_is_recorded_as_its_error_before_torch(tmp_path, nproc):
     """The job script and `status` read a start's error from the run's events; the trainer
