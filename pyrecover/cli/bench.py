@@ -175,9 +175,9 @@ def restart(
         "--dir", metavar="<path>",
         help="run.storage of the benchmark's job (shared with the compute nodes); "
         "its run directory bench-restart-<id> is left there for inspection.")],
-    cluster: Annotated[Path | None, typer.Option(
-        help="Cluster profile YAML, as for launch (default: launch's). The cluster itself is "
-        "the one SLURM's commands reach (SLURM_CONF).")] = None,
+    cluster: Annotated[str | None, typer.Option(  # text: an empty one is not the Path '.'
+        metavar="<path>", help="Cluster profile YAML, as for launch (default: launch's). The "
+        "cluster itself is the one SLURM's commands reach (SLURM_CONF).")] = None,
     configs: Annotated[list[str] | None, typer.Option(
         "--config", "-c", metavar="PATH",
         help="Experiment YAML to train (e.g. launch/experiments/tiny.yaml).")] = None,
@@ -225,6 +225,9 @@ def restart(
     where, config = folder(directory, "--dir"), one_config(configs)
     from pyrecover.bench import common
     from pyrecover.bench import restart as bench_restart
+    from pyrecover.slurm.profile import find_profile
+
+    profile = None if cluster is None else find_profile(cluster, {}, Path.home())
 
     launch_args: list[str] = []
     for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
@@ -252,7 +255,7 @@ def restart(
             text = restart_local.format_local
         else:
             report = bench_restart.bench_restart(
-                where, cluster, config, overrides or [], launch_args, kinds, repeat,
+                where, profile, config, overrides or [], launch_args, kinds, repeat,
                 state_gb, timeout, note=_note)
             text = bench_restart.format_restart
     except common.BenchError as exc:

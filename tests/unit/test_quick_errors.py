@@ -110,6 +110,9 @@ def committed_run(root):
     (["launch", "--cluster", "", "--dry-run"],  # it said "cluster profile '.' is a folder"
      "--cluster is empty; name a cluster profile YAML, e.g. --cluster "
      "launch/clusters/local.yaml, or leave it out"),
+    (["bench", "restart", "--dir", "b", "--cluster", ""],  # it said '.'
+     "--cluster is empty; name a cluster profile YAML, e.g. --cluster "
+     "launch/clusters/local.yaml, or leave it out"),
     # the shorthand won silently, even over a --set after it
     (["launch", "--mode", "dcp", "--set", "checkpoint.mode=memory", "--dry-run"],
      "--mode dcp and --set checkpoint.mode=memory disagree: give checkpoint.mode once"),
