@@ -18,7 +18,7 @@ data_app = typer.Typer(help="Build training corpora (parquet files of text) from
 @data_app.command("prepare", short_help="Build a parquet corpus from a folder of text files.")
 def prepare(
     src_dir: Annotated[str, typer.Argument(help="Folder of text files, searched recursively.")],
-    out: Annotated[Path, typer.Argument(
+    out: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
         help="Parquet file to write (a `text` column), ending in .parquet.")],
     suffix: Annotated[list[str] | None, typer.Option(
         help="File endings to take (.txt or txt); repeatable. Default: .py")] = None,
@@ -40,6 +40,8 @@ def prepare(
     if not src_dir.strip():  # `"$TEXTS"` unset: as a Path, "" is the current folder
         raise user_error("SRC_DIR is empty; give the folder of text files to read, e.g. "
                          "~/my-texts")
+    if not out.strip():
+        raise user_error("OUT is empty; give the parquet file to write, e.g. corpus.parquet")
     pattern = next((s for s in suffix or [] if any(c in s for c in "*?[")), None)
     if pattern is not None:  # as `ls *.txt` has it: no name ends in ".*.txt"
         raise user_error(f"--suffix={pattern!r} is a pattern; give the file ending itself, "

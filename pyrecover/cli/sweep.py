@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from pyrecover.cli import site_options as site
-from pyrecover.cli.errors import one_config, run_folder
+from pyrecover.cli.errors import one_config, run_folder, user_error
 
 sweep_app = typer.Typer(help="Grid, random and bayes searches: one SLURM job array, a run per "
                         "trial.", no_args_is_help=True)
@@ -26,7 +26,7 @@ FROM_WANDB = "values from wandb's bayes controller at each trial's first start"
 
 @sweep_app.command("launch", short_help="Write the sweep and its trials and submit one job array.")
 def launch(
-    sweep_file: Annotated[Path, typer.Argument(
+    sweep_text: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
         metavar="SWEEP.yaml", help="wandb's sweep format; parameters are config keys.")],
     configs: Annotated[list[str] | None, typer.Option(
         "--config", "-c", metavar="PATH",
@@ -80,6 +80,10 @@ def launch(
     from pyrecover.sweep import SweepError, bayes, record, render, spec, trials, wandb_sweep
 
     config, cwd = one_config(configs), os.getcwd()
+    if not sweep_text.strip():
+        raise user_error("SWEEP.yaml is empty; give the sweep's YAML file, e.g. "
+                         "launch/sweeps/tiny-lr.yaml")
+    sweep_file = Path(sweep_text)
     sweep = trials.absolute_values(spec.load(sweep_file), cwd)
     sets = list(overrides or []) + ([f"checkpoint.mode={mode}"] if mode else [])
     trials.check_sets(sweep, sweep_file, overrides or [], mode)

@@ -71,6 +71,11 @@ def committed_run(root):
     (["ckpt", "export", "run", "--out", "m.pt", "--format", "onnx"], "--format 'onnx'"),
     (["launch", "--config", str(TINY), "--set", "checkpoint.mode=nonsense"], "checkpoint.mode"),
     (["data", "prepare", "nope", "out.parquet"], "source folder 'nope' does not exist"),
+    # an unset variable: both said "'.' is a folder", naming what was never typed
+    (["data", "prepare", "run", ""], "OUT is empty; give the parquet file to write, e.g. "
+     "corpus.parquet"),
+    (["sweep", "launch", "", "--dry-run"], "SWEEP.yaml is empty; give the sweep's YAML file, "
+     "e.g. launch/sweeps/tiny-lr.yaml"),
     (["train", "--config", str(TINY), "--run-dir", ""], "--run-dir is empty"),
     (["train", "--config", str(TINY), "--run-dir", "run/checkpoints/step-10"],
      "run/checkpoints/step-10 is inside the run directory"),
