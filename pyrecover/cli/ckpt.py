@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from pyrecover.cli.errors import run_folder
+from pyrecover.cli.errors import run_folder, user_error
 
 ckpt_app = typer.Typer(help="List, verify, export and convert checkpoints.", no_args_is_help=True)
 
@@ -83,7 +83,8 @@ def verify(run_dir: RunArg, step: Annotated[int | None, typer.Option(
 @ckpt_app.command("export", short_help="Write the model for inference: torch, safetensors or hf.")
 def export(
     run_dir: RunArg,
-    out: Annotated[Path, typer.Option(
+    out_text: Annotated[str, typer.Option(  # text: an empty one is not the Path '.'
+        "--out", metavar="<path>",
         help="What to create: a file (torch, safetensors) or a new or empty folder (hf).")],
     step: StepOpt = None,
     fmt: Annotated[str | None, typer.Option(
@@ -110,6 +111,9 @@ def export(
       pyrecover ckpt export runs/tiny --format hf --out my-gpt2/
     """
     where = run_folder(run_dir, "ckpt export")
+    if not out_text.strip():
+        raise user_error("--out is empty; name the file to write, e.g. --out model.pt")
+    out = Path(out_text)
     from pyrecover import export as export_mod
     from pyrecover.checkpoint import listing
 
@@ -128,7 +132,8 @@ def convert(
     run_dir: RunArg,
     to: Annotated[str, typer.Option(
         metavar="torch|dcp", help="Target format: torch (one file) or dcp (a folder).")],
-    out: Annotated[Path, typer.Argument(help="File (torch) or folder (dcp) to create.")],
+    out_text: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+        metavar="out", help="File (torch) or folder (dcp) to create.")],
     step: StepOpt = None,
     force: Annotated[bool, typer.Option(
         "--force", help="Replace an existing OUT file (--to torch; never one of the run's "
@@ -147,6 +152,10 @@ def convert(
       pyrecover ckpt convert runs/tiny --to torch state.pt --force   # replace state.pt
     """
     where = run_folder(run_dir, "ckpt convert")
+    if not out_text.strip():
+        raise user_error("OUT is empty; name the file (--to torch) or folder (--to dcp) to "
+                         "create, e.g. state.pt")
+    out = Path(out_text)
     from pyrecover.checkpoint import listing, store
 
     run = listing.open_run(where)  # what it refuses is said before torch's import

@@ -13,9 +13,9 @@ from pyrecover.cli.errors import run_folder, user_error
 def plot(
     run_dir: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
         help="The run directory (<storage>/<exp_name>).")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="The file to write: .png, .svg or .pdf "
-                                       "(the suffix picks the format).")] =
-    Path("run.png"),
+    out_text: Annotated[str, typer.Option(  # text: an empty one is not the Path '.'
+        "--out", "-o", metavar="<path>", help="The file to write: .png, .svg or .pdf (the "
+        "suffix picks the format).")] = "run.png",
     width: Annotated[int, typer.Option(help="Image width in pixels.")] = 960,
     height: Annotated[int, typer.Option(help="Image height in pixels.")] = 540,
 ) -> None:
@@ -30,6 +30,9 @@ def plot(
       pyrecover plot runs/tiny --out run.svg --width 1920 --height 1080
     """
     where = run_folder(run_dir, "plot")
+    if not out_text.strip():
+        raise user_error("--out is empty; name the image to write, e.g. --out run.png")
+    out = Path(out_text)
     from pyrecover import plot as plot_mod
 
     try:

@@ -68,6 +68,12 @@ def committed_run(root):
     (["ckpt", "convert", "run", "--to", "dcp", "link-to-checkpoints/step-500"],
      "is inside the run's checkpoints folder"),
     (["ckpt", "export", "run", "--out", "run/run.yaml"], "would replace run.yaml"),
+    # an unset variable: each said '.' (or the current folder's path), never typed
+    (["ckpt", "export", "run", "--out", ""], "--out is empty; name the file to write, e.g. "
+     "--out model.pt"),
+    (["ckpt", "convert", "run", "--to", "dcp", ""], "OUT is empty; name the file (--to torch) "
+     "or folder (--to dcp) to create, e.g. state.pt"),
+    (["plot", "run", "--out", ""], "--out is empty; name the image to write, e.g. --out run.png"),
     (["ckpt", "export", "run", "--out", "m.pt", "--format", "onnx"], "--format 'onnx'"),
     (["launch", "--config", str(TINY), "--set", "checkpoint.mode=nonsense"], "checkpoint.mode"),
     (["data", "prepare", "nope", "out.parquet"], "source folder 'nope' does not exist"),
