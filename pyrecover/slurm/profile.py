@@ -236,6 +236,13 @@ def validate(profile: ClusterProfile) -> None:
         _at_least("cpus_per_task", profile.cpus_per_task, 1)
     for key in ("max_restarts", "spare_nodes", "max_restarts_in_job"):
         _at_least(key, getattr(profile, key), 0)
+    # what sbatch (--nodes: with the spares) and srun (--ntasks) are given is a count too
+    for (a, b), total in ((("nodes", "spare_nodes"), profile.nodes + profile.spare_nodes),
+                          (("nodes", "gpus_per_node"), profile.nodes * profile.gpus_per_node)):
+        if total > MAX_COUNT:
+            how = "+" if b == "spare_nodes" else "x"
+            raise LaunchError(f"{a} {how} {b} = {total} ({option_name(a)}, {option_name(b)}) "
+                              f"is not allowed: expected at most {MAX_COUNT}")
     if not 0 <= profile.signal_seconds <= MAX_SIGNAL_SECONDS:
         _bad("signal_seconds", profile.signal_seconds, f"0 to {MAX_SIGNAL_SECONDS} seconds")
     if profile.launcher not in LAUNCHERS:

@@ -199,7 +199,9 @@ def test_a_count_past_what_sbatch_and_bash_read_is_refused_before_the_submit(key
     to big'); a max_restarts that big made the job script's `[ -ge ]` an error at every
     failure. Each count is an int for sbatch, and bash, too."""
     low = 0 if "restarts" in key or key == "spare_nodes" else 1
-    profile.validate(dataclasses.replace(profile.ClusterProfile(), **{key: 2**31 - 1}))
+    alone = dataclasses.replace(profile.ClusterProfile(), nodes=1, gpus_per_node=1)
+    # (with the other counts at 1, or 0: their sum and product are counts too, below)
+    profile.validate(dataclasses.replace(alone, **{key: 2**31 - 1 - (key == "spare_nodes")}))
     with pytest.raises(LaunchError) as caught:
         profile.validate(dataclasses.replace(profile.ClusterProfile(), **{key: 2**31}))
     assert str(caught.value).startswith(f"{key}=2147483648 is not allowed: expected an "
@@ -215,3 +217,18 @@ def test_a_huge_cpus_per_task_is_one_line_at_dry_run(tmp_path):
     assert done.stderr.strip().splitlines() == [
         "error: cpus_per_task=99999999999999999999 is not allowed: expected an integer 1 to "
         "2147483647 (cluster profile key cpus_per_task, option --cpus-per-task)"]
+
+
+@pytest.mark.parametrize("counts, said", [
+    ({"nodes": 2**31 - 1, "spare_nodes": 1},
+     "nodes + spare_nodes = 2147483648 (--nodes, --spare-nodes)"),
+    ({"nodes": 2**30, "gpus_per_node": 2},
+     "nodes x gpus_per_node = 2147483648 (--nodes, --gpus-per-node)"),
+])
+def test_counts_that_add_up_past_what_sbatch_and_srun_read_are_refused(counts, said):
+    """Each count alone passed, and `--nodes 2147483647 --spare-nodes 1` rendered
+    '#SBATCH --nodes=2147483648' at --dry-run, which sbatch refuses at submit (and the tasks
+    of nodes x gpus_per_node, srun's --ntasks)."""
+    with pytest.raises(LaunchError) as caught:
+        profile.validate(dataclasses.replace(profile.ClusterProfile(), **counts))
+    assert str(caught.value) == f"{said} is not allowed: expected at most 2147483647"
