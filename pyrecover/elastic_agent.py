@@ -6,9 +6,10 @@ same signal to its workers, waiting for them, and raising SignalException; any o
 keeps its default action, and SIGUSR2's kills the agent while the workers, which it started
 in sessions of their own, never hear of it. (torch 2.9 added `--signals-to-handle`; the
 image's torch is older.) So this runs torchrun's own `main` in-process with a handler that
-forwards the stop signal to the agent's children, the workers: they save and exit 75, the
-agent reports them failed, and `exit_code` turns that back into 75. A worker that crashed
-wins over the others' 75, so the job script requeues it as a crash.
+forwards the stop signal to the agent's children, the workers, each once it catches it (one
+still starting would die of it: spawn.Relay): they save and exit 75, the agent reports them
+failed, and `exit_code` turns that back into 75. A worker that crashed wins over the
+others' 75, so the job script requeues it as a crash.
 
 SIGTERM (preemption, `scancel`, a time limit), and a stop signal torch handles itself (INT or
 HUP), take the same path: torch's own handling forwards it too, but then SIGKILLs the
@@ -23,10 +24,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Iterable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from pyrecover.preempt import EXIT_CRASH, EXIT_STOPPED, parse_signal
+from pyrecover.spawn import Relay
 
 
 def exit_code(failures: Iterable[int]) -> int:
@@ -62,16 +66,31 @@ def children(pid: int, proc: Path = Path("/proc")) -> list[int]:
     return found
 
 
-def forward_to_children(signum: int, _frame: object = None) -> None:
-    """forward_to_children passes `signum` on to this process's children."""
-    for child in children(os.getpid()):
-        try:
-            os.kill(child, signum)
-        except ProcessLookupError:
-            pass
+def forward_to_children(relay: Relay) -> Callable[..., None]:
+    """forward_to_children is a signal handler that passes its signal on to this process's
+    children, the workers, through `relay`: to each once it catches it (a worker still
+    starting would die of it). The first signal it holds back starts a thread that hands on
+    what it holds, while torch's agent goes on watching the workers."""
+    releasing: list[threading.Thread] = []
+
+    def forward(signum: int, _frame: object = None) -> None:
+        for child in children(os.getpid()):
+            relay.send(child, signum)
+        if relay.held and not releasing:
+            releasing.append(threading.Thread(target=_keep_releasing, args=(relay,),
+                                              name="pyrecover-relay", daemon=True))
+            releasing[0].start()
+
+    return forward
 
 
-def keep_workers_on_sigterm(api: object, stop: int = signal.SIGTERM) -> None:
+def _keep_releasing(relay: Relay, every_s: float = 0.02) -> None:
+    while True:
+        time.sleep(every_s)
+        relay.release()
+
+
+def keep_workers_on_sigterm(api: object, stop: int, forward: Callable[[int], None]) -> None:
     """keep_workers_on_sigterm makes torch's agent pass SIGTERM, and the run's stop signal
     `stop` where torch handles that too (INT, HUP), on to its workers and go on waiting
     for them (they save and exit 75) instead of raising, which ends in SIGKILLing them after
@@ -85,7 +104,7 @@ def keep_workers_on_sigterm(api: object, stop: int = signal.SIGTERM) -> None:
 
     def handler(signum: int, frame: object) -> None:
         if signum in (signal.SIGTERM, stop):
-            forward_to_children(signum)
+            forward(signum)
         else:
             original(signum, frame)
 
@@ -104,7 +123,8 @@ def main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    keep_workers_on_sigterm(api, stop)
+    forward = forward_to_children(Relay(stop))
+    keep_workers_on_sigterm(api, stop, forward)
     # torch >= 2.5 shares the agent's store with the workers, across restarts and without a
     # prefix per restart (pytorch/pytorch#135712); the workers key theirs by the restart
     # count, but over several nodes a membership change restarts a healthy node's workers
@@ -112,7 +132,7 @@ def main(argv: Sequence[str]) -> int:
     # keys. Each rendezvous round gets a new store instead, on worker rank 0.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if stop not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(stop, forward_to_children)  # torch's agent forwards those four itself
+        signal.signal(stop, forward)  # torch's agent forwards those four itself
     try:
         run.main(args[2:])
     except ChildFailedError as exc:

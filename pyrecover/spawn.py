@@ -112,8 +112,6 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                                                LAUNCHER_ENV: str(os.getpid())})
              for worker in worker_envs(parent, nproc)]
 
-    held: list[tuple[subprocess.Popen, int]] = []  # for workers not catching signals yet
-
     deaths: list[tuple[int, str]] = []  # (rank, how) of those a signal from outside killed
 
     def name(i: int, p: subprocess.Popen) -> None:
@@ -135,18 +133,9 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                 return  # a Ctrl-C reached every worker already
         for p in procs:
             if p.poll() is None:
-                if takes(p, signum):
-                    p.send_signal(signum)
-                else:  # its default action would end a worker still starting: held back
-                    held.append((p, signum))
+                relay.send(p.pid, signum)
 
-    def takes(p: subprocess.Popen, signum: int) -> bool:
-        """takes: worker `p` catches stop signals (SIGTERM, which preempt.catch_early installs
-        last, from its first moment) and, for the run's stop signal, that one too (it caught
-        TERM alone, and a HUP that stops the run killed it). One it never catches (USR1 for a
-        run that stops on USR2) ends it as it always did."""
-        return catching(p.pid, signal.SIGTERM, *([signum] if signum == stop else []))
-
+    relay = Relay(stop)
     forwarded = tuple(dict.fromkeys((*FORWARDED, *([stop] if stop else []))))
     old = {s: signal.signal(s, forward) for s in forwarded}
     # The early catch (preempt.catch_early) ends here: what it caught is handed on; a signal
@@ -163,11 +152,7 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
         deadline, stopped = None, False
         stopped_since: float | None = None  # since when every live worker is stopped
         while None in [p.poll() for p in procs]:
-            for p, signum in list(held):
-                if p.poll() is not None or takes(p, signum):
-                    held.remove((p, signum))
-                    if p.poll() is None:
-                        p.send_signal(signum)
+            relay.release()
             if not stopped:
                 for i, p in enumerate(procs):
                     if p.returncode not in (None, 0) and i not in counted:
@@ -260,6 +245,45 @@ def catching(pid: int, *signums: int) -> bool:
     return all(mask >> (s - 1) & 1 for s in signums or (signal.SIGTERM,))
 
 
+class Relay:
+    """Relay hands stop signals on to a launcher's workers, its children, each once the worker
+    catches it: one still in Python's start-up, before preempt.catch_early put its handlers in
+    (50-100 ms), would die of the signal's default action, which the job script counts as a
+    crash. Until then the signal is held, and `release` tries again.
+
+    A worker catches stop signals once it catches SIGTERM (catch_early installs it last) and,
+    for the run's stop signal `stop`, that one too (it caught TERM alone, and a HUP that stops
+    the run killed it). One the run never catches (USR1 for a run that stops on USR2) goes
+    once TERM is caught, and ends the worker as it always did."""
+
+    def __init__(self, stop: int | None) -> None:
+        self.stop = stop
+        self.held: list[tuple[int, int]] = []  # (pid, signal); no lock: handlers append
+
+    def send(self, pid: int, signum: int) -> None:
+        """send hands `signum` on to worker `pid` now, or once it catches it."""
+        if self._takes(pid, signum):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        else:
+            self.held.append((pid, signum))
+
+    def release(self) -> None:
+        """release hands on each held signal whose worker catches it now, and drops those of
+        workers that ended."""
+        for pid, signum in list(self.held):
+            fields = _stat(pid)  # a child of ours: its pid is not reused before it is reaped
+            live = len(fields) > 1 and fields[0] != "Z" and fields[1] == str(os.getpid())
+            if not live or self._takes(pid, signum):
+                self.held.remove((pid, signum))
+                if live:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signum)
+
+    def _takes(self, pid: int, signum: int) -> bool:
+        return catching(pid, signal.SIGTERM, *([signum] if signum == self.stop else []))
+
+
 # A rank that found another one gone (1), or stopped cleanly (75), names no cause of its own.
 NO_CAUSE = (1, 75)
 
@@ -283,12 +307,18 @@ def all_stopped(procs: list[subprocess.Popen]) -> bool:
 
 def _state(pid: int) -> str:
     """_state is the process's state letter from /proc (R, S, D, T, ...), "" where unknown."""
+    fields = _stat(pid)
+    return fields[0] if fields else ""
+
+
+def _stat(pid: int) -> list[str]:
+    """_stat is the fields of /proc/PID/stat after the command name (state, parent pid, ...),
+    [] where there is none."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return ""
-    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
-    return fields[0] if fields else ""
+        return []
+    return stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
 
 
 def _stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import events, load_export, pyrecover, tiny_args
 
-from pyrecover import elastic_agent
+from pyrecover import elastic_agent, spawn
 from pyrecover.preempt import EXIT_STOPPED
 from pyrecover.rundir import read_jsonl
 
@@ -145,3 +145,52 @@ def test_children_are_found_by_parent_pid():
     finally:
         child.kill()
         child.wait()
+
+
+# Catches TERM from the start, the run's stop signal (USR2) only once the test says so: a
+# worker still in Python's start-up, before catch_early put its handlers in.
+STARTING_WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+folder = Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: (folder / "term").touch())
+(folder / "ready").touch()
+while not (folder / "go").exists():
+    time.sleep(0.01)
+signal.signal(signal.SIGUSR2, lambda *_: os._exit(75))
+while True:
+    time.sleep(0.01)
+"""
+
+
+def test_the_stop_signal_waits_for_a_worker_that_does_not_catch_it_yet(tmp_path):
+    """The agent sent the stop signal to every worker at once: one still starting died of
+    it, and the job script counted the run as crashed (exit 140)."""
+    argv = [sys.executable, "-m", "pyrecover.elastic_agent", "--stop-signal", "USR2",
+            "--standalone", "--nproc-per-node", "1", "--max-restarts", "0", "--no-python",
+            sys.executable, "-c", STARTING_WORKER, str(tmp_path)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists()
+                 and spawn.catching(proc.pid, signal.SIGUSR2, signal.SIGTERM), proc)
+        proc.send_signal(signal.SIGUSR2)
+        # Handed on after the USR2 (the lower number goes first): once the worker has the
+        # TERM, the agent has dealt with the USR2, which killed it where it was sent at once.
+        proc.send_signal(signal.SIGTERM)
+        wait_for((tmp_path / "term").exists, proc)
+        (tmp_path / "go").touch()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == EXIT_STOPPED, err[-3000:]
+
+
+def wait_for(what, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert proc.poll() is None, f"the agent ended first: {proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
