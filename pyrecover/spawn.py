@@ -128,7 +128,9 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
         if signum == signal.SIGINT:
             if not said_ctrl_c:  # the workers' output is no terminal: they do not say it
                 said_ctrl_c.append(True)
-                preempt.say(f"\n{preempt.CTRL_C}\n")  # (a handler: one write, no print)
+                starting = any(p.poll() is None and not stops_on_ctrl_c(p.pid) for p in procs)
+                said = CTRL_C_STARTING if starting else preempt.CTRL_C
+                preempt.say(f"\n{said}\n")  # (a handler: one write, no print)
             if terminal_sent_it() if from_terminal is None else from_terminal:
                 return  # a Ctrl-C reached every worker already
         for p in procs:
@@ -195,6 +197,9 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
             signal.signal(s, handler)
 
 
+CTRL_C_STARTING = ("pyrecover: Ctrl-C: the workers are still starting; they quit without a "
+                   "checkpoint")
+
 # The stop signals a launcher hands on to its workers.
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 # si_code of a signal the kernel sent (<asm-generic/siginfo.h>), as a terminal's Ctrl-C is: to
@@ -236,13 +241,31 @@ def catching(pid: int, *signums: int) -> bool:
     """catching tells whether process `pid` handles each of `signums` (default: SIGTERM)
     itself yet, from its SigCgt mask in /proc. True where /proc cannot tell (it has no such
     file or field)."""
+    mask = _caught(pid)
+    return mask is None or all(mask >> (s - 1) & 1 for s in signums or (signal.SIGTERM,))
+
+
+def stops_on_ctrl_c(pid: int) -> bool:
+    """stops_on_ctrl_c tells whether worker `pid` has its run's stop flag (preempt.take_over),
+    so that a Ctrl-C stops it after a step with a checkpoint; one still starting quits at
+    once (exit 130). Told from the signals it catches: preempt.catch_early catches every one
+    of EARLY_SIGNALS, and take_over gives back those the run does not stop on (three at
+    least); before either it catches no SIGTERM. True where /proc cannot tell."""
+    mask = _caught(pid)
+    early = [preempt.parse_signal(name) for name in preempt.EARLY_SIGNALS]
+    return mask is None or bool(mask >> (signal.SIGTERM - 1) & 1) and not all(
+        mask >> (s - 1) & 1 for s in early)
+
+
+def _caught(pid: int) -> int | None:
+    """_caught is process `pid`'s SigCgt mask from /proc (bit N-1: it catches signal N),
+    None where there is none."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             fields = dict(line.split(b":", 1) for line in f if b":" in line)
-        mask = int(fields[b"SigCgt"].strip(), 16)
+        return int(fields[b"SigCgt"].strip(), 16)
     except (OSError, KeyError, ValueError):
-        return True
-    return all(mask >> (s - 1) & 1 for s in signums or (signal.SIGTERM,))
+        return None
 
 
 class Relay:

@@ -12,7 +12,9 @@ import time
 import pytest
 from helpers import tiny_args
 
-from pyrecover.spawn import catching
+from pyrecover.elastic_agent import children
+from pyrecover.preempt import CTRL_C
+from pyrecover.spawn import CTRL_C_STARTING, catching, stops_on_ctrl_c
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -30,3 +32,37 @@ def test_a_ctrl_c_while_the_cli_is_imported_quits_with_130_and_no_traceback(tmp_
     os.kill(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err
+
+
+def test_a_ctrl_c_while_the_workers_start_says_they_quit_without_a_checkpoint(tmp_path, corpus):
+    """`train --nproc 2` said "stopping after this step with a checkpoint" to a Ctrl-C that
+    reached workers still starting, which quit at once (exit 130) with none."""
+    argv = ["train", "--nproc", "2", *tiny_args(tmp_path, corpus, "run")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    err_file = tmp_path / "stderr"
+    with err_file.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "pyrecover", *argv], env=env,
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 120
+        # Both workers caught the early signals (preempt.catch_early): they import torch.
+        while not (len(workers := children(proc.pid)) == 2 and all(map(catching, workers))):
+            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+            time.sleep(0.001)
+        for pid in workers:  # held there until the launcher has spoken
+            os.kill(pid, signal.SIGSTOP)
+        assert not any(map(stops_on_ctrl_c, workers)), "they started before the test stopped them"
+        os.kill(proc.pid, signal.SIGINT)  # handed on to them, as a terminal's would reach them
+        while "Ctrl-C" not in err_file.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+            time.sleep(0.01)
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    said = err_file.read_text()
+    assert proc.returncode == 130 and "Traceback" not in said, said
+    assert CTRL_C_STARTING in said and CTRL_C not in said, said
