@@ -108,9 +108,8 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
     """
     if parent is None:
         parent = DistEnv("single", 0, 1, 0, 1, 0, "127.0.0.1", free_port())
-    procs = [subprocess.Popen(list(argv), env={**environ, **worker,
-                                               LAUNCHER_ENV: str(os.getpid())})
-             for worker in worker_envs(parent, nproc)]
+    workers = worker_envs(parent, nproc)
+    procs: list[subprocess.Popen] = []
 
     deaths: list[tuple[int, str]] = []  # (rank, how) of those a signal from outside killed
 
@@ -123,32 +122,48 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
             deaths.append((rank, ended(p.returncode)))
 
     said_ctrl_c: list[bool] = []
+    reached: list[int] = []  # how many workers had started when a SIGINT was handed on
 
     def forward(signum, _frame, from_terminal: bool | None = None):
         if signum == signal.SIGINT:
             if not said_ctrl_c:  # the workers' output is no terminal: they do not say it
                 said_ctrl_c.append(True)
-                starting = any(p.poll() is None and not stops_on_ctrl_c(p.pid) for p in procs)
+                starting = len(procs) < nproc or any(
+                    p.poll() is None and not stops_on_ctrl_c(p.pid) for p in procs)
                 said = CTRL_C_STARTING if starting else preempt.CTRL_C
                 preempt.say(f"\n{said}\n")  # (a handler: one write, no print)
             if terminal_sent_it() if from_terminal is None else from_terminal:
                 return  # a Ctrl-C reached every worker already
+            reached.append(len(procs))
         for p in procs:
             if p.poll() is None:
                 relay.send(p.pid, signum)
 
     relay = Relay(stop)
     forwarded = tuple(dict.fromkeys((*FORWARDED, *([stop] if stop else []))))
+    # Handled before the workers start: a Ctrl-C in between quit this launcher at once, and
+    # left its workers printing after the shell's prompt had come back.
     old = {s: signal.signal(s, forward) for s in forwarded}
     # The early catch (preempt.catch_early) ends here: what it caught is handed on; a signal
     # this launcher does not hand on ends it, as if never caught (HUP, stopping on USR2).
     early, _, before = preempt.end_early(forwarded)
     old.update(before)  # restored at the end: the handlers from before the early catch
-    if early is not None:
-        forward(early, None)
-    # From here the main thread takes them with sigtimedwait, which says who sent each.
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, forwarded)
+    old_mask: set[signal.Signals] | None = None
     try:
+        for worker in workers:
+            if said_ctrl_c:  # a Ctrl-C while they start: those started quit, no more start
+                break
+            procs.append(subprocess.Popen(list(argv), env={**environ, **worker,
+                                                           LAUNCHER_ENV: str(os.getpid())}))
+        if not procs:  # a SIGINT before the first one started: none did
+            return exit_status(-signal.SIGINT)
+        for p in procs[reached[0]:] if reached else []:  # started as it was handed on
+            relay.send(p.pid, signal.SIGINT)
+        if early is not None:
+            forward(early, None)
+        # From here the main thread takes them with sigtimedwait, which says who sent each
+        # (blocked only now: a worker started with them blocked would inherit that).
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, forwarded)
         failures: list[int] = []  # in the order they were seen, none that was stopped here
         counted: set[int] = set()
         deadline, stopped = None, False
@@ -190,9 +205,10 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
         return exit_status(cause(failures))
     finally:
         _stop_all(procs)
-        while signal.sigtimedwait(forwarded, 0) is not None:
+        while old_mask is not None and signal.sigtimedwait(forwarded, 0) is not None:
             pass  # for workers that are gone: nothing to hand on
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        if old_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         for s, handler in old.items():
             signal.signal(s, handler)
 

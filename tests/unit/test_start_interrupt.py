@@ -3,14 +3,16 @@ once, as Python would, but as one exit code (130, as typer gives it), not a trac
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from helpers import tiny_args
+from helpers import is_running, tiny_args
 
 from pyrecover.elastic_agent import children
 from pyrecover.preempt import CTRL_C
@@ -66,3 +68,37 @@ def test_a_ctrl_c_while_the_workers_start_says_they_quit_without_a_checkpoint(tm
     said = err_file.read_text()
     assert proc.returncode == 130 and "Traceback" not in said, said
     assert CTRL_C_STARTING in said and CTRL_C not in said, said
+
+
+def test_a_sigint_as_the_workers_start_ends_them_before_the_launcher(tmp_path, corpus):
+    """A SIGINT just after the first worker started and before the launcher handled SIGINT
+    made the launcher exit 130 at once, and its workers went on to train a step and save
+    it, printing after the shell's prompt had come back."""
+    argv = ["train", "--nproc", "2", *tiny_args(tmp_path, corpus, "run")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    err_file = tmp_path / "stderr"  # a pipe would stay open as long as a worker outlives it
+    with err_file.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "pyrecover", *argv], env=env,
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
+    listing = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not listing.read_text().split():  # no sleep: the moment is milliseconds long
+            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+        os.kill(proc.pid, signal.SIGSTOP)  # held there, its first worker started
+        os.kill(proc.pid, signal.SIGINT)  # a `kill -INT`: to the launcher alone
+        os.kill(proc.pid, signal.SIGCONT)
+        workers = [int(pid) for pid in listing.read_text().split()]
+        proc.wait(timeout=120)
+        left = [pid for pid in workers if is_running(pid)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    said = err_file.read_text()
+    assert proc.returncode == 130 and "Traceback" not in said, said
+    assert not left, f"workers {left} outlived the launcher: {said}"
