@@ -101,10 +101,12 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
 
     Waits for all of them. When one fails, the others get `grace_s` seconds to notice (their
     next collective fails) and exit by themselves, which lets memory mode persist what the
-    survivors hold; then they are terminated (then killed). The exit code of what caused it
-    (`cause`) is returned (128+N for a death by signal N), so the caller exits like the job
-    did. `killed(rank, how)` is told, once all have ended, of each worker a signal from
-    outside killed (SIGKILL: the OOM killer; SIGSEGV, ...): its peers only saw it vanish.
+    survivors hold; then they are terminated (then killed). None after a Ctrl-C while they
+    start: those it quit leave the others waiting for a group that never forms. The exit
+    code of what caused it (`cause`) is returned (128+N for a death by signal N), so the
+    caller exits like the job did. `killed(rank, how)` is told, once all have ended, of each
+    worker a signal from outside killed (SIGKILL: the OOM killer; SIGSEGV, ...): its peers
+    only saw it vanish.
     """
     if parent is None:
         parent = DistEnv("single", 0, 1, 0, 1, 0, "127.0.0.1", free_port())
@@ -122,6 +124,7 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
             deaths.append((rank, ended(p.returncode)))
 
     said_ctrl_c: list[bool] = []
+    quitting: list[bool] = []  # a Ctrl-C while they start: no worker has anything to save
     reached: list[int] = []  # how many workers had started when a SIGINT was handed on
 
     def forward(signum, _frame, from_terminal: bool | None = None):
@@ -131,6 +134,7 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                 starting = len(procs) < nproc or any(
                     p.poll() is None and not stops_on_ctrl_c(p.pid) for p in procs)
                 said = CTRL_C_STARTING if starting else preempt.CTRL_C
+                quitting.extend([True] if starting else [])
                 preempt.say(f"\n{said}\n")  # (a handler: one write, no print)
             if terminal_sent_it() if from_terminal is None else from_terminal:
                 return  # a Ctrl-C reached every worker already
@@ -176,8 +180,8 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                         counted.add(i)
                         failures.append(p.returncode)
                         name(i, p)
-                if failures and deadline is None:
-                    deadline = time.monotonic() + grace_s
+                if failures and deadline is None:  # (none for those the group never formed for)
+                    deadline = time.monotonic() + (0.0 if quitting else grace_s)
                 # A stopped rank notices nothing and persists nothing: no grace for it, once
                 # it stays stopped (not a debugger's or py-spy's brief ptrace stop).
                 if deadline is None or not all_stopped(procs):

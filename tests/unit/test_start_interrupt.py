@@ -102,3 +102,38 @@ def test_a_sigint_as_the_workers_start_ends_them_before_the_launcher(tmp_path, c
     said = err_file.read_text()
     assert proc.returncode == 130 and "Traceback" not in said, said
     assert not left, f"workers {left} outlived the launcher: {said}"
+
+
+def test_a_ctrl_c_while_one_worker_starts_ends_the_one_that_waits_for_it(tmp_path, corpus):
+    """Rank 0 had its stop flag and waited for rank 1 to form the group; rank 1, still
+    starting, quit on the Ctrl-C. The launcher gave rank 0 its 60 s of grace (meant for
+    survivors of a crash to save what they hold: it held nothing), then 10 s more."""
+    argv = ["train", "--nproc", "2", *tiny_args(tmp_path, corpus, "run")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    err_file = tmp_path / "stderr"
+    with err_file.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "pyrecover", *argv], env=env,
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 120
+        while not (len(workers := sorted(children(proc.pid))) == 2
+                   and all(map(catching, workers))):
+            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+            time.sleep(0.001)
+        os.kill(workers[1], signal.SIGSTOP)  # rank 1 (started second) held in its start-up
+        assert not stops_on_ctrl_c(workers[1]), "it started before the test stopped it"
+        while not stops_on_ctrl_c(workers[0]):  # rank 0 has its stop flag: it waits for 1
+            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGINT)  # handed on to both
+        while "Ctrl-C" not in err_file.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+            time.sleep(0.01)
+        os.kill(workers[1], signal.SIGCONT)
+        proc.wait(timeout=45)  # the grace's 60 s and more before
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    said = err_file.read_text()
+    assert proc.returncode == 130 and CTRL_C_STARTING in said, said
