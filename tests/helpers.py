@@ -200,3 +200,21 @@ def run_ranks(scenario, *args, world_size: int = 2, timeout: float = 300,
         failures.append(errors.get())
     assert not failures, "\n".join(failures)
     assert [p.exitcode for p in procs] == [0] * world_size
+
+
+def starting_worker(stop: str) -> str:
+    """starting_worker is a Python script (argv[1]: a folder) standing for a trainer still in
+    start-up: it catches SIGTERM from its first moment (touching `term`), says `ready`, and
+    catches the run's stop signal `stop` (e.g. "SIGUSR2"; exit 75) only once `go` exists."""
+    return f"""
+import os, signal, sys, time
+from pathlib import Path
+folder = Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: (folder / "term").touch())
+(folder / "ready").touch()
+while not (folder / "go").exists():
+    time.sleep(0.01)
+signal.signal(signal.{stop}, lambda *_: os._exit(75))
+while True:
+    time.sleep(0.01)
+"""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import events, load_export, pyrecover, tiny_args
+from helpers import events, load_export, pyrecover, starting_worker, tiny_args
 
 from pyrecover import elastic_agent, spawn
 from pyrecover.preempt import EXIT_STOPPED
@@ -147,20 +147,9 @@ def test_children_are_found_by_parent_pid():
         child.wait()
 
 
-# Catches TERM from the start, the run's stop signal (USR2) only once the test says so: a
-# worker still in Python's start-up, before catch_early put its handlers in.
-STARTING_WORKER = """
-import os, signal, sys, time
-from pathlib import Path
-folder = Path(sys.argv[1])
-signal.signal(signal.SIGTERM, lambda *_: (folder / "term").touch())
-(folder / "ready").touch()
-while not (folder / "go").exists():
-    time.sleep(0.01)
-signal.signal(signal.SIGUSR2, lambda *_: os._exit(75))
-while True:
-    time.sleep(0.01)
-"""
+# A worker still in Python's start-up, before catch_early put its handlers in: it catches
+# TERM from the start, the run's stop signal (USR2) only once the test says so.
+STARTING_WORKER = starting_worker("SIGUSR2")
 
 
 def test_the_stop_signal_waits_for_a_worker_that_does_not_catch_it_yet(tmp_path):

@@ -21,24 +21,28 @@ pytestmark = pytest.mark.slurm
 SLEEPER = "#!/bin/bash\nsleep 300\n"
 
 
+def stand_in(folder: Path, cluster: LocalSlurm, command: str, refusal: str) -> dict[str, str]:
+    """stand_in is an environment whose `command` runs the shell lines `refusal` first (they
+    exit where SLURM would refuse) and is the real command otherwise."""
+    real = shutil.which(command, path=cluster.client_env()["PATH"])
+    folder.mkdir()
+    script = folder / command
+    script.write_text(f'#!/bin/bash\n{refusal}exec "{real}" "$@"\n')
+    script.chmod(0o755)
+    env = cluster.client_env()
+    env["PATH"] = os.pathsep.join([str(folder), env["PATH"]])
+    return env
+
+
 def refusing_scontrol(folder: Path, cluster: LocalSlurm) -> dict[str, str]:
     """An environment whose `scontrol` refuses every `update` as a controller that does not
     allow it answers, and is the real scontrol for everything else. It stands in for a site
     whose SLURM refuses the change: the local cluster, run by root here, never does."""
-    real = shutil.which("scontrol", path=cluster.client_env()["PATH"])
-    folder.mkdir()
-    stand_in = folder / "scontrol"
-    stand_in.write_text(
-        "#!/bin/bash\n"
-        'if [ "$1" = update ]; then\n'
-        '    echo "slurm_update error: Access/permission denied" >&2\n'
-        "    exit 1\n"
-        "fi\n"
-        f'exec "{real}" "$@"\n')
-    stand_in.chmod(0o755)
-    env = cluster.client_env()
-    env["PATH"] = os.pathsep.join([str(folder), env["PATH"]])
-    return env
+    return stand_in(folder, cluster, "scontrol",
+                    'if [ "$1" = update ]; then\n'
+                    '    echo "slurm_update error: Access/permission denied" >&2\n'
+                    "    exit 1\n"
+                    "fi\n")
 
 
 def refusing_scancel(folder: Path, cluster: LocalSlurm) -> dict[str, str]:
@@ -46,21 +50,13 @@ def refusing_scancel(folder: Path, cluster: LocalSlurm) -> dict[str, str]:
     its id to folder/refused), as a controller answers for a job it will not cancel, and is
     the real scancel afterwards. It stands in for a refusal the local cluster, run by root,
     never gives."""
-    real = shutil.which("scancel", path=cluster.client_env()["PATH"])
-    folder.mkdir()
-    stand_in = folder / "scancel"
-    stand_in.write_text(
-        "#!/bin/bash\n"
-        f'if [ ! -e "{folder}/refused" ]; then\n'
-        f'    echo "$1" > "{folder}/refused"\n'
-        '    echo "scancel: error: Kill job error on job id $1: Access/permission denied" >&2\n'
-        "    exit 1\n"
-        "fi\n"
-        f'exec "{real}" "$@"\n')
-    stand_in.chmod(0o755)
-    env = cluster.client_env()
-    env["PATH"] = os.pathsep.join([str(folder), env["PATH"]])
-    return env
+    return stand_in(folder, cluster, "scancel",
+                    f'if [ ! -e "{folder}/refused" ]; then\n'
+                    f'    echo "$1" > "{folder}/refused"\n'
+                    '    echo "scancel: error: Kill job error on job id $1: Access/permission '
+                    'denied" >&2\n'
+                    "    exit 1\n"
+                    "fi\n")
 
 
 def run_with_job(cluster: LocalSlurm, tmp_path: Path, *sbatch_args: str) -> tuple[Path, int]:

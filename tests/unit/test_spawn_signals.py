@@ -11,21 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+from helpers import starting_worker
+
 from pyrecover.spawn import catching
 
 # Catches TERM from the start; the run's stop signal (HUP) only once the test says so.
-WORKER = """
-import os, signal, sys, time
-from pathlib import Path
-folder = Path(sys.argv[1])
-signal.signal(signal.SIGTERM, lambda *_: (folder / "term").touch())
-(folder / "ready").touch()
-while not (folder / "go").exists():
-    time.sleep(0.01)
-signal.signal(signal.SIGHUP, lambda *_: os._exit(75))
-while True:
-    time.sleep(0.01)
-"""
+WORKER = starting_worker("SIGHUP")
 
 LAUNCHER = """
 import os, signal, sys

@@ -36,9 +36,11 @@ def test_a_ctrl_c_while_the_cli_is_imported_quits_with_130_and_no_traceback(tmp_
     assert proc.returncode == 130 and "Traceback" not in err, err
 
 
-def test_a_ctrl_c_while_the_workers_start_says_they_quit_without_a_checkpoint(tmp_path, corpus):
-    """`train --nproc 2` said "stopping after this step with a checkpoint" to a Ctrl-C that
-    reached workers still starting, which quit at once (exit 130) with none."""
+@contextlib.contextmanager
+def launcher(tmp_path: Path, corpus: Path):
+    """launcher runs `pyrecover train --nproc 2` on the tiny config in a session of its own,
+    its stderr in a file (a pipe would stay open as long as a worker outlives it), and yields
+    (the process, that file); a launcher still running at the end is killed with its group."""
     argv = ["train", "--nproc", "2", *tiny_args(tmp_path, corpus, "run")]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
     err_file = tmp_path / "stderr"
@@ -46,6 +48,17 @@ def test_a_ctrl_c_while_the_workers_start_says_they_quit_without_a_checkpoint(tm
         proc = subprocess.Popen([sys.executable, "-m", "pyrecover", *argv], env=env,
                                 start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
     try:
+        yield proc, err_file
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_a_ctrl_c_while_the_workers_start_says_they_quit_without_a_checkpoint(tmp_path, corpus):
+    """`train --nproc 2` said "stopping after this step with a checkpoint" to a Ctrl-C that
+    reached workers still starting, which quit at once (exit 130) with none."""
+    with launcher(tmp_path, corpus) as (proc, err_file):
         deadline = time.monotonic() + 120
         # Both workers caught the early signals (preempt.catch_early): they import torch.
         while not (len(workers := children(proc.pid)) == 2 and all(map(catching, workers))):
@@ -61,10 +74,6 @@ def test_a_ctrl_c_while_the_workers_start_says_they_quit_without_a_checkpoint(tm
         for pid in workers:
             os.kill(pid, signal.SIGCONT)
         proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     said = err_file.read_text()
     assert proc.returncode == 130 and "Traceback" not in said, said
     assert CTRL_C_STARTING in said and CTRL_C not in said, said
@@ -74,31 +83,23 @@ def test_a_sigint_as_the_workers_start_ends_them_before_the_launcher(tmp_path, c
     """A SIGINT just after the first worker started and before the launcher handled SIGINT
     made the launcher exit 130 at once, and its workers went on to train a step and save
     it, printing after the shell's prompt had come back."""
-    argv = ["train", "--nproc", "2", *tiny_args(tmp_path, corpus, "run")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
-    err_file = tmp_path / "stderr"  # a pipe would stay open as long as a worker outlives it
-    with err_file.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "pyrecover", *argv], env=env,
-                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
-    listing = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     workers: list[int] = []
-    try:
-        deadline = time.monotonic() + 120
-        while not listing.read_text().split():  # no sleep: the moment is milliseconds long
-            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
-        os.kill(proc.pid, signal.SIGSTOP)  # held there, its first worker started
-        os.kill(proc.pid, signal.SIGINT)  # a `kill -INT`: to the launcher alone
-        os.kill(proc.pid, signal.SIGCONT)
-        workers = [int(pid) for pid in listing.read_text().split()]
-        proc.wait(timeout=120)
-        left = [pid for pid in workers if is_running(pid)]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    with launcher(tmp_path, corpus) as (proc, err_file):
+        listing = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        try:
+            deadline = time.monotonic() + 120
+            while not listing.read_text().split():  # no sleep: the moment is milliseconds long
+                assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+            os.kill(proc.pid, signal.SIGSTOP)  # held there, its first worker started
+            os.kill(proc.pid, signal.SIGINT)  # a `kill -INT`: to the launcher alone
+            os.kill(proc.pid, signal.SIGCONT)
+            workers = [int(pid) for pid in listing.read_text().split()]
+            proc.wait(timeout=120)
+            left = [pid for pid in workers if is_running(pid)]
+        finally:
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     said = err_file.read_text()
     assert proc.returncode == 130 and "Traceback" not in said, said
     assert not left, f"workers {left} outlived the launcher: {said}"
@@ -108,13 +109,7 @@ def test_a_ctrl_c_while_one_worker_starts_ends_the_one_that_waits_for_it(tmp_pat
     """Rank 0 had its stop flag and waited for rank 1 to form the group; rank 1, still
     starting, quit on the Ctrl-C. The launcher gave rank 0 its 60 s of grace (meant for
     survivors of a crash to save what they hold: it held nothing), then 10 s more."""
-    argv = ["train", "--nproc", "2", *tiny_args(tmp_path, corpus, "run")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
-    err_file = tmp_path / "stderr"
-    with err_file.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "pyrecover", *argv], env=env,
-                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
-    try:
+    with launcher(tmp_path, corpus) as (proc, err_file):
         deadline = time.monotonic() + 120
         while not (len(workers := sorted(children(proc.pid))) == 2
                    and all(map(catching, workers))):
@@ -131,9 +126,5 @@ def test_a_ctrl_c_while_one_worker_starts_ends_the_one_that_waits_for_it(tmp_pat
             time.sleep(0.01)
         os.kill(workers[1], signal.SIGCONT)
         proc.wait(timeout=45)  # the grace's 60 s and more before
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     said = err_file.read_text()
     assert proc.returncode == 130 and CTRL_C_STARTING in said, said
