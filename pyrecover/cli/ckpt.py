@@ -9,11 +9,12 @@ from typing import Annotated
 
 import typer
 
-from pyrecover.cli.errors import run_folder, user_error
+from pyrecover.cli.errors import PathText, run_folder, user_error
 
 ckpt_app = typer.Typer(help="List, verify, export and convert checkpoints.", no_args_is_help=True)
 
-RunArg = Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+RunArg = Annotated[PathText, typer.Argument(  # text: an empty one is not the Path '.'
+    parser=str,
     help="The run directory (<storage>/<exp_name>).")]
 StepOpt = Annotated[int | None, typer.Option(help="Checkpoint step; default: the newest valid.")]
 
@@ -132,7 +133,8 @@ def convert(
     run_dir: RunArg,
     to: Annotated[str, typer.Option(
         metavar="torch|dcp", help="Target format: torch (one file) or dcp (a folder).")],
-    out_text: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+    out_text: Annotated[PathText, typer.Argument(  # text: an empty one is not the Path '.'
+        parser=str,
         metavar="out", help="File (torch) or folder (dcp) to create.")],
     step: StepOpt = None,
     force: Annotated[bool, typer.Option(

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from pyrecover.cli.errors import finite, user_error
+from pyrecover.cli.errors import PathText, finite, user_error
 
 data_app = typer.Typer(help="Build training corpora (parquet files of text) from folders of files.",
                        no_args_is_help=True)
@@ -17,8 +17,10 @@ data_app = typer.Typer(help="Build training corpora (parquet files of text) from
 
 @data_app.command("prepare", short_help="Build a parquet corpus from a folder of text files.")
 def prepare(
-    src_dir: Annotated[str, typer.Argument(help="Folder of text files, searched recursively.")],
-    out: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+    src_dir: Annotated[PathText, typer.Argument(
+        parser=str, help="Folder of text files, searched recursively.")],
+    out: Annotated[PathText, typer.Argument(  # text: an empty one is not the Path '.'
+        parser=str,
         help="Parquet file to write (a `text` column), ending in .parquet.")],
     suffix: Annotated[list[str] | None, typer.Option(
         help="File endings to take (.txt or txt); repeatable. Default: .py")] = None,

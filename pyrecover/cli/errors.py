@@ -13,7 +13,18 @@ import typer
 
 from pyrecover.preempt import EXIT_USER_ERROR
 
-__all__ = ["EXIT_USER_ERROR", "finite", "folder", "one_config", "run_folder", "user_error"]
+__all__ = ["EXIT_USER_ERROR", "PathText", "finite", "folder", "one_config", "run_folder",
+           "user_error"]
+
+
+class PathText(str):
+    """PathText annotates a path argument taken as the text typed (`parser=str`: the value is
+    a plain str), so that an empty one can be refused (pathlib's Path('') is '.', the folder
+    the command was typed in). typer labels an argument by its annotation's name: `--help`
+    shows it as <path>, as it did a Path."""
+
+
+PathText.__name__ = PathText.__qualname__ = "path"  # the label typer's --help shows
 
 
 def user_error(problem: BaseException | str) -> typer.Exit:

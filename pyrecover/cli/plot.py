@@ -7,11 +7,12 @@ from typing import Annotated
 
 import typer
 
-from pyrecover.cli.errors import run_folder, user_error
+from pyrecover.cli.errors import PathText, run_folder, user_error
 
 
 def plot(
-    run_dir: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+    run_dir: Annotated[PathText, typer.Argument(  # text: an empty one is not the Path '.'
+        parser=str,
         help="The run directory (<storage>/<exp_name>).")],
     out_text: Annotated[str, typer.Option(  # text: an empty one is not the Path '.'
         "--out", "-o", metavar="<path>", help="The file to write: .png, .svg or .pdf (the "

@@ -7,11 +7,12 @@ from typing import Annotated
 
 import typer
 
-from pyrecover.cli.errors import EXIT_USER_ERROR, run_folder
+from pyrecover.cli.errors import EXIT_USER_ERROR, PathText, run_folder
 
 
 def status(
-    run_dir: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+    run_dir: Annotated[PathText, typer.Argument(  # text: an empty one is not the Path '.'
+        parser=str,
         help="The run directory (<storage>/<exp_name>).")],
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object, for scripts.")] =
     False,
@@ -85,7 +86,8 @@ def _status(run_dir: Path, as_json: bool, clear_bad_nodes: bool) -> None:
 
 
 def cancel(
-    run_dir: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+    run_dir: Annotated[PathText, typer.Argument(  # text: an empty one is not the Path '.'
+        parser=str,
         help="The run directory (<storage>/<exp_name>), a sweep's trial, or a sweep's "
         "folder.")],
 ) -> None:

@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from pyrecover.cli import site_options as site
-from pyrecover.cli.errors import one_config, run_folder, user_error
+from pyrecover.cli.errors import PathText, one_config, run_folder, user_error
 
 sweep_app = typer.Typer(help="Grid, random and bayes searches: one SLURM job array, a run per "
                         "trial.", no_args_is_help=True)
@@ -26,7 +26,8 @@ FROM_WANDB = "values from wandb's bayes controller at each trial's first start"
 
 @sweep_app.command("launch", short_help="Write the sweep and its trials and submit one job array.")
 def launch(
-    sweep_text: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+    sweep_text: Annotated[PathText, typer.Argument(  # text: an empty one is not the Path '.'
+        parser=str,
         metavar="SWEEP.yaml", help="wandb's sweep format; parameters are config keys.")],
     configs: Annotated[list[str] | None, typer.Option(
         "--config", "-c", metavar="PATH",
@@ -200,7 +201,8 @@ def launch(
 
 @sweep_app.command("status", short_help="Show every trial, ranked by the metric.")
 def status(
-    sweep_dir: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+    sweep_dir: Annotated[PathText, typer.Argument(  # text: an empty one is not the Path '.'
+        parser=str,
         help="<run.storage>/<sweep name>.")],
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object, for scripts.")] =
     False,
@@ -226,7 +228,8 @@ def status(
 
 @sweep_app.command("values", short_help="A bayes trial's values (run by the job array).")
 def values(
-    trial_text: Annotated[str, typer.Argument(  # text: an empty one is not the Path '.'
+    trial_text: Annotated[PathText, typer.Argument(  # text: an empty one is not the Path '.'
+        parser=str,
         metavar="trial_dir", help="<run.storage>/<sweep name>/trial-<i>.")],
     world_size: Annotated[int | None, typer.Option(
         min=1, help="The trial's world size, to check the values against.")] = None,

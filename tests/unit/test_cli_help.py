@@ -26,6 +26,20 @@ def test_help_of_each_command_shows_examples_of_that_command(command):
                           for s in starts), examples
 
 
+@pytest.mark.parametrize("command", [*COMMANDS, ["sweep", "values"]], ids=" ".join)
+def test_an_argument_that_names_a_file_or_folder_is_labelled_a_path(command):
+    """Taken as text (an empty one is refused, not read as '.'), path arguments were shown
+    as `run_dir <str>` where they said `<path>`."""
+    output = CliRunner().invoke(app, [*command, "--help"]).output
+    lines = output.splitlines()
+    arguments = lines[lines.index("Arguments:") + 1:] if "Arguments:" in lines else []
+    arguments = arguments[:next((i for i, line in enumerate(arguments) if not line.strip()),
+                                len(arguments))]
+    labels = [line.split()[1] for line in arguments if line.startswith("  ")
+              and not line.startswith("   ")]
+    assert all(label == "<path>" for label in labels), output
+
+
 def test_the_help_of_options_matches_what_they_do():
     verify = CliRunner().invoke(app, ["ckpt", "verify", "--help"]).output
     assert "default: every checkpoint" in verify and "newest valid" not in verify
