@@ -28,6 +28,9 @@ MAX_SIGNAL_SECONDS = 65535  # SLURM keeps --signal's time in 16 bits
 # SLURM's --time forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _TIME = re.compile(r"(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)")
 _NO_LIMIT = ("infinite", "unlimited", "-1")
+# sbatch rounds the seconds up to minutes in a C int: a longer limit overflows into nonsense
+# (`--time=24855-03:13:09` became TimeLimit=2957761-01:02:00).
+MAX_TIME_SECONDS = 2**31 - 1 - 59
 _NAME = re.compile(r"[A-Za-z0-9._,-]+")  # partition (comma-separated list), account, qos
 # SLURM feature expressions: `a100&ib`, `[rack1|rack2]`, `gpu80gb*2`, `(a|b)&c`.
 _CONSTRAINT = re.compile(r"[A-Za-z0-9_.,&|\[\]*():-]+")
@@ -250,7 +253,8 @@ def validate(profile: ClusterProfile) -> None:
     limit = time_seconds(profile.time)
     if limit is not None and limit <= profile.signal_seconds:
         _bad("time", profile.time, f"a limit longer than signal_seconds "
-             f"({profile.signal_seconds} s), or the stop signal comes at the start")
+             f"({profile.signal_seconds} s; SLURM makes this one {limit} s), or the stop "
+             "signal comes at the start")
     for key in ("partition", "account", "qos"):
         value = getattr(profile, key)
         if value is not None and not _NAME.fullmatch(value):
@@ -268,9 +272,13 @@ def validate(profile: ClusterProfile) -> None:
 
 
 def time_seconds(text: str) -> int | None:
-    """time_seconds converts a SLURM time limit to seconds; None for no limit.
+    """time_seconds is the limit SLURM gives a job for `sbatch --time=text`, in seconds; None
+    for no limit.
 
-    Raises LaunchError for anything `sbatch --time` would reject.
+    As SLURM (22.05, measured with scontrol) does: a field may overflow into the next
+    (`1-25` is 2-01:00:00, `0:75:00` is 01:15:00), and seconds round up to whole minutes
+    (`90:30` is 01:31:00, `0:0:30` is 00:01:00). Raises LaunchError for anything `sbatch
+    --time` would reject, and for a limit past SLURM's largest, which it garbles.
     """
     if text.lower() in _NO_LIMIT:
         return None
@@ -286,7 +294,9 @@ def time_seconds(text: str) -> int | None:
         seconds = a * 60 + b
     else:  # MM
         seconds = a * 60
-    return seconds or None  # SLURM reads a limit of 0 as no limit
+    if seconds > MAX_TIME_SECONDS:
+        _bad("time", text, f"at most {MAX_TIME_SECONDS // 86400} days, or infinite")
+    return -(-seconds // 60) * 60 or None  # SLURM reads a limit of 0 as no limit
 
 
 def _coerce(source: str, key: str, value: Any, hint: Any) -> Any:

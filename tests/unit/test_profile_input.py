@@ -46,20 +46,78 @@ def test_command_line_options_override_the_profile_and_add_binds(tmp_path):
     assert prof.binds[-1] == profile.Bind(str(tmp_path / "rel"), "/in")
 
 
-@pytest.mark.parametrize("text, seconds", [
-    ("30", 1800), ("90:30", 5430), ("2:00:00", 7200), ("1-0", 86400), ("1-2", 93600),
-    ("1-02:30", 95400), ("2-00:00:10", 172810), ("infinite", None), ("UNLIMITED", None),
-    ("-1", None), ("0", None),
-])
-def test_slurm_time_forms_are_accepted(text, seconds):
-    assert profile.time_seconds(text) == seconds
+# What `scontrol show job` gave as TimeLimit for `sbatch --time=TEXT` (SLURM 22.05, the
+# local cluster; tests/slurm/test_time_limits.py asks the real sbatch for some of them).
+SLURM_LIMITS = [
+    ("30", "00:30:00"), ("90:00", "01:30:00"), ("2:00:00", "02:00:00"), ("1-0", "1-00:00:00"),
+    ("1-2", "1-02:00:00"), ("1-02:30", "1-02:30:00"), ("infinite", None), ("UNLIMITED", None),
+    ("-1", None), ("0", None), ("0-0", None), ("0:00:00", None),
+    # a field may overflow into the next one
+    ("1-25", "2-01:00:00"), ("0:75:00", "01:15:00"), ("1-24:00:00", "2-00:00:00"),
+    ("1:99:99", "02:41:00"), ("100:00:00", "4-04:00:00"), ("1-2:60", "1-03:00:00"),
+    # seconds round up to whole minutes
+    ("90:30", "01:31:00"), ("0:0:30", "00:01:00"), ("0:00:01", "00:01:00"),
+    ("1-2:3:4", "1-02:04:00"), ("2-00:00:10", "2-00:01:00"),
+    # the longest limit SLURM keeps as given
+    ("35791393", "24855-03:13:00"), ("24855-03:13:08", "24855-03:14:00"),
+]
 
 
-@pytest.mark.parametrize("text", ["", "1:2:3:4", "1h", "1-", "-1-2", "1-2:3:4:5", "1.5",
-                                  "1 day", "forever", "1-02:30\n"])
+def limit_seconds(shown: str) -> int:
+    """The seconds of scontrol's `D-HH:MM:SS` / `HH:MM:SS`, read here without pyrecover."""
+    days, _, clock = shown.rpartition("-")
+    h, m, s = (int(x) for x in clock.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
+
+
+@pytest.mark.parametrize("text, shown", SLURM_LIMITS)
+def test_a_time_limit_is_the_one_slurm_gives_the_job(text, shown):
+    """`--time 90:30` was taken as 5430 s, SLURM's 01:31:00 is 5460 s: launch refused
+    `--time 1:30 --signal-seconds 90` although SLURM signals such a job 30 s before its end."""
+    assert profile.time_seconds(text) == (None if shown is None else limit_seconds(shown))
+
+
+FORMS = [  # SLURM's forms, each with the seconds it asks for
+    ("{d}-{h}:{m}:{s}", lambda d, h, m, s: d * 86400 + h * 3600 + m * 60 + s),
+    ("{d}-{h}:{m}", lambda d, h, m, s: d * 86400 + h * 3600 + m * 60),
+    ("{d}-{h}", lambda d, h, m, s: d * 86400 + h * 3600),
+    ("{h}:{m}:{s}", lambda d, h, m, s: h * 3600 + m * 60 + s),
+    ("{m}:{s}", lambda d, h, m, s: m * 60 + s),
+    ("{m}", lambda d, h, m, s: m * 60),
+]
+
+
+@pytest.mark.parametrize("form, asked", FORMS)
+def test_any_field_values_give_whole_minutes_no_less_than_asked(form, asked):
+    for d, h, m, s in ((d, h, m, s) for d in (0, 1, 3) for h in (0, 1, 23, 24, 25, 99)
+                       for m in (0, 1, 59, 60, 75) for s in (0, 1, 59, 60, 61)):
+        text, want = form.format(d=d, h=h, m=m, s=s), asked(d, h, m, s)
+        got = profile.time_seconds(text)
+        if want == 0:
+            assert got is None, text
+        else:
+            assert got % 60 == 0 and want <= got < want + 60, (text, got)
+
+
+@pytest.mark.parametrize("text", ["", "1:2:3:4", "1h", "-1-2", "1-2:3:4:5", "1.5", "1 day",
+                                  "forever", "1-02:30\n", "1-2:3:"])
 def test_time_strings_slurm_rejects_are_refused(text):
     with pytest.raises(LaunchError, match="time="):
         profile.time_seconds(text)
+
+
+@pytest.mark.parametrize("text", ["35791394", "24855-03:13:09", "1-99999999", "2147483647"])
+def test_a_limit_past_the_longest_slurm_keeps_is_refused(text):
+    # sbatch accepts these and garbles them (TimeLimit=2957761-01:03:00, or UNLIMITED)
+    with pytest.raises(LaunchError, match=f"time='{text}' is not allowed: expected at most "
+                       "24855 days, or infinite"):
+        profile.time_seconds(text)
+
+
+def test_the_day_dash_alone_is_refused_with_the_forms_that_are_accepted():
+    # SLURM reads `1-` as one day; pyrecover asks for the D-HH it stands for
+    with pytest.raises(LaunchError, match="expected MM, MM:SS, HH:MM:SS, D-HH"):
+        profile.time_seconds("1-")
 
 
 @pytest.mark.parametrize("bind", ["", ":/x", "a:", "a:rel", "a:/b:/c", "a,b", "a:/b:ro:x"])
