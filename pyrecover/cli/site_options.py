@@ -64,17 +64,17 @@ SbatchExtra = Annotated[list[str] | None, typer.Option(
 
 
 def resolve(cluster: str | None, bind: list[str] | None, sbatch_extra: list[str] | None,
-            **overrides: Any):
+            check: bool = True, **overrides: Any):
     """resolve is the profile a submission uses (pyrecover.slurm.profile.resolve): the
     options given (None: not given) over the profile found from `cluster` or the
-    environment."""
+    environment; checked unless not `check`."""
     import os
 
     from pyrecover.slurm import profile
 
     return profile.resolve(cluster, os.environ, Path.home(), os.getcwd(),
                            binds=tuple(bind or ()), sbatch_extra=tuple(sbatch_extra or ()),
-                           **overrides)
+                           check=check, **overrides)
 
 
 def dry_run_image(prof, cwd: str) -> tuple[Any, list[str]]:

@@ -76,6 +76,7 @@ def launch(
     from pyrecover.experiment import check_run_dir, prepare_run_dir
     from pyrecover.rundir import RunDir
     from pyrecover.slurm import LaunchError, submit
+    from pyrecover.slurm.profile import validate as check_profile
     from pyrecover.slurm.query import slow_note
     from pyrecover.slurm.render import absolute_paths
     from pyrecover.sweep import SweepError, bayes, record, render, spec, trials, wandb_sweep
@@ -90,16 +91,15 @@ def launch(
     trials.check_sets(sweep, sweep_file, overrides or [], mode)
     cfg = config_mod.load(config, sets)
     cfg = trials.base_for(sweep, absolute_paths(cfg, cwd))
-    prof = site.resolve(  # as `launch` resolves it
-        cluster, bind, sbatch_extra, nodes=nodes, gpus_per_node=gpus_per_node,
+    prof = site.resolve(  # as `launch` resolves it, checked once the spares are dropped
+        cluster, bind, sbatch_extra, check=False, nodes=nodes, gpus_per_node=gpus_per_node,
         cpus_per_task=cpus_per_task, time=time, partition=partition, account=account,
         image=image, launcher=launcher, max_restarts=max_restarts,
         signal_seconds=signal_seconds, qos=qos, constraint=constraint, mem=mem,
         exclusive=exclusive)
-    if prof.spare_nodes:  # a trial requeues as its own array task instead
-        typer.echo(f"note: the profile's spare_nodes={prof.spare_nodes} is not used by a sweep: "
-                   "each trial asks for its own nodes only and requeues itself", err=True)
-        prof = dataclasses.replace(prof, spare_nodes=0)
+    dropped = max(prof.spare_nodes, 0)  # a negative count is the profile's to be refused
+    prof = dataclasses.replace(prof, spare_nodes=prof.spare_nodes - dropped)
+    check_profile(prof)
     if max_parallel is not None and max_parallel < 1:
         raise LaunchError(f"--max-parallel={max_parallel} is not allowed: expected >= 1")
     is_bayes = sweep.method == "bayes"
@@ -129,6 +129,9 @@ def launch(
     argv = submit.sbatch_argv(job.run.job_script)
 
     def notes() -> None:  # said once nothing refuses the launch: a refusal stays one line
+        if dropped:  # a trial requeues as its own array task instead
+            typer.echo(f"note: the profile's spare_nodes={dropped} is not used by a sweep: "
+                       "each trial asks for its own nodes only and requeues itself", err=True)
         for note in site.job_notes(job, [c.data.path for c in cfgs] or [cfg.data.path],
                                    spare=False):
             typer.echo(f"note: {note}", err=True)

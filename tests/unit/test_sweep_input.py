@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 from helpers import TINY, default_cluster, pyrecover
+from sbatch_support import LOCAL
 
 from pyrecover.sweep import render
 
@@ -75,3 +76,40 @@ def test_a_node_count_past_what_sbatch_reads_is_said_as_the_node_count(tmp_path)
     assert done.stderr.strip().splitlines() == [
         "error: nodes=99999999999999999999 is not allowed: expected an integer 1 to "
         "2147483647 (cluster profile key nodes, option --nodes)"]
+
+
+def spare_sweep(tmp_path, spares: str, *args: str):
+    """`sweep launch --dry-run` on the local cluster's profile with `spare_nodes: <spares>`."""
+    profile_file = tmp_path / "local.yaml"
+    profile_file.write_text(LOCAL.read_text() + f"spare_nodes: {spares}\n")
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump(GRID, sort_keys=False))
+    return pyrecover("sweep", "launch", str(path), "--config", str(TINY), "--dry-run",
+                     "--cluster", str(profile_file), "--set", f"run.storage={tmp_path / 'st'}",
+                     *args, cwd=tmp_path)
+
+
+def test_spare_nodes_a_sweep_drops_are_not_counted_against_its_nodes(tmp_path):
+    """The profile's spare_nodes were checked as nodes + spare_nodes before the sweep dropped
+    them: `spare_nodes: 2147483647` refused the sweep with `nodes + spare_nodes = 2147483649
+    (--nodes, --spare-nodes)`, an option `sweep launch` does not have."""
+    done = spare_sweep(tmp_path, "2147483647")
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --nodes=2\n" in done.stdout and "SPARES=0" in done.stdout
+    assert "note: the profile's spare_nodes=2147483647 is not used by a sweep" in done.stderr
+
+
+def test_a_refused_sweep_on_a_profile_with_spares_is_one_line(tmp_path):
+    """The spare_nodes note came before the checks, so a refusal was two lines."""
+    done = spare_sweep(tmp_path, "1", "--max-parallel", "0")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: --max-parallel=0 is not allowed: expected >= 1"]
+
+
+def test_a_negative_spare_nodes_in_the_profile_is_still_refused_naming_the_key(tmp_path):
+    done = spare_sweep(tmp_path, "-1")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "error: spare_nodes=-1 is not allowed: expected an integer >= 0 (cluster profile key "
+        "spare_nodes, option --spare-nodes)"]
