@@ -168,14 +168,21 @@ allocation() {
     scontrol show hostnames "$now"
 }
 healthy_count() { allocation | grep -cvxF -f <(bad_nodes); }
-# step_nodes prints NODES nodes of the allocation, comma-separated: healthy ones first, a
-# known bad one only where too few healthy ones are left; listed in the allocation's order,
-# which is how srun places the ranks (it ignores --nodelist's order), so the first is rank
-# 0's node: the rendezvous host.
+# STORAGE_SUSPECTS: the last step's nodes where a storage write failed on every one of them,
+# blamed on none (it may be the shared storage); the next step here tries other nodes first,
+# and where its health check passes there, the storage works and they are excluded.
+# STORAGE_AT_FAULT=1: a storage write failed on every node of two steps, the storage's fault.
+STORAGE_SUSPECTS="" STORAGE_AT_FAULT=0
+# step_nodes prints NODES nodes of the allocation, comma-separated: healthy ones first (the
+# storage suspects last among them), a known bad one only where too few healthy ones are
+# left; listed in the allocation's order, which is how srun places the ranks (it ignores
+# --nodelist's order), so the first is rank 0's node: the rendezvous host.
 step_nodes() {
     local chosen
-    chosen=$({ allocation | grep -vxF -f <(bad_nodes); allocation | grep -xF -f <(bad_nodes); } |
-        head -n "$NODES")
+    chosen=$({ allocation | grep -vxF -f <(bad_nodes; tr ' ' '\n' <<< "$STORAGE_SUSPECTS")
+        allocation | grep -xF -f <(tr ' ' '\n' <<< "$STORAGE_SUSPECTS") |
+            grep -vxF -f <(bad_nodes)
+        allocation | grep -xF -f <(bad_nodes); } | head -n "$NODES")
     allocation | grep -xF -f <(printf '%s\n' "$chosen") | paste -sd, -
 }
 start_step() {
@@ -191,11 +198,9 @@ suspects() {
     # that does not complete is no one node's fault, nor is a storage write that failed on
     # every node of the step: the shared storage's.
     local node='"node": "([A-Za-z0-9._-]+)"' check='(gpu|memory|storage_write)' failed
-    failed=$(grep -aE "^\{\"event\": \"health\", \"time\": [0-9.]+, \"ok\": false.*$(this_step)" \
-            "$EVENTS" 2>/dev/null |
+    failed=$(health_failures |
         sed -nE "s/.*$node, \"check\": \"$check\".*/\1\thealth check failed: \2/p")
-    if tr ',' '\n' <<< "$STEP_NODES" |
-        grep -qvxF -f <(sed -n 's/\thealth check failed: storage_write$//p' <<< "$failed"); then
+    if [ -z "$(storage_suspects)" ]; then
         [ -z "$failed" ] || printf '%s\n' "$failed"
     else
         sed '/storage_write$/d; /^$/d' <<< "$failed"
@@ -224,6 +229,47 @@ suspects() {
         sed -nE -e '/^srun: .*(Terminating|Force Terminated) StepId/q' \
             -e "s/^srun: error: ([A-Za-z0-9._-]+): tasks? [0-9,-]+: $signal.*/\1\ttask \2/p" |
         head -n 1
+}
+health_failures() {
+    grep -aE "^\{\"event\": \"health\", \"time\": [0-9.]+, \"ok\": false.*$(this_step)" \
+        "$EVENTS" 2>/dev/null
+}
+# storage_suspects prints this step's nodes, one per line, when a storage write failed on
+# every one of them; nothing otherwise.
+storage_suspects() {
+    local failed
+    failed=$(health_failures |
+        sed -nE 's/.*"node": "([A-Za-z0-9._-]+)", "check": "storage_write".*/\1/p')
+    [ -n "$failed" ] || return 0
+    tr ',' '\n' <<< "$STEP_NODES" | grep -qvxF -f <(printf '%s\n' "$failed") ||
+        tr ',' '\n' <<< "$STEP_NODES"
+}
+# blame_storage_suspects excludes the last step's storage suspects that this step left out
+# where this step's health check passed: the storage took its writes from other nodes. Where
+# a storage write failed on every node of this step too, the storage is at fault: no suspect
+# is blamed or avoided for the rest of the job.
+blame_storage_suspects() {
+    local suspect now more=""
+    [ "$STORAGE_AT_FAULT" = 0 ] || return 0
+    if grep -qaE "^\{\"event\": \"health\", \"time\": [0-9.]+, \"ok\": true.*$(this_step)" \
+        "$EVENTS" 2>/dev/null; then
+        for suspect in $STORAGE_SUSPECTS; do
+            tr ',' '\n' <<< "$STEP_NODES" | grep -qxF "$suspect" ||
+                exclude_node "$suspect" "health check failed: storage_write (passed on $STEP_NODES)"
+        done
+    fi
+    now=$(storage_suspects | paste -sd' ' -)
+    if [ -n "$STORAGE_SUSPECTS" ] && [ -n "$now" ]; then
+        STORAGE_AT_FAULT=1 STORAGE_SUSPECTS=""
+        echo "pyrecover: a storage write failed on every node of two steps: the storage's" \
+            "fault, no node is excluded for it" >&2
+        return 0
+    fi
+    STORAGE_SUSPECTS=$now
+    [ -n "$now" ] || return 0
+    [ "$SPARES" -eq 0 ] || more="; a restart here tries other nodes first, and excludes these"
+    echo "pyrecover: a storage write failed on every node of this step ($STEP_NODES): none is" \
+        "excluded, it may be the shared storage${more:+$more where the storage works there}" >&2
 }
 exclude_node() {
     if bad_nodes | grep -qxF "$1"; then
@@ -288,6 +334,7 @@ after_step() {
     echo "pyrecover: training exited with code $code (restart ${SLURM_RESTART_COUNT:-0}," \
         "$(failures) failures of at most $MAX_RESTARTS, $IN_JOB of $MAX_RESTARTS_IN_JOB in" \
         "this job)" >&2
+    blame_storage_suspects
     case $code in
         0 | 2 | 75) after_training "$code" ;;
     esac

@@ -178,3 +178,24 @@ def test_without_spares_a_node_failing_its_health_check_is_excluded_on_the_reque
           f"first collective {passed[0]['collective_seconds']:.2f}s")
     print(f"failed health check to first step, through a requeue: "
           f"{phases.failure_to_first_step(every):.1f}s")
+
+
+def test_one_node_whose_storage_write_fails_is_replaced_by_its_spare_and_excluded(
+        slurm3, jobs3, corpus, tmp_path):
+    """`--nodes 1 --spare-nodes 1`: the storage write failed on every node of the step (its
+    only one), which blamed no node, so each restart inside the allocation went to node1
+    again, the spare never trained and the job failed after its requeues."""
+    job_id, run_dir = launch(slurm3, jobs3, tmp_path, "one-node", corpus, "--nodes", "1",
+                             "--spare-nodes", "1", env={"PYRECOVER_HEALTH_FAIL": "node1"})
+    info = wait_end(slurm3, job_id, run_dir, timeout=300)
+
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), explain(run_dir, job_id)
+    assert info["Restarts"] == "0", explain(run_dir, job_id)
+    assert nodes_of_steps(run_dir, job_id) == ["node1", "node2"], explain(run_dir, job_id)
+    every = events(run_dir)
+    assert [(e["event"], e["reason"]) for e in every if e["event"] in (
+        "requeue", "no_requeue", "restart_in_job")] == [("restart_in_job", "health check failed")]
+    assert [e["step"] for e in every if e["event"] == "finish"] == [MAX_STEPS]
+    report = status(slurm3, run_dir)
+    assert [(n["node"], n["reason"]) for n in report["excluded_nodes"]] == [
+        ("node1", "health check failed: storage_write (passed on node2)")]

@@ -26,11 +26,12 @@ HEALTH_FAIL = {"event": "health", "time": 5.0, "ok": False, "rank": 1, "node": "
 
 
 def run_job(tmp_path: Path, steps: list[str], spares: int = 0, nodes: str = "node1 node2",
+            step_nodes: int = 2,
             partition: str = "node1 node2 node3", bad_nodes: str = "",
             env: dict[str, str] | None = None, extra: tuple[str, ...] = (),
             hostlists: dict[str, str] | None = None
             ) -> tuple[subprocess.CompletedProcess, Path]:
-    """Run the rendered script (2 training nodes, `spares` more) where the allocation is
+    """Run the rendered script (`step_nodes` training nodes, `spares` more) where the allocation is
     `nodes`, the partition's nodes that can run jobs are `partition` (NAME or NAME:STATE,
     idle by default) and the run's bad-nodes file holds `bad_nodes`; the k-th srun runs
     `steps[k]` (bash, with $EVENTS set) for its effect and exit code. stderr goes to the
@@ -38,7 +39,7 @@ def run_job(tmp_path: Path, steps: list[str], spares: int = 0, nodes: str = "nod
     sbatch_extra and `hostlists` what `scontrol show hostnames` makes of other lists than the
     job's (space-separated). Returns (the run, the run dir)."""
     spec = spec_for("none", sets=[*TINY_SETS, f"run.storage={tmp_path / 'store'}"],
-                    spare_nodes=spares, sbatch_extra=extra)
+                    nodes=step_nodes, spare_nodes=spares, sbatch_extra=extra)
     run = spec.run.root
     (run / "logs").mkdir(parents=True)
     if bad_nodes:
@@ -166,6 +167,46 @@ def test_a_storage_write_failing_on_one_node_of_the_step_blames_that_node(tmp_pa
     assert done.returncode == 77
     assert [line.split("\t")[::2] for line in lines(run / "bad-nodes")] == [
         ["node2", "health check failed: storage_write"]]
+
+
+def health_events(*events: dict) -> str:
+    return "".join(f"echo {shlex.quote(json.dumps(e))} >> \"$EVENTS\"\n" for e in events)
+
+
+def storage_failed(node: str, step: int) -> str:
+    return health_events(dict(HEALTH_FAIL, check="storage_write", node=node, rank=0,
+                              in_job_restart=step)) + "exit 77\n"
+
+
+def test_one_node_whose_storage_write_fails_is_replaced_by_the_spare_then_excluded(tmp_path):
+    """`launch --nodes 1 --spare-nodes 1`: a storage write failing on the only node of the
+    step blamed no node (it failed on every node of the step), so every restart inside the
+    allocation went to that node again and the spare was never used."""
+    passed = {"event": "health", "time": 6.0, "ok": True, "ranks": 1, "job_id": "123",
+              "restart_count": 0, "in_job_restart": 1, "host": "h"}
+    done, run = run_job(tmp_path, [storage_failed("node1", 0), health_events(passed) + "exit 0"],
+                        spares=1, step_nodes=1)
+    log = (run / "logs" / "123.out").read_text()
+    assert done.returncode == 0, log
+    assert [a.split()[1] for a in lines(tmp_path / "srun.argv")] == [
+        "--nodelist=node1", "--nodelist=node2"]
+    assert decisions(run) == [("restart_in_job", 77, "health check failed")]
+    assert "pyrecover: a storage write failed on every node of this step (node1): none is " \
+        "excluded, it may be the shared storage; a restart here tries other nodes first" in log
+    assert [line.split("\t")[::2] for line in lines(run / "bad-nodes")] == [
+        ["node1", "health check failed: storage_write (passed on node2)"]]
+
+
+def test_a_storage_write_failing_on_the_spare_too_is_the_storage_s_and_excludes_none(tmp_path):
+    steps = [storage_failed(n, k) for k, n in enumerate(("node1", "node2", "node1"))]
+    done, run = run_job(tmp_path, steps, spares=1, step_nodes=1)
+    log = (run / "logs" / "123.out").read_text()
+    assert done.returncode == 77, log
+    assert [a.split()[1] for a in lines(tmp_path / "srun.argv")] == [
+        "--nodelist=node1", "--nodelist=node2", "--nodelist=node1"]
+    assert "a storage write failed on every node of two steps: the storage's fault" in log
+    assert not (run / "bad-nodes").exists()
+    assert lines(tmp_path / "scontrol.calls") == ["requeue 123"]
 
 
 def test_the_script_blames_exactly_the_node_checks_health_py_names():
