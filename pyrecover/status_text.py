@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pyrecover.checkpoint.listing import human_age, human_bytes
 from pyrecover.profiling import describe
 from pyrecover.records import is_number
 from pyrecover.status import Status
@@ -34,8 +35,8 @@ def render(s: Status) -> str:
         f"starts      {s.starts}" + (": restarts " + ", ".join(
             f"{n} x {cause}" for cause, n in sorted(s.restarts_by_cause.items()))
             if s.restarts_by_cause else ""),
-        "checkpoint  " + (f"step {ck['step']} ({ck['mode']}, {ck['bytes'] / 1e6:.1f} MB, "
-                          f"{ck['age_s']:.0f}s old; sizes checked, `ckpt verify` reads "
+        "checkpoint  " + (f"step {ck['step']} ({ck['mode']}, {human_bytes(ck['bytes'])}, "
+                          f"{human_age(ck['age_s'])} old; sizes checked, `ckpt verify` reads "
                           "checksums)" if ck else "none"),
         f"lost        {s.steps_lost} step{'s' * (s.steps_lost != 1)} redone after "
         "interruptions",
@@ -105,10 +106,18 @@ def _ledger_lines(book: dict[str, Any], job_id: str | None) -> list[str]:
               if job_id and not book["queue_from_slurm"] else "") + ":"]
     for cause, seconds in book["causes"].items():
         # rounded as the effective share is, so productive's row reads as it does
-        of = "      -" if cause == "idle" else f"{round(seconds / launched, 4):7.1%}" if (
+        of = "      -" if cause == "idle" else f"{_unsigned(seconds / launched, 4, 3):7.1%}" if (
             launched) else ""
-        out.append(f"  {cause.replace('_', ' '):<18} {seconds:9.1f}s {of}".rstrip())
+        out.append(f"  {cause.replace('_', ' '):<18} {_unsigned(seconds, 3, 1):9.1f}s {of}"
+                   .rstrip())
     return out
+
+
+def _unsigned(value: float, digits: int, shown: int) -> float:
+    """_unsigned is `value` rounded to `digits`, or 0.0 where `shown` digits print it as zero:
+    the remainder absorbs the causes' rounding (-0.002 s), which printed as `-0.0s -0.0%`."""
+    value = round(value, digits)
+    return value if round(value, shown) else 0.0
 
 
 def _launched(book: dict[str, Any]) -> float:
