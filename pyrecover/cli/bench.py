@@ -68,7 +68,7 @@ def ckpt(
 @bench_app.command("train", short_help="Training tokens/s with each checkpoint mode, against none.")
 def train(
     configs: Annotated[list[str] | None, typer.Option(
-        "--config", "-c", metavar="PATH",
+        "--config", "-c", metavar="<path>",
         help="Experiment YAML; default: the embedded CPU demo.")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", "-s", metavar="KEY=VALUE",
@@ -142,7 +142,7 @@ def memory(
     repeat: Annotated[int, typer.Option(help="Runs of every figure; the tables show the "
                                         "median, min and max.")] = 3,
     configs: Annotated[list[str] | None, typer.Option(
-        "--config", "-c", metavar="PATH", help="Experiment YAML for the throughput runs; "
+        "--config", "-c", metavar="<path>", help="Experiment YAML for the throughput runs; "
         "default: the embedded CPU demo.")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", "-s", metavar="KEY=VALUE", help="Override one config key of the throughput "
@@ -179,7 +179,7 @@ def restart(
         metavar="<path>", help="Cluster profile YAML, as for launch (default: launch's). The "
         "cluster itself is the one SLURM's commands reach (SLURM_CONF).")] = None,
     configs: Annotated[list[str] | None, typer.Option(
-        "--config", "-c", metavar="PATH",
+        "--config", "-c", metavar="<path>",
         help="Experiment YAML to train (e.g. launch/experiments/tiny.yaml).")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", "-s", metavar="KEY=VALUE",
@@ -273,7 +273,7 @@ def compile_(
         help="Storage for the run (as run.storage would be); a temporary folder "
         "inside it is removed afterwards.")],
     configs: Annotated[list[str] | None, typer.Option(
-        "--config", "-c", metavar="PATH",
+        "--config", "-c", metavar="<path>",
         help="Experiment YAML; default: the embedded CPU demo.")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", "-s", metavar="KEY=VALUE",
@@ -307,7 +307,7 @@ def gpu_check(
         metavar="<path>", help="Folder for report.txt, report.json and the logs.")]
     = "runs/gpu-check",
     configs: Annotated[list[str] | None, typer.Option(
-        "--config", "-c", metavar="PATH",
+        "--config", "-c", metavar="<path>",
         help=f"Experiment YAML to train.  [default: {GPU_CHECK_CONFIG}]")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", "-s", metavar="KEY=VALUE",

@@ -34,8 +34,8 @@ def launch(
         "launch/experiments/gpt-125m.yaml); without it the demo defaults.")] = None,
     cluster: site.Cluster = None,
     init_cluster: Annotated[str | None, typer.Option(
-        metavar="PATH", help="Write a commented starting cluster profile to PATH (from sinfo "
-        "where SLURM answers) and exit.")] = None,
+        metavar="<path>", help="Write a commented starting cluster profile there (from "
+        "sinfo where SLURM answers) and exit.")] = None,
     nodes: site.Nodes = None,
     mode: Annotated[str | None, typer.Option(
         metavar=site.CHECKPOINT_MODES,

@@ -32,6 +32,7 @@ GpusPerNode = Annotated[int | None, typer.Option(
 CpusPerTask = Annotated[int | None, typer.Option(
     help=f"CPU cores per task ({P}: cpus_per_task).")]
 Image = Annotated[str | None, typer.Option(
+    metavar="<path>",
     help=f"Apptainer image, .sif ({P}: image; else $PYRECOVER_IMAGE, else ./pyrecover.sif).")]
 Binds = Annotated[list[str] | None, typer.Option(
     metavar="SRC[:DST[:ro]]", help=f"Bind mount, added to the profile's binds, e.g. --bind "

@@ -30,7 +30,7 @@ def launch(
         parser=str,
         metavar="SWEEP.yaml", help="wandb's sweep format; parameters are config keys.")],
     configs: Annotated[list[str] | None, typer.Option(
-        "--config", "-c", metavar="PATH",
+        "--config", "-c", metavar="<path>",
         help="Experiment YAML every trial starts from.")] = None,
     cluster: site.Cluster = None,
     max_parallel: Annotated[int | None, typer.Option(

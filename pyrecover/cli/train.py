@@ -24,7 +24,7 @@ def train(
     configs: ConfigOpt = None,
     overrides: SetOpt = None,
     run_dir: Annotated[str | None, typer.Option(
-        help="Run directory; default <run.storage>/<run.exp_name>.")] = None,
+        metavar="<path>", help="Run directory; default <run.storage>/<run.exp_name>.")] = None,
     nproc: Annotated[int, typer.Option(
         min=1, help="Start this many worker processes here (alone, or as one srun task per "
         "node: then node n's workers are ranks n x NPROC and up): CPU with gloo, or one GPU "
@@ -117,8 +117,8 @@ def _record_killed(run, rank: int, how: str) -> None:
 
 
 def demo(
-    workdir: Annotated[str, typer.Option(help="Where the corpus and the run directory go.")] =
-    "runs",
+    workdir: Annotated[str, typer.Option(
+        metavar="<path>", help="Where the corpus and the run directory go.")] = "runs",
     nproc: Annotated[int, typer.Option(min=1, help="Local worker processes.")] = 2,
 ) -> None:
     """Build a corpus from Python's own sources, train, kill -9 part-way, resume, finish.

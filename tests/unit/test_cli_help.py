@@ -116,3 +116,33 @@ def test_status_help_names_every_state_a_run_can_be_in():
     for state in states:
         name = state.split(" (")[0].split(":")[0]  # "stopped (...)", "ended: why"
         assert name in shown, f"state {state!r} is not in `pyrecover status --help`"
+
+
+
+def _commands(command, words=()):
+    """_commands: the words of every command under `command` (a group has `commands`)."""
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from (_commands(sub, (*words, name)) if hasattr(sub, "commands")
+                    else [(*words, name)])
+
+
+def test_every_option_that_takes_a_file_or_folder_is_labelled_a_path():
+    """--config read `<path>` in train and `PATH` in bench and sweep, --run-dir, --image and
+    --workdir read `<str>`: one label for one kind of value, in every command."""
+    import re
+
+    import typer
+
+    takes_a_path = {"--config", "--cluster", "--dir", "--out", "--run-dir", "--image",
+                    "--workdir", "--init-cluster", "--profile-dir"}
+    seen = set()
+    for words in _commands(typer.main.get_command(app)):
+        output = CliRunner().invoke(app, [*words, "--help"], terminal_width=200).output
+        lines = output.splitlines()
+        for line in lines[lines.index("Options:") + 1:]:
+            option = re.match(r"  (?:-\w, )?(--[\w-]+)(?: (\S+))?", line)
+            if option and option[1] in takes_a_path:
+                seen.add(option[1])
+                assert option[2] == "<path>", (words, line)
+    assert seen >= {"--config", "--cluster", "--dir", "--run-dir", "--image", "--workdir",
+                    "--init-cluster", "--out"}
