@@ -246,16 +246,19 @@ storage_suspects() {
 }
 # blame_storage_suspects excludes the last step's storage suspects that this step left out
 # where this step's health check passed: the storage took its writes from other nodes. Where
-# a storage write failed on every node of this step too, the storage is at fault: no suspect
-# is blamed or avoided for the rest of the job.
+# it passed with a suspect among this step's nodes, the storage took that suspect's writes
+# too: the fault passed, and none is blamed. Where a storage write failed on every node of
+# this step too, the storage is at fault: no suspect is blamed or avoided for the rest of
+# the job.
 blame_storage_suspects() {
     local suspect now more=""
     [ "$STORAGE_AT_FAULT" = 0 ] || return 0
-    if grep -qaE "^\{\"event\": \"health\", \"time\": [0-9.]+, \"ok\": true.*$(this_step)" \
-        "$EVENTS" 2>/dev/null; then
+    if [ -n "$STORAGE_SUSPECTS" ] &&
+        ! tr ',' '\n' <<< "$STEP_NODES" | grep -qxF -f <(tr ' ' '\n' <<< "$STORAGE_SUSPECTS") &&
+        grep -qaE "^\{\"event\": \"health\", \"time\": [0-9.]+, \"ok\": true.*$(this_step)" \
+            "$EVENTS" 2>/dev/null; then
         for suspect in $STORAGE_SUSPECTS; do
-            tr ',' '\n' <<< "$STEP_NODES" | grep -qxF "$suspect" ||
-                exclude_node "$suspect" "health check failed: storage_write (passed on $STEP_NODES)"
+            exclude_node "$suspect" "health check failed: storage_write (passed on $STEP_NODES)"
         done
     fi
     now=$(storage_suspects | paste -sd' ' -)

@@ -197,6 +197,23 @@ def test_one_node_whose_storage_write_fails_is_replaced_by_the_spare_then_exclud
         ["node1", "health check failed: storage_write (passed on node2)"]]
 
 
+def test_a_storage_write_that_works_again_from_a_suspect_excludes_no_node(tmp_path):
+    """Two nodes whose storage writes both failed, one spare: the restart takes the spare and
+    one of the two. Its health check passing there says the storage took that suspect's
+    writes too (the fault passed), so the suspect left out is no more to blame than it."""
+    passed = {"event": "health", "time": 6.0, "ok": True, "ranks": 2, "job_id": "123",
+              "restart_count": 0, "in_job_restart": 1, "host": "h"}
+    both = health_events(*(dict(HEALTH_FAIL, check="storage_write", node=n, rank=r)
+                           for r, n in enumerate(("node1", "node2")))) + "exit 77\n"
+    done, run = run_job(tmp_path, [both, health_events(passed) + "exit 0"], spares=1,
+                        nodes="node1 node2 node3")
+    log = (run / "logs" / "123.out").read_text()
+    assert done.returncode == 0, log
+    assert [a.split()[1] for a in lines(tmp_path / "srun.argv")] == [
+        "--nodelist=node1,node2", "--nodelist=node1,node3"]
+    assert not (run / "bad-nodes").exists(), lines(run / "bad-nodes")
+
+
 def test_a_storage_write_failing_on_the_spare_too_is_the_storage_s_and_excludes_none(tmp_path):
     steps = [storage_failed(n, k) for k, n in enumerate(("node1", "node2", "node1"))]
     done, run = run_job(tmp_path, steps, spares=1, step_nodes=1)
