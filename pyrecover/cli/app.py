@@ -92,7 +92,8 @@ USER_ERRORS = (("pyrecover.config_schema", "ConfigError"), ("pyrecover.datasourc
 # Faults, not bugs: exit 1 with one line, no traceback.
 FAULTS = (("pyrecover.peers", "PeerLost"), ("pyrecover.checkpoint.manager", "SaveFailed"),
           ("pyrecover.checkpoint.resume", "ResumeFailed"), ("pyrecover.rundir", "StorageError"),
-          ("pyrecover.sweep.agent", "AgentUnavailable"), ("pyrecover.rundir", "HeldByThisJob"))
+          ("pyrecover.sweep.agent", "AgentUnavailable"), ("pyrecover.rundir", "HeldByThisJob"),
+          ("pyrecover.slurm", "SlurmUnavailable"))
 
 
 def loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:

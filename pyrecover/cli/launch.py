@@ -88,7 +88,7 @@ def launch(
     """
     from pyrecover import config as config_mod
     from pyrecover.experiment import check_run_dir, prepare_run_dir, resolve_for_run
-    from pyrecover.slurm import LaunchError, query, render, sinfo, submit
+    from pyrecover.slurm import LaunchError, SlurmUnavailable, query, render, sinfo, submit
     from pyrecover.slurm import profile as profile_mod
 
     config = one_config(configs)
@@ -154,7 +154,7 @@ def launch(
     try:
         with query.slow_note("sbatch"):
             job_id = submit.submit(argv, cwd=spec.run_dir, timeout=timeout)
-    except LaunchError as exc:
+    except (LaunchError, SlurmUnavailable) as exc:
         # Refused, so no job runs from it: no new run folder is left to look "not started".
         if made is not None and not isinstance(exc, submit.MaybeSubmitted):
             shutil.rmtree(made, ignore_errors=True)
@@ -171,15 +171,15 @@ def _refuse_live(run: RunDir) -> None:
     of this user's in the queue that runs its job.sbatch, or whatever holds its lock. A run
     launched before is not launched again while squeue cannot tell (a new one has no job)."""
     from pyrecover.rundir import live_holder
-    from pyrecover.slurm import LaunchError, query
+    from pyrecover.slurm import LaunchError, SlurmUnavailable, query
 
     end = (f"let it run, or end it with `pyrecover cancel {shlex.quote(str(run.root))}` first, "
            "or launch under another --exp-name")
     jobs = query.queued_jobs(run.job_script, ending=True)  # a requeue passes COMPLETING
     if jobs is None and run.job_script.exists():  # launched before: its job may be queued
-        raise LaunchError(f"squeue did not answer, so whether run {run.root} already has a "
-                          "job in the queue is unknown: try again once SLURM answers "
-                          "(`squeue --me`)")
+        raise SlurmUnavailable(f"squeue did not answer, so whether run {run.root} already has a "
+                               "job in the queue is unknown: try again once SLURM answers "
+                               "(`squeue --me`)")
     live = [job for job in jobs or [] if job[1] != "COMPLETING"]
     if live:
         raise LaunchError(f"run {run.root} already has SLURM job {live[0][0]} ({live[0][1]}): "

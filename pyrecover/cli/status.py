@@ -114,6 +114,7 @@ def _cancel(run_dir: Path) -> None:
     """_cancel is `cancel` of the run (or sweep) folder `run_dir`."""
     from pyrecover import status as status_mod
     from pyrecover.rundir import RunDir
+    from pyrecover.slurm import SlurmUnavailable
     from pyrecover.slurm.query import LIVE_STATES, cancel_job, queued_jobs, squeue_state
     from pyrecover.sweep.record import trial_task
 
@@ -133,9 +134,9 @@ def _cancel(run_dir: Path) -> None:
         jobs.append((task, task_state))
     launched = job is not None or RunDir(run_dir).job_script.is_file()
     if not jobs and queued is None and launched:  # (squeue_state's None: the same silence)
-        raise status_mod.StatusError(f"squeue did not answer, so whether {run_dir} has a job "
-                                     "queued or running is unknown: try again once SLURM "
-                                     "answers (`squeue --me`)")
+        raise SlurmUnavailable(f"squeue did not answer, so whether {run_dir} has a job "
+                               "queued or running is unknown: try again once SLURM "
+                               "answers (`squeue --me`)")
     if not jobs and job is None:
         raise status_mod.StatusError(f"{run_dir} has no SLURM job to cancel (none started it "
                                      "and none is queued for it); stop a local run with Ctrl-C")
@@ -193,14 +194,15 @@ def _cancel_sweep(sweep_dir: Path) -> None:
     cancel (as a run's cancel does)."""
     from pyrecover import status as status_mod
     from pyrecover.rundir import RunDir
+    from pyrecover.slurm import SlurmUnavailable
     from pyrecover.slurm.query import LIVE_STATES, array_states, cancel_job, queued_jobs
     from pyrecover.sweep.trials import trial_name
 
     queued = queued_jobs(RunDir(sweep_dir).root / "job.sbatch")
     if queued is None:
-        raise status_mod.StatusError(f"squeue did not answer, so whether sweep {sweep_dir} "
-                                     "has a job array in the queue is unknown: try again once "
-                                     "SLURM answers (`squeue --me`)")
+        raise SlurmUnavailable(f"squeue did not answer, so whether sweep {sweep_dir} "
+                               "has a job array in the queue is unknown: try again once "
+                               "SLURM answers (`squeue --me`)")
     arrays = list(dict.fromkeys(job.split("_")[0] for job, _ in queued))
     requeues = False
     if not arrays:

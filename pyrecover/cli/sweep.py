@@ -75,7 +75,7 @@ def launch(
     from pyrecover import config as config_mod
     from pyrecover.experiment import check_run_dir, prepare_run_dir
     from pyrecover.rundir import RunDir
-    from pyrecover.slurm import LaunchError, submit
+    from pyrecover.slurm import LaunchError, SlurmUnavailable, submit
     from pyrecover.slurm.profile import validate as check_profile
     from pyrecover.slurm.query import slow_note
     from pyrecover.slurm.render import absolute_paths
@@ -188,7 +188,7 @@ def launch(
     try:
         with slow_note("sbatch"):  # as launch's: a SLURM that does not answer is said
             job_id = submit.submit(argv, cwd=job.run_dir, timeout=timeout)
-    except LaunchError as exc:
+    except (LaunchError, SlurmUnavailable) as exc:
         # Refused, so no trial runs from it: a new sweep's folder would keep its name taken.
         if made is not None and not isinstance(exc, submit.MaybeSubmitted):
             shutil.rmtree(made, ignore_errors=True)
@@ -266,7 +266,7 @@ def _refuse_a_second_live_array(sweep_dir: Path) -> None:
     the live one and have its tasks refused. The live array is one of this user's jobs that
     runs the sweep's job.sbatch (any state that still starts a trainer); a sweep launched
     before is not launched again while squeue cannot tell."""
-    from pyrecover.slurm import LaunchError, query
+    from pyrecover.slurm import LaunchError, SlurmUnavailable, query
     from pyrecover.sweep import record
 
     if not (sweep_dir / record.RECORD).is_file():
@@ -274,9 +274,9 @@ def _refuse_a_second_live_array(sweep_dir: Path) -> None:
     script = sweep_dir / "job.sbatch"
     jobs = query.queued_jobs(script)
     if jobs is None and script.exists():
-        raise LaunchError(f"squeue did not answer, so whether sweep {sweep_dir.name}'s job "
-                          "array is still queued is unknown: try again once SLURM answers "
-                          "(`squeue --me`)")
+        raise SlurmUnavailable(f"squeue did not answer, so whether sweep {sweep_dir.name}'s job "
+                               "array is still queued is unknown: try again once SLURM answers "
+                               "(`squeue --me`)")
     if jobs:
         job = jobs[0][0].split("_")[0]  # ARRAYID_TASKID, or ARRAYID_[1-5] while pending
         states = ", ".join(sorted({state for _, state in jobs}))  # its tasks' (not the first's)

@@ -12,3 +12,9 @@ from __future__ import annotations
 
 class LaunchError(ValueError):
     """A user mistake in launching a job: one line naming the key or value and what to do."""
+
+
+class SlurmUnavailable(RuntimeError):
+    """SLURM did not answer (its controller down or unreachable, its configuration unreadable):
+    a fault of the cluster, not the user's mistake, so one line and exit code 1 (2 says that
+    the command line or the config must change)."""

@@ -12,7 +12,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from pyrecover.slurm import LaunchError
+from pyrecover.slurm import LaunchError, SlurmUnavailable
 
 
 def sbatch_argv(script_path: str | Path) -> list[str]:
@@ -27,8 +27,16 @@ def require_sbatch(environ: Mapping[str, str]) -> None:
                           "--dry-run to print the job script and the sbatch command")
 
 
-class MaybeSubmitted(LaunchError):
+class MaybeSubmitted(SlurmUnavailable):
     """sbatch did not answer in time: the job may or may not be in the queue."""
+
+
+# What sbatch says where SLURM, not the job, is the problem (SLURM's own error strings): the
+# controller was never reached (nothing submitted), or its answer was lost (maybe submitted).
+NOT_REACHED = ("Unable to contact slurm controller (connect failure)",
+               "Unable to contact slurm controller (send failure)",
+               "Unable to process configuration file")
+ANSWER_LOST = ("Unable to contact slurm controller", "Socket timed out on send/recv operation")
 
 
 TIMEOUT_ENV = "PYRECOVER_SBATCH_TIMEOUT"  # seconds sbatch may take to answer (default 120)
@@ -70,6 +78,12 @@ def submit(argv: list[str], cwd: str | Path | None = None, timeout: float = 120.
                              "may not have been submitted: check with squeue") from None
     if result.returncode != 0:
         why = " ".join(result.stderr.split()) or f"exit code {result.returncode}"
+        if any(said in why for said in NOT_REACHED):
+            raise SlurmUnavailable(f"{argv[0]} could not reach SLURM, so nothing was submitted: "
+                                   f"{why}; try again once SLURM answers (`sinfo`)")
+        if any(said in why for said in ANSWER_LOST):
+            raise MaybeSubmitted(f"{argv[0]} got no answer from SLURM: {why}; the job may or "
+                                 "may not have been submitted: check with squeue")
         raise LaunchError(f"{argv[0]} refused the job: {why}")
     return parse_job_id(result.stdout)
 

@@ -171,11 +171,9 @@ def test_a_run_with_a_job_in_the_queue_is_not_launched_again_until_it_is_cancell
     assert (run_dir / "run.yaml").read_text() == recorded
     # While SLURM does not answer, a run launched before is not launched again: its job may
     # be in the queue. (A copy of the cluster's config whose controller port nobody serves.)
-    unreachable = tmp_path / "unreachable.conf"
-    unreachable.write_text(re.sub(r"^SlurmctldPort=\d+$", f"SlurmctldPort={free_port()}",
-                                  local_slurm.conf_path.read_text(), flags=re.M))
+    unreachable = unreachable_conf(local_slurm, tmp_path)
     again = launch(local_slurm, tmp_path, *args, "--time", "0:07:00", conf=unreachable)
-    assert again.returncode == 2, again.stderr
+    assert again.returncode == 1, again.stderr  # a fault of the cluster, not a mistake (2)
     assert again.stderr.splitlines()[-1] == (
         f"error: squeue did not answer, so whether run {run_dir} already has a job in the "
         "queue is unknown: try again once SLURM answers (`squeue --me`)")
@@ -199,6 +197,42 @@ def test_a_run_with_a_job_in_the_queue_is_not_launched_again_until_it_is_cancell
     said = status(local_slurm, run_dir)  # the queued job, not the cancelled one
     assert (said["job_id"], said["slurm_state"]) == (str(job_id_2), "PENDING"), said
     local_slurm.cancel(job_id_2)
+
+
+def unreachable_conf(cluster: LocalSlurm, folder: Path) -> Path:
+    """unreachable_conf is a copy of the cluster's slurm.conf whose controller port nobody
+    serves: every SLURM command fails as it does where the controller is down."""
+    conf = folder / "unreachable.conf"
+    conf.write_text(re.sub(r"^SlurmctldPort=\d+$", f"SlurmctldPort={free_port()}",
+                           cluster.conf_path.read_text(), flags=re.M))
+    return conf
+
+
+def test_a_slurm_that_does_not_answer_ends_launch_and_cancel_with_exit_1_in_one_line(
+        local_slurm, corpus, tmp_path):
+    """With the controller down, launch and cancel ended with exit 2, the code that says the
+    command line or the config must change (and what a job script never requeues): SLURM's
+    silence is a fault of the cluster, exit 1, and the command can be typed again as it was."""
+    conf = unreachable_conf(local_slurm, tmp_path)
+    storage = tmp_path / "storage"
+    done = launch(local_slurm, tmp_path, "--exp-name", "down", "--set",
+                  f"run.storage={storage}", "--set", f"data.path={corpus}", conf=conf)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("error: sbatch could not reach SLURM, so nothing was submitted: "), last
+    assert "Unable to contact slurm controller" in last and "Traceback" not in done.stderr
+    assert not storage.exists()  # nothing was submitted: no run folder "not started" is left
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    run.event("start", step=0, job_id="4242")  # a run a job started, maybe running now
+    env = launch_env(local_slurm) | {"SLURM_CONF": str(conf)}
+    done = subprocess.run([sys.executable, "-m", "pyrecover", "cancel", str(run.root)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"error: squeue did not answer, so whether {run.root} has a job queued or running is "
+        "unknown: try again once SLURM answers (`squeue --me`)"), done.stderr
 
 
 def status(cluster: LocalSlurm, run_dir: Path) -> dict:

@@ -180,7 +180,7 @@ def test_cancel_while_slurm_does_not_answer_says_so_not_that_nothing_runs(tmp_pa
     run.create()
     run.event("start", step=0, job_id="4242")
     done = pyrecover("cancel", str(run.root), env={"SLURM_CONF": str(tmp_path / "none.conf")})
-    assert done.returncode == 2, done.stderr
+    assert done.returncode == 1, done.stderr  # a fault of the cluster: 2 is a user's mistake
     said = done.stderr.splitlines()
     assert said[-1].startswith("error: ") and "did not answer" in said[-1], said
     assert "nothing to cancel" not in done.stderr
