@@ -24,6 +24,12 @@ def build_corpus(out: Path, max_bytes: int = 400_000) -> Path:
     return out
 
 
+def files_under(path: Path) -> list[Path]:
+    """files_under is every file and folder below `path`, relative to it: what a refused
+    command must leave as it was."""
+    return sorted(p.relative_to(path) for p in path.rglob("*"))
+
+
 def pyrecover(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
               timeout: float = 300, max_file_bytes: int | None = None,
               via: tuple[str, ...] = ("-m", "pyrecover"),
