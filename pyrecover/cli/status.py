@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -115,7 +117,7 @@ def _cancel(run_dir: Path) -> None:
     from pyrecover import status as status_mod
     from pyrecover.rundir import RunDir
     from pyrecover.slurm import SlurmUnavailable
-    from pyrecover.slurm.query import LIVE_STATES, cancel_job, queued_jobs, squeue_state
+    from pyrecover.slurm.query import LIVE_STATES, queued_jobs, squeue_state
     from pyrecover.sweep.record import trial_task
 
     if RunDir(run_dir).is_sweep() and not RunDir(run_dir).config.is_file():
@@ -143,31 +145,46 @@ def _cancel(run_dir: Path) -> None:
     if not jobs:
         raise status_mod.StatusError(f"job {job} of {run_dir} is not queued or running ("
                                      f"{state or 'SLURM does not list it'}); nothing to cancel")
-    requeues = refused = False
-    for queued, said_state in jobs:  # every one, whichever scancel refuses
-        done = cancel_job(queued)
-        if done.refused:
-            typer.echo(f"error: could not cancel job {queued}: {one_line(done.refused)}",
-                       err=True)
-            refused = True
-            continue
+
+    def taken(queued: str, said_state: str) -> tuple[bool, str]:
         # recorded once taken: status reads it as the run's end (a job cancelled in start-up)
         RunDir(run_dir).event("cancel", job_id=queued, slurm_state=said_state)
-        if done.requeueable and said_state != "PENDING":
-            typer.echo(requeue_kept(queued, done.requeueable), err=True)
-            requeues = True
-            continue
-        typer.echo(f"cancelled job {queued} ({said_state}): " + (
+        return said_state != "PENDING", f"cancelled job {queued} ({said_state}): " + (
             "it was waiting in the queue and will not start" if said_state == "PENDING" else
             "it saves a checkpoint at its next step and is not requeued; `pyrecover status` "
-            "shows when it has ended"),
-            err=True)
-        if done.requeueable:  # (a job that never started runs no script to requeue it)
-            typer.echo(requeue_note(queued, done.requeueable), err=True)
-    if refused:  # as the one line of a single refused job was
-        raise typer.Exit(EXIT_USER_ERROR)
-    if requeues:  # a fault of SLURM's, not the user's mistake
-        raise typer.Exit(1)
+            "shows when it has ended")
+
+    _exit_with([_cancel_one(queued, "job", partial(taken, queued, said_state))
+                for queued, said_state in jobs])  # every one, whichever scancel refuses
+
+
+def _cancel_one(job: str, what: str, taken: Callable[[], tuple[bool, str]]) -> int:
+    """_cancel_one ends `job` (a `what`: job, job array) for good and says how that went.
+    `taken()` runs once scancel took it: it records the cancel and returns whether a task of
+    the job runs (whose job script would requeue it) and the line that says it is cancelled.
+    Returns the exit code it asks for: 2 where scancel refused the job, 1 where a running one
+    stays requeueable (a fault of SLURM's, not the user's mistake), else 0."""
+    from pyrecover.slurm.query import cancel_job
+
+    done = cancel_job(job)
+    if done.refused:
+        typer.echo(f"error: could not cancel {what} {job}: {one_line(done.refused)}", err=True)
+        return EXIT_USER_ERROR
+    running, said = taken()
+    if done.requeueable and running:
+        typer.echo(requeue_kept(job, done.requeueable), err=True)
+        return 1
+    typer.echo(said, err=True)
+    if done.requeueable:  # (no task started: none runs a script to requeue it)
+        typer.echo(requeue_note(job, done.requeueable), err=True)
+    return 0
+
+
+def _exit_with(codes: list[int]) -> None:
+    """_exit_with ends the command with the worst of `codes` (_cancel_one's, one per job):
+    a refused job's 2 over a requeueable one's 1, as the one line of a single job says."""
+    if max(codes, default=0):
+        raise typer.Exit(max(codes))
 
 
 def one_line(said: str) -> str:
@@ -195,8 +212,7 @@ def _cancel_sweep(sweep_dir: Path) -> None:
     from pyrecover import status as status_mod
     from pyrecover.rundir import RunDir
     from pyrecover.slurm import SlurmUnavailable
-    from pyrecover.slurm.query import LIVE_STATES, array_states, cancel_job, queued_jobs
-    from pyrecover.sweep.trials import trial_name
+    from pyrecover.slurm.query import LIVE_STATES, array_states, queued_jobs
 
     queued = queued_jobs(RunDir(sweep_dir).root / "job.sbatch")
     if queued is None:
@@ -204,42 +220,37 @@ def _cancel_sweep(sweep_dir: Path) -> None:
                                "has a job array in the queue is unknown: try again once "
                                "SLURM answers (`squeue --me`)")
     arrays = list(dict.fromkeys(job.split("_")[0] for job, _ in queued))
-    requeues = False
     if not arrays:
         raise status_mod.StatusError(f"sweep {sweep_dir} has no job array queued or running; "
                                      "nothing to cancel")
-    refused = False
+    codes = []
     for array in arrays:  # every one, whichever scancel refuses
         live = {int(task.split("_")[1]): state for task, state in array_states(array).items()
                 if state in LIVE_STATES and task.split("_")[1].isdigit()}
-        done = cancel_job(array)
-        if done.refused:
-            typer.echo(f"error: could not cancel job array {array}: {one_line(done.refused)}",
-                       err=True)
-            refused = True
-            continue
-        for index, state in sorted(live.items()):  # recorded once taken, as a run's cancel
-            RunDir(Path(sweep_dir) / trial_name(index)).event(
-                "cancel", job_id=f"{array}_{index}", slurm_state=state)
-        running = [f"{trial_name(i)} ({s})" for i, s in sorted(live.items()) if s != "PENDING"]
-        if done.requeueable and running:
-            typer.echo(requeue_kept(array, done.requeueable), err=True)
-            requeues = True
-            continue
-        waiting = [trial_name(i) for i, s in sorted(live.items()) if s == "PENDING"]
-        parts = []
-        if running:
-            parts.append(", ".join(running) + (
-                " saves a checkpoint at its next step and is not requeued" if len(running) == 1
-                else " each save a checkpoint at their next step and are not requeued"))
-        if waiting:
-            parts.append(", ".join(waiting) + " waiting in the queue will not start")
-        parts = parts or ["no task of it requeues"]  # (SLURM listed none of its tasks)
-        typer.echo(f"cancelled job array {array}: {'; '.join(parts)}; `pyrecover sweep status "
-                   f"{sweep_dir}` shows when they have ended", err=True)
-        if done.requeueable:  # (only waiting tasks: none runs a script to requeue it)
-            typer.echo(requeue_note(array, done.requeueable), err=True)
-    if refused:
-        raise typer.Exit(EXIT_USER_ERROR)
-    if requeues:
-        raise typer.Exit(1)
+        codes.append(_cancel_one(array, "job array", partial(_array_taken, sweep_dir, array,
+                                                             live)))
+    _exit_with(codes)
+
+
+def _array_taken(sweep_dir: Path, array: str, live: dict[int, str]) -> tuple[bool, str]:
+    """_array_taken records the cancel in each trial whose task of `array` was live (as a
+    run's cancel does); whether one of them runs, and the line that says the array is
+    cancelled (_cancel_one's `taken`)."""
+    from pyrecover.rundir import RunDir
+    from pyrecover.sweep.trials import trial_name
+
+    for index, state in sorted(live.items()):  # recorded once taken, as a run's cancel
+        RunDir(Path(sweep_dir) / trial_name(index)).event(
+            "cancel", job_id=f"{array}_{index}", slurm_state=state)
+    running = [f"{trial_name(i)} ({s})" for i, s in sorted(live.items()) if s != "PENDING"]
+    waiting = [trial_name(i) for i, s in sorted(live.items()) if s == "PENDING"]
+    parts = []
+    if running:
+        parts.append(", ".join(running) + (
+            " saves a checkpoint at its next step and is not requeued" if len(running) == 1
+            else " each save a checkpoint at their next step and are not requeued"))
+    if waiting:
+        parts.append(", ".join(waiting) + " waiting in the queue will not start")
+    parts = parts or ["no task of it requeues"]  # (SLURM listed none of its tasks)
+    return bool(running), (f"cancelled job array {array}: {'; '.join(parts)}; `pyrecover sweep "
+                           f"status {sweep_dir}` shows when they have ended")

@@ -198,3 +198,39 @@ def test_a_job_scancel_refuses_is_left_requeueable(local_slurm, jobs, tmp_path):
     done = cancel(run_dir, refusing_scancel(tmp_path / "bin", local_slurm))
     assert done.returncode == 2, done.stderr
     assert local_slurm.job_info(job_id)["Requeue"] == "1"
+
+
+def test_a_sweep_array_scontrol_would_not_change_is_said_as_a_runs_job_is(
+        local_slurm, jobs, tmp_path):
+    """A sweep's cancel says scontrol's refusal in the words a run's cancel uses: a note where
+    no task of the array had started (exit 0), an error where one runs (exit 1)."""
+    sweep_dir = tmp_path / "sweep"
+    for trial in ("trial-0", "trial-1"):
+        (sweep_dir / trial).mkdir(parents=True)
+    (sweep_dir / "sweep.yaml").write_text("{}\n")
+    (sweep_dir / "job.sbatch").write_text(SLEEPER)
+    env = refusing_scontrol(tmp_path / "bin", local_slurm)
+    waiting = int(local_slurm.run("sbatch", "--parsable", "--hold", "--array=0-1", "-o",
+                                  str(tmp_path / "w-%a.out"), str(sweep_dir / "job.sbatch")
+                                  ).stdout.strip().split(";")[0])
+    jobs.append(waiting)
+    done = cancel(sweep_dir, env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        f"cancelled job array {waiting}: trial-0, trial-1 waiting in the queue will not start; "
+        f"`pyrecover sweep status {sweep_dir}` shows when they have ended",
+        f"note: scontrol did not make job {waiting} non-requeueable (slurm_update error: "
+        "Access/permission denied); it had not started, so nothing requeues it"]
+
+    running = int(local_slurm.run("sbatch", "--parsable", "--requeue", "--array=0", "-o",
+                                  str(tmp_path / "r-%a.out"), str(sweep_dir / "job.sbatch")
+                                  ).stdout.strip().split(";")[0])
+    jobs.append(running)
+    local_slurm.wait_job(f"{running}_0", states=("RUNNING",), timeout=60)
+    done = cancel(sweep_dir, env)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: job {running} was cancelled, but scontrol did not make it non-requeueable "
+        "(slurm_update error: Access/permission denied): its job script takes the cancel for "
+        "a preemption and may requeue itself; if `pyrecover status` shows it queued again, "
+        f"`scancel {running}` while it waits ends it for good"]
