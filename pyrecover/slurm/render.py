@@ -312,7 +312,8 @@ def render(spec: JobSpec) -> str:
         f"{INDENT}export MASTER_PORT",
         f'{INDENT}echo "pyrecover: job $SLURM_JOB_ID (nodes $SLURM_JOB_NODELIST), step $IN_JOB '
         'on $STEP_NODES, rendezvous $MASTER_ADDR:$MASTER_PORT" >&2',
-        f"{INDENT}{step}",
+        f"{INDENT}{step} &",
+        f"{INDENT}wait_step $!  # (in the background: the stop signal's handler runs meanwhile)",
         f"{INDENT}after_step $?  # exits the job, or comes back to start another step here",
         "done",
         "",

@@ -229,16 +229,17 @@ def assert_completed(cluster: LocalSlurm, job_id: int, run_dir: Path, info: dict
 # --------------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("signal", ["USR2", "TERM"])
+@pytest.mark.parametrize("signal, to", [("USR2", "full"), ("USR2", "batch"), ("TERM", None)])
 def test_a_preempted_job_saves_requeues_resumes_and_ends_with_the_uninterrupted_model(
-        local_slurm, jobs, corpus, reference_model, tmp_path, signal):
-    job_id, run_dir = launch(local_slurm, jobs, tmp_path, f"preempt-{signal.lower()}", corpus,
-                             env={"PYRECOVER_STEP_DELAY": "1"})
+        local_slurm, jobs, corpus, reference_model, tmp_path, signal, to):
+    job_id, run_dir = launch(local_slurm, jobs, tmp_path, f"preempt-{signal.lower()}-{to}",
+                             corpus, env={"PYRECOVER_STEP_DELAY": "1"})
     wait_running_at_step(local_slurm, job_id, run_dir, 4)
     # USR2 as `scancel --signal=USR2 --full` sends it: to the batch shell too, which must
-    # survive it to requeue the job.
-    full = ["--full"] if signal == "USR2" else []
-    local_slurm.run("scancel", f"--signal={signal}", *full, str(job_id))
+    # survive it to requeue the job. `--batch`: to the batch shell alone, which must pass it
+    # on to the training step (it did not, and the job trained on to its end).
+    local_slurm.run("scancel", f"--signal={signal}", *([f"--{to}"] if to else []),
+                    str(job_id))
     info = wait_end(local_slurm, job_id, run_dir, timeout=300)
 
     report = assert_completed(local_slurm, job_id, run_dir, info)

@@ -119,20 +119,28 @@ def test_crashes_use_up_max_restarts_counting_only_this_jobs_failures(tmp_path, 
 
 
 @pytest.mark.parametrize("stop_signal", ["USR2", "USR1"])
-def test_the_stop_signal_sent_to_the_batch_shell_does_not_end_it_before_the_decision(
+def test_the_stop_signal_sent_to_the_batch_shell_reaches_the_step_and_the_decision_follows(
         tmp_path, stop_signal):
-    """`scancel -s USR2 --full` signals the batch shell as well as the tasks."""
+    """`scancel -s USR2 --batch` signals the batch shell alone (`--full`, the tasks too): the
+    shell ran its handler only once the step had ended, so the step never got the signal and
+    trained on to its end; the shell must pass it on, and survive it to requeue the job."""
     spec = spec_for("none", sets=[f"run.storage={tmp_path / 'store'}", "run.exp_name=tiny-gpt",
                                   f"run.stop_signal={stop_signal}"])
     (tmp_path / "store" / "tiny-gpt" / "logs").mkdir(parents=True)  # where it records
-    # The stand-in step signals the script's shell (its parent) and exits as a stopped
-    # trainer; it also reports its own mask of ignored signals (/proc: SigIgn).
-    step = (f"kill -{stop_signal} \"$PPID\"\n"
-            "grep SigIgn /proc/$$/status >&2\nexit 75\n")
+    # The stand-in step signals the script's shell (its parent), then trains (sleeps) until
+    # the signal comes back to it, as srun passes it on to its tasks, and exits as a stopped
+    # trainer. It also reports its own mask of ignored signals (/proc: SigIgn).
+    step = ("sleep 120 & nap=$!\n"
+            f"trap 'got=1; kill $nap' {stop_signal}\n"
+            f"kill -{stop_signal} \"$PPID\"\n"
+            "wait $nap\n"
+            "grep SigIgn /proc/$$/status >&2\n"
+            "[ -n \"${got:-}\" ] || { echo 'the step never got the signal' >&2; exit 1; }\n"
+            "exit 75\n")
     argv, stderr, code = run_step(render.render(spec), tmp_path, env={"STEP": step},
                                   srun_body='eval "$STEP"')
     assert code == 75, stderr
-    assert f"batch shell got SIG{stop_signal}; waiting for the training step" in stderr
+    assert f"batch shell got SIG{stop_signal}; passing it on to the training step" in stderr
     assert "pyrecover: requeueing job 123" in stderr
     assert (tmp_path / "scontrol.requeue").read_text().split() == ["123"]
     # A handler, not an ignore: the tasks the shell starts still take the signal.
