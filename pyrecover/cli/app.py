@@ -108,13 +108,13 @@ def main() -> None:
     # refuses or reads: two lines of its source above the one line a user gets (the refusal
     # is said there, oneline.first_line).
     warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
-    if sys.argv[1:2] == ["train"]:  # what restarts; not `launch`, whose job would inherit it
-        from pyrecover import preempt
-
-        preempt.catch_early()  # (done already where `python -m pyrecover` started it)
-        startup.use_bytecode_cache()  # before torch is imported (startup.py)
     try:
-        _main()
+        if sys.argv[1:2] == ["train"]:  # what restarts; not `launch`, whose job would inherit
+            from pyrecover import preempt
+
+            preempt.catch_early()  # (done already where `python -m pyrecover` started it)
+            startup.use_bytecode_cache()  # before torch is imported (startup.py); it looks
+        _main()  # for torch on sys.path: a Ctrl-C may come in the middle of it
     except KeyboardInterrupt:  # outside the command (typer's own exits 130): while it starts
         sys.exit(130)
     except SystemExit as done:

@@ -36,6 +36,50 @@ def test_a_ctrl_c_while_the_cli_is_imported_quits_with_130_and_no_traceback(tmp_
     assert proc.returncode == 130 and "Traceback" not in err, err
 
 
+# Stands for a slow import of argv[1] in the main thread: says so on stdout, then waits there
+# for the test's SIGINT, whose KeyboardInterrupt comes out of that import as from a slow one.
+PAUSED_IMPORT = """
+import os, runpy, signal, sys, threading
+module = sys.argv[1]
+class Paused:
+    def find_spec(self, name, path=None, target=None):
+        if name == module and threading.current_thread() is threading.main_thread():
+            sys.meta_path.remove(self)
+            os.write(1, b"importing\\n")
+            signal.pause()
+        return None
+sys.meta_path.insert(0, Paused())
+sys.argv = ["pyrecover", *sys.argv[2:]]
+runpy.run_module("pyrecover", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize(("module", "nproc"), [
+    ("pyrecover.preempt", 1),  # pyrecover/__main__.py's first import, before its early catch
+    ("pyrecover.cli", 2),  # the CLI, after it
+    ("torch", 1),  # the CLI's search for torch's bytecode (startup.use_bytecode_cache)
+    ("pyrecover.train", 1),  # the trainer's start (typer's own 130)
+])
+def test_a_ctrl_c_during_an_import_at_the_start_quits_with_130_and_no_traceback(
+        tmp_path, corpus, module, nproc):
+    """A SIGINT while `python -m pyrecover train` imported its first module printed Python's
+    traceback of that import and ended the process by SIGINT."""
+    argv = ["train", "--nproc", str(nproc), *tiny_args(tmp_path, corpus, "run")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED_IMPORT, module, *argv], env=env,
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "importing\n", proc.communicate()
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+
+
 @contextlib.contextmanager
 def launcher(tmp_path: Path, corpus: Path):
     """launcher runs `pyrecover train --nproc 2` on the tiny config in a session of its own,
