@@ -125,7 +125,10 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
 
     said_ctrl_c: list[bool] = []
     quitting: list[bool] = []  # a Ctrl-C while they start: no worker has anything to save
-    reached: list[int] = []  # how many workers had started when a SIGINT was handed on
+    # (signal, how many workers had started) of each handed on while they start: one that
+    # came before a worker's start (before the first's: before any) goes to it once started.
+    reached: list[tuple[int, int]] = []
+    started: list[bool] = []
 
     def forward(signum, _frame, from_terminal: bool | None = None):
         if signum == signal.SIGINT:
@@ -138,7 +141,8 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                 preempt.say(f"\n{said}\n")  # (a handler: one write, no print)
             if terminal_sent_it() if from_terminal is None else from_terminal:
                 return  # a Ctrl-C reached every worker already
-            reached.append(len(procs))
+        if not started:
+            reached.append((signum, len(procs)))
         for p in procs:
             if p.poll() is None:
                 relay.send(p.pid, signum)
@@ -161,8 +165,10 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                                                            LAUNCHER_ENV: str(os.getpid())}))
         if not procs:  # a SIGINT before the first one started: none did
             return exit_status(-signal.SIGINT)
-        for p in procs[reached[0]:] if reached else []:  # started as it was handed on
-            relay.send(p.pid, signal.SIGINT)
+        started.append(True)  # from here each is handed on to all of them at once
+        for signum, count in reached:
+            for p in procs[count:]:
+                relay.send(p.pid, signum)
         if early is not None:
             forward(early, None)
         # From here the main thread takes them with sigtimedwait, which says who sent each

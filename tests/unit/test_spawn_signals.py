@@ -55,6 +55,45 @@ def test_a_stop_signal_waits_for_a_worker_that_catches_sigterm_but_not_it_yet(tm
     assert launcher.returncode == 75, err
 
 
+# The launcher above, its first worker's start held (subprocess.Popen, the standard library's)
+# until the test says on stdin that its signal was sent: says `starting` first.
+LAUNCHER_HELD_AT_START = """
+import os, signal, subprocess, sys
+from pyrecover import spawn
+class HeldAtStart(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        os.write(1, b"starting\\n")
+        sys.stdin.readline()
+        super().__init__(*args, **kwargs)
+subprocess.Popen = HeldAtStart
+sys.exit(spawn.spawn_local([sys.executable, "-c", sys.argv[1], sys.argv[2]], 1, os.environ,
+                           stop=signal.SIGUSR2))
+"""
+
+
+def test_a_stop_signal_before_the_first_worker_started_reaches_it(tmp_path: Path):
+    """SLURM's USR2 (or a preemption's TERM) that reached `train --nproc N` after it put in
+    its handlers and before its first worker started went to no one: the workers trained on
+    to the time limit and were killed there without a checkpoint."""
+    worker = starting_worker("SIGUSR2")
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER_HELD_AT_START, worker,
+                                 str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert launcher.stdout.readline() == "starting\n", launcher.communicate()
+        os.kill(launcher.pid, signal.SIGUSR2)
+        launcher.stdin.write("sent\n")
+        launcher.stdin.flush()
+        wait_for((tmp_path / "ready").exists, launcher)
+        (tmp_path / "go").touch()  # it catches USR2 now, and stops on it (exit 75)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    assert launcher.returncode == 75, err
+
+
 def test_catching_reads_the_mask_of_each_signal_asked_about(tmp_path: Path):
     worker = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path)])
     try:
