@@ -69,24 +69,35 @@ def children(pid: int, proc: Path = Path("/proc")) -> list[int]:
 def forward_to_children(relay: Relay) -> Callable[..., None]:
     """forward_to_children is a signal handler that passes its signal on to this process's
     children, the workers, through `relay`: to each once it catches it (a worker still
-    starting would die of it). The first signal it holds back starts a thread that hands on
-    what it holds, while torch's agent goes on watching the workers."""
+    starting would die of it). One that comes before any worker exists (the agent imports
+    torch, or waits in the rendezvous for the other nodes) waits for the first ones: the
+    ranks agree on the stop, so those are enough. The first signal it holds back starts a
+    thread that hands on what it holds, while torch's agent goes on watching the workers."""
     releasing: list[threading.Thread] = []
+    waiting: list[int] = []  # signals that came before any worker; no lock: handlers append
 
     def forward(signum: int, _frame: object = None) -> None:
-        for child in children(os.getpid()):
+        workers = children(os.getpid())
+        if not workers:
+            waiting.append(signum)
+        for child in workers:
             relay.send(child, signum)
-        if relay.held and not releasing:
-            releasing.append(threading.Thread(target=_keep_releasing, args=(relay,),
+        if (relay.held or waiting) and not releasing:
+            releasing.append(threading.Thread(target=_keep_releasing, args=(relay, waiting),
                                               name="pyrecover-relay", daemon=True))
             releasing[0].start()
 
     return forward
 
 
-def _keep_releasing(relay: Relay, every_s: float = 0.02) -> None:
+def _keep_releasing(relay: Relay, waiting: list[int], every_s: float = 0.02) -> None:
     while True:
         time.sleep(every_s)
+        workers = children(os.getpid()) if waiting else []
+        while waiting and workers:
+            signum = waiting.pop(0)
+            for child in workers:
+                relay.send(child, signum)
         relay.release()
 
 
@@ -118,12 +129,14 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     stop = parse_signal(args[1])
-    from torch.distributed import run
+    forward = forward_to_children(Relay(stop))
+    if stop not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(stop, forward)  # torch's agent forwards those four itself
+    from torch.distributed import run  # (seconds: a stop meanwhile waits for the workers)
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    forward = forward_to_children(Relay(stop))
     keep_workers_on_sigterm(api, stop, forward)
     # torch >= 2.5 shares the agent's store with the workers, across restarts and without a
     # prefix per restart (pytorch/pytorch#135712); the workers key theirs by the restart
@@ -131,8 +144,6 @@ def main(argv: Sequence[str]) -> int:
     # without counting, so the nodes' counts part and their ranks meet under different
     # keys. Each rendezvous round gets a new store instead, on worker rank 0.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if stop not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(stop, forward)  # torch's agent forwards those four itself
     try:
         run.main(args[2:])
     except ChildFailedError as exc:

@@ -177,6 +177,43 @@ def test_the_stop_signal_waits_for_a_worker_that_does_not_catch_it_yet(tmp_path)
     assert proc.returncode == EXIT_STOPPED, err[-3000:]
 
 
+def test_the_stop_signal_before_the_workers_start_reaches_them_once_started(tmp_path):
+    """SLURM's USR2 that reached node 0's agent while it waited in the rendezvous for node 1
+    (or imported torch) found no worker to hand it on to and was dropped: the workers then
+    trained on to the time limit, and were killed there without a checkpoint."""
+    port = spawn.free_port()
+
+    def node(folder: Path) -> subprocess.Popen:
+        folder.mkdir()
+        argv = [sys.executable, "-m", "pyrecover.elastic_agent", "--stop-signal", "USR2",
+                "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", "stop-early", "--no-python", sys.executable, "-c",
+                STARTING_WORKER, str(folder)]
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+
+    first = node(tmp_path / "0")
+    second = None
+    try:
+        wait_for(lambda: spawn.catching(first.pid, signal.SIGUSR2), first)
+        assert not elastic_agent.children(first.pid)  # node 1 is not there: no worker yet
+        first.send_signal(signal.SIGUSR2)
+        second = node(tmp_path / "1")
+        wait_for((tmp_path / "0" / "ready").exists, first)
+        (tmp_path / "0" / "go").touch()  # it catches USR2 now, and stops on it (exit 75)
+        _, err = first.communicate(timeout=120)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                workers = elastic_agent.children(proc.pid)  # in sessions of their own
+                os.killpg(proc.pid, signal.SIGKILL)
+                for pid in workers:
+                    os.kill(pid, signal.SIGKILL)
+                proc.communicate()
+    assert first.returncode == EXIT_STOPPED, err[-3000:]
+
+
 def wait_for(what, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not what():
