@@ -21,6 +21,7 @@ the bound, as it is for the srun launcher.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -75,6 +76,8 @@ def forward_to_children(relay: Relay) -> Callable[..., None]:
     thread that hands on what it holds, while torch's agent goes on watching the workers."""
     releasing: list[threading.Thread] = []
     waiting: list[int] = []  # signals that came before any worker; no lock: handlers append
+    wake, woken = os.pipe()  # a handler's byte wakes the thread (write(2): signal-safe)
+    os.set_blocking(woken, False)
 
     def forward(signum: int, _frame: object = None) -> None:
         workers = children(os.getpid())
@@ -82,17 +85,28 @@ def forward_to_children(relay: Relay) -> Callable[..., None]:
             waiting.append(signum)
         for child in workers:
             relay.send(child, signum)
-        if (relay.held or waiting) and not releasing:
-            releasing.append(threading.Thread(target=_keep_releasing, args=(relay, waiting),
-                                              name="pyrecover-relay", daemon=True))
-            releasing[0].start()
+        if relay.held or waiting:
+            with contextlib.suppress(BlockingIOError):  # (full: woken already)
+                os.write(woken, b"!")
+            if not releasing:
+                releasing.append(threading.Thread(target=_keep_releasing,
+                                                  args=(relay, waiting, wake),
+                                                  name="pyrecover-relay", daemon=True))
+                releasing[0].start()
 
     return forward
 
 
-def _keep_releasing(relay: Relay, waiting: list[int], every_s: float = 0.02) -> None:
+def _keep_releasing(relay: Relay, waiting: list[int], wake: int, every_s: float = 0.02) -> None:
+    """_keep_releasing hands on what `relay` holds and what is `waiting` for workers. While
+    some signal is, it looks every `every_s` (nothing tells when a worker starts or catches
+    one); else it waits for a handler's byte on `wake`, which a signal held meanwhile left
+    there, so none is missed."""
     while True:
-        time.sleep(every_s)
+        if relay.held or waiting:
+            time.sleep(every_s)
+        else:
+            os.read(wake, 512)
         workers = children(os.getpid()) if waiting else []
         while waiting and workers:
             signum = waiting.pop(0)

@@ -4,13 +4,16 @@ the stop signal's default action."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import platform
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 from helpers import starting_worker
 
 from pyrecover.spawn import catching
@@ -86,6 +89,58 @@ def test_a_stop_signal_before_the_first_worker_started_reaches_it(tmp_path: Path
         launcher.stdin.flush()
         wait_for((tmp_path / "ready").exists, launcher)
         (tmp_path / "go").touch()  # it catches USR2 now, and stops on it (exit 75)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    assert launcher.returncode == 75, err
+
+
+# The torchrun wrapper's relay (pyrecover.elastic_agent) without torch: USR2 is handed on to
+# this process's children, workers started one after the other, one per folder in argv[2:].
+RELAY_WRAPPER = """
+import os, signal, subprocess, sys
+from pyrecover import elastic_agent, spawn
+signal.signal(signal.SIGUSR2, elastic_agent.forward_to_children(spawn.Relay(signal.SIGUSR2)))
+for folder in sys.argv[2:]:
+    code = subprocess.Popen([sys.executable, "-c", sys.argv[1], folder]).wait()
+sys.exit(code)
+"""
+READ = {"x86_64": 0, "aarch64": 63}.get(platform.machine())  # read(2)'s number
+
+
+def waits_in_read(pid: int) -> bool:
+    """waits_in_read: a thread of `pid` other than its main one is blocked in read(2)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if task.name != str(pid) and int((task / "syscall").read_text().split()[0]) == READ:
+                return True
+    return False
+
+
+@pytest.mark.skipif(READ is None, reason="read(2)'s number is known for x86_64 and aarch64")
+def test_the_wrappers_relay_waits_for_a_signal_once_it_holds_none(tmp_path: Path):
+    """The torchrun wrapper's relay thread looked at the workers every 20 ms from its first
+    held signal to the end of the job; it now sleeps until a signal is held again, and that
+    one still reaches its worker."""
+    folders = [tmp_path / "1", tmp_path / "2"]
+    for folder in folders:
+        folder.mkdir()
+    launcher = subprocess.Popen([sys.executable, "-c", RELAY_WRAPPER, starting_worker("SIGUSR2"),
+                                 *map(str, folders)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    threads = Path(f"/proc/{launcher.pid}/task")
+    try:
+        wait_for((folders[0] / "ready").exists, launcher)
+        launcher.send_signal(signal.SIGUSR2)  # held: the worker catches only TERM yet
+        wait_for(lambda: len(list(threads.iterdir())) == 2, launcher)  # the relay thread's
+        (folders[0] / "go").touch()  # it catches USR2 now and exits 75 on it
+        wait_for((folders[1] / "ready").exists, launcher)
+        wait_for(lambda: waits_in_read(launcher.pid), launcher)  # nothing held: it sleeps
+        launcher.send_signal(signal.SIGUSR2)
+        wait_for(lambda: not waits_in_read(launcher.pid), launcher)  # woken: held again
+        (folders[1] / "go").touch()
         _, err = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
