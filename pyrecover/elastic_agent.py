@@ -76,8 +76,8 @@ def forward_to_children(relay: Relay) -> Callable[..., None]:
     thread that hands on what it holds, while torch's agent goes on watching the workers."""
     releasing: list[threading.Thread] = []
     waiting: list[int] = []  # signals that came before any worker; no lock: handlers append
-    wake, woken = os.pipe()  # a handler's byte wakes the thread (write(2): signal-safe)
-    os.set_blocking(woken, False)
+    wake_r, wake_w = os.pipe()  # a handler's byte wakes the thread (write(2): signal-safe)
+    os.set_blocking(wake_w, False)
 
     def forward(signum: int, _frame: object = None) -> None:
         workers = children(os.getpid())
@@ -86,11 +86,11 @@ def forward_to_children(relay: Relay) -> Callable[..., None]:
         for child in workers:
             relay.send(child, signum)
         if relay.held or waiting:
-            with contextlib.suppress(BlockingIOError):  # (full: woken already)
-                os.write(woken, b"!")
+            with contextlib.suppress(BlockingIOError):  # (full: the thread is woken already)
+                os.write(wake_w, b"!")
             if not releasing:
                 releasing.append(threading.Thread(target=_keep_releasing,
-                                                  args=(relay, waiting, wake),
+                                                  args=(relay, waiting, wake_r),
                                                   name="pyrecover-relay", daemon=True))
                 releasing[0].start()
 
