@@ -99,17 +99,31 @@ def launcher(tmp_path: Path, corpus: Path):
             proc.wait()
 
 
+def is_a_worker(pid: int) -> bool:
+    """is_a_worker: child `pid` of `train --nproc` runs a worker's command line (`train
+    --run-dir ...`), not the launcher's (`--nproc`), which a fork copies until it execs."""
+    try:
+        return b"--nproc" not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:  # gone
+        return False
+
+
 def test_a_ctrl_c_while_the_workers_start_says_they_quit_without_a_checkpoint(tmp_path, corpus):
     """`train --nproc 2` said "stopping after this step with a checkpoint" to a Ctrl-C that
     reached workers still starting, which quit at once (exit 130) with none."""
     with launcher(tmp_path, corpus) as (proc, err_file):
         deadline = time.monotonic() + 120
-        # Both workers caught the early signals (preempt.catch_early): they import torch.
-        while not (len(workers := children(proc.pid)) == 2 and all(map(catching, workers))):
+        # Each worker is held the moment it caught the early signals (preempt.catch_early),
+        # importing torch, until the launcher has spoken. Forked and not yet a worker, a
+        # child catches what the launcher catches: its command line is still the launcher's.
+        workers: list[int] = []
+        while len(workers) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+            for pid in children(proc.pid):
+                if pid not in workers and is_a_worker(pid) and catching(pid):
+                    os.kill(pid, signal.SIGSTOP)
+                    workers.append(pid)
             time.sleep(0.001)
-        for pid in workers:  # held there until the launcher has spoken
-            os.kill(pid, signal.SIGSTOP)
         assert not any(map(stops_on_ctrl_c, workers)), "they started before the test stopped them"
         os.kill(proc.pid, signal.SIGINT)  # handed on to them, as a terminal's would reach them
         while "Ctrl-C" not in err_file.read_text():
