@@ -37,11 +37,22 @@ def wait_for(what, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.01)
 
 
-def test_a_stop_signal_waits_for_a_worker_that_catches_sigterm_but_not_it_yet(tmp_path: Path):
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER, str(tmp_path)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+@contextlib.contextmanager
+def started(argv: list[str], **kwargs):
+    """started runs `argv` in a session of its own, its output in pipes, and yields it; one
+    still running at the end is killed with its group."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
     try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def test_a_stop_signal_waits_for_a_worker_that_catches_sigterm_but_not_it_yet(tmp_path: Path):
+    with started([sys.executable, "-c", LAUNCHER, WORKER, str(tmp_path)]) as launcher:
         wait_for(lambda: (tmp_path / "ready").exists()
                  and catching(launcher.pid, signal.SIGHUP), launcher)
         os.kill(launcher.pid, signal.SIGHUP)
@@ -51,10 +62,6 @@ def test_a_stop_signal_waits_for_a_worker_that_catches_sigterm_but_not_it_yet(tm
         wait_for((tmp_path / "term").exists, launcher)
         (tmp_path / "go").touch()
         _, err = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.communicate()
     assert launcher.returncode == 75, err
 
 
@@ -79,10 +86,8 @@ def test_a_stop_signal_before_the_first_worker_started_reaches_it(tmp_path: Path
     its handlers and before its first worker started went to no one: the workers trained on
     to the time limit and were killed there without a checkpoint."""
     worker = starting_worker("SIGUSR2")
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER_HELD_AT_START, worker,
-                                 str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    with started([sys.executable, "-c", LAUNCHER_HELD_AT_START, worker, str(tmp_path)],
+                 stdin=subprocess.PIPE) as launcher:
         assert launcher.stdout.readline() == "starting\n", launcher.communicate()
         os.kill(launcher.pid, signal.SIGUSR2)
         launcher.stdin.write("sent\n")
@@ -90,10 +95,6 @@ def test_a_stop_signal_before_the_first_worker_started_reaches_it(tmp_path: Path
         wait_for((tmp_path / "ready").exists, launcher)
         (tmp_path / "go").touch()  # it catches USR2 now, and stops on it (exit 75)
         _, err = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.communicate()
     assert launcher.returncode == 75, err
 
 
@@ -127,11 +128,9 @@ def test_the_wrappers_relay_waits_for_a_signal_once_it_holds_none(tmp_path: Path
     folders = [tmp_path / "1", tmp_path / "2"]
     for folder in folders:
         folder.mkdir()
-    launcher = subprocess.Popen([sys.executable, "-c", RELAY_WRAPPER, starting_worker("SIGUSR2"),
-                                 *map(str, folders)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-    threads = Path(f"/proc/{launcher.pid}/task")
-    try:
+    with started([sys.executable, "-c", RELAY_WRAPPER, starting_worker("SIGUSR2"),
+                  *map(str, folders)]) as launcher:
+        threads = Path(f"/proc/{launcher.pid}/task")
         wait_for((folders[0] / "ready").exists, launcher)
         launcher.send_signal(signal.SIGUSR2)  # held: the worker catches only TERM yet
         wait_for(lambda: len(list(threads.iterdir())) == 2, launcher)  # the relay thread's
@@ -142,10 +141,6 @@ def test_the_wrappers_relay_waits_for_a_signal_once_it_holds_none(tmp_path: Path
         wait_for(lambda: not waits_in_read(launcher.pid), launcher)  # woken: held again
         (folders[1] / "go").touch()
         _, err = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.communicate()
     assert launcher.returncode == 75, err
 
 
