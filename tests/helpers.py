@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -224,3 +226,17 @@ signal.signal(signal.{stop}, lambda *_: os._exit(75))
 while True:
     time.sleep(0.01)
 """
+
+
+@contextlib.contextmanager
+def started(argv: list[str], **kwargs):
+    """started runs `argv` in a session of its own, its output in pipes (text), and yields
+    it; one still running at the end is killed with its group."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import starting_worker
+from helpers import started, starting_worker
 
 from pyrecover.spawn import catching
 
@@ -35,20 +35,6 @@ def wait_for(what, proc: subprocess.Popen, timeout: float = 120) -> None:
         assert proc.poll() is None, f"the launcher ended first: {proc.communicate()}"
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
-
-
-@contextlib.contextmanager
-def started(argv: list[str], **kwargs):
-    """started runs `argv` in a session of its own, its output in pipes, and yields it; one
-    still running at the end is killed with its group."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **kwargs)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
 
 
 def test_a_stop_signal_waits_for_a_worker_that_catches_sigterm_but_not_it_yet(tmp_path: Path):

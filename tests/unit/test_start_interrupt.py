@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import is_running, tiny_args
+from helpers import is_running, started, tiny_args
 
 from pyrecover.elastic_agent import children
 from pyrecover.preempt import CTRL_C
@@ -66,17 +66,10 @@ def test_a_ctrl_c_during_an_import_at_the_start_quits_with_130_and_no_traceback(
     traceback of that import and ended the process by SIGINT."""
     argv = ["train", "--nproc", str(nproc), *tiny_args(tmp_path, corpus, "run")]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
-    proc = subprocess.Popen([sys.executable, "-c", PAUSED_IMPORT, module, *argv], env=env,
-                            start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
+    with started([sys.executable, "-c", PAUSED_IMPORT, module, *argv], env=env) as proc:
         assert proc.stdout.readline() == "importing\n", proc.communicate()
         os.kill(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     assert proc.returncode == 130 and "Traceback" not in err, err
 
 
