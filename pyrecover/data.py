@@ -14,6 +14,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -25,7 +26,9 @@ EOD = 256  # end-of-document token for byte-level text
 
 
 def load_tokens(path: str | Path, column: str) -> torch.Tensor:
-    """load_tokens reads the column and returns the whole corpus as one int64 token tensor.
+    """load_tokens reads the column and returns the whole corpus as one token tensor, in the
+    narrowest of int16, int32 and int64 that holds every id (int16 for text: a quarter of
+    int64's memory on every rank; the windows come out as int64 all the same).
 
     Chunk by chunk, as pyarrow reads it: one array of the whole column (combine_chunks) has
     32-bit offsets, which a text corpus over 2 GiB overflows."""
@@ -37,7 +40,7 @@ def load_tokens(path: str | Path, column: str) -> torch.Tensor:
         raise DataError(f"{p}: cannot read column {column!r} ({first_line(exc)})") from None
     kind = col.type
     if pa.types.is_string(kind) or pa.types.is_large_string(kind) or _is_string_view(kind):
-        tokens = _cat([_bytes_tokens(chunk) for chunk in col.chunks])
+        tokens = _join([_bytes_tokens(chunk) for chunk in col.chunks], np.int16)
     elif (pa.types.is_list(kind) or pa.types.is_large_list(kind)
           or pa.types.is_fixed_size_list(kind)) and pa.types.is_integer(kind.value_type):
         flat = [chunk.flatten() for chunk in col.chunks]
@@ -45,12 +48,13 @@ def load_tokens(path: str | Path, column: str) -> torch.Tensor:
         if nulls:  # to_numpy would make it a NaN, then int64's minimum
             raise DataError(f"{p}: column {column!r} holds {nulls} missing (null) token ids; "
                             "fix the tokenization")
-        ids = [f.to_numpy(zero_copy_only=False) for f in flat]
-        top = max((int(i.max()) for i in ids if i.size), default=0)
-        if ids and ids[0].dtype.kind == "u" and top > 2**63 - 1:  # int64 would wrap it
+        ids = [f.to_numpy(zero_copy_only=False) for f in flat if len(f)]
+        low = min((int(i.min()) for i in ids), default=0)
+        top = max((int(i.max()) for i in ids), default=0)
+        if top > 2**63 - 1:  # int64 would wrap it
             raise DataError(f"{p}: token id {top} is outside [0, model.vocab_size); fix the "
                             "tokenization")
-        tokens = _cat([torch.from_numpy(i.astype("int64")) for i in ids])
+        tokens = _join(ids, _narrowest(low, top))
     else:
         raise DataError(f"{p}: column {column!r} has type {kind}; expected a string or a list "
                         "of integers")
@@ -59,11 +63,31 @@ def load_tokens(path: str | Path, column: str) -> torch.Tensor:
     return tokens
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """_cat joins the chunks' tokens (without a copy where there is one chunk)."""
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+def _narrowest(low: int, high: int) -> type:
+    """_narrowest is the smallest signed integer type that holds every id in [low, high]
+    (signed: torch's kernels cover them all, its unsigned types only some)."""
+    for kind in (np.int16, np.int32):
+        info = np.iinfo(kind)
+        if info.min <= low and high <= info.max:
+            return kind
+    return np.int64
+
+
+def _join(parts: list[np.ndarray], kind: type) -> torch.Tensor:
+    """_join puts the chunks' tokens into one new tensor of `kind` (pyarrow's are read-only)."""
+    out = _empty(sum(len(part) for part in parts), kind)
+    at = 0
+    for part in parts:
+        out[at:at + len(part)] = part
+        at += len(part)
+    return torch.from_numpy(out)
+
+
+def _empty(size: int, kind: type) -> np.ndarray:
+    """_empty is numpy's view of a new torch tensor. numpy asks the kernel for huge pages for
+    a large array (madvise), and where transparent huge pages defragment on demand the first
+    touch of a few hundred MB stalled 1-3 s on a 2-core VM; torch's allocator does not ask."""
+    return torch.empty(size, dtype=torch.from_numpy(np.empty(0, dtype=kind)).dtype).numpy()
 
 
 def _is_string_view(kind: pa.DataType) -> bool:
@@ -86,7 +110,7 @@ def check_tokens(tokens: torch.Tensor, vocab_size: int, block_size: int,
                         f"model.block_size + 1 = {block_size + 1}")
 
 
-FINGERPRINT_SPANS, FINGERPRINT_SPAN = 4096, 64  # 2 MB of int64 tokens read at most
+FINGERPRINT_SPANS, FINGERPRINT_SPAN = 4096, 64  # 262144 tokens read at most
 
 
 def fingerprint(tokens: torch.Tensor) -> dict[str, int | str]:
@@ -103,26 +127,26 @@ def fingerprint(tokens: torch.Tensor) -> dict[str, int | str]:
     return {"tokens": n, "digest": digest.hexdigest()}
 
 
-def _bytes_tokens(col: pa.Array) -> torch.Tensor:
-    docs = [s.encode("utf-8") for s in col.to_pylist() if s]
-    raw = bytearray()
-    for doc in docs:
-        raw += doc
-        raw.append(0)  # placeholder, replaced by EOD below
-    tokens = torch.frombuffer(raw, dtype=torch.uint8).to(torch.int64) if raw else torch.empty(
-        0, dtype=torch.int64)
-    ends = torch.tensor(_doc_ends(docs), dtype=torch.int64)
-    if ends.numel():
-        tokens[ends] = EOD
+def _bytes_tokens(col: pa.Array) -> np.ndarray:
+    """_bytes_tokens is the UTF-8 bytes of every non-empty string, each followed by EOD, read
+    from the column's own buffers: no Python string per document, no int64 copy."""
+    col = col.cast(pa.large_string())  # int64 offsets, for string_view too
+    if col.null_count:  # Arrow lets a null hold bytes: a copy without them
+        col = col.drop_null()
+    if len(col) == 0:
+        return np.empty(0, dtype=np.int16)
+    offsets = np.frombuffer(col.buffers()[1], dtype=np.int64)[col.offset:col.offset + len(col) + 1]
+    keep = np.diff(offsets) > 0
+    data = np.frombuffer(col.buffers()[2] or b"", dtype=np.uint8)[offsets[0]:offsets[-1]]
+    stops = offsets[1:][keep] - offsets[0]
+    ends = stops + np.arange(stops.size)  # where each document's EOD goes
+    tokens = _empty(data.size + stops.size, np.int16)
+    text = _empty(tokens.size, np.bool_)
+    text[:] = True
+    text[ends] = False
+    tokens[ends] = EOD
+    tokens[text] = data
     return tokens
-
-
-def _doc_ends(docs: list[bytes]) -> list[int]:
-    ends, pos = [], 0
-    for doc in docs:
-        pos += len(doc) + 1
-        ends.append(pos - 1)
-    return ends
 
 
 @dataclass
@@ -166,7 +190,7 @@ class Batches:
         """windows returns inputs and next-token targets for the given window ids."""
         starts = torch.tensor(ids, dtype=torch.int64) * self.block_size
         offsets = torch.arange(self.block_size + 1, dtype=torch.int64)
-        chunk = self.tokens[starts[:, None] + offsets[None, :]]
+        chunk = self.tokens[starts[:, None] + offsets[None, :]].to(torch.int64)
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
     def next_global(self, global_batch: int, rank: int, world_size: int,
