@@ -17,3 +17,9 @@ from __future__ import annotations
 
 class SweepError(ValueError):
     """A user mistake in a sweep file or a sweep directory: one line naming what and where."""
+
+
+class WandbUnavailable(RuntimeError):
+    """wandb's server does not answer from here: a fault of the network, as a SLURM that does
+    not answer is (exit 1: the same command again once it answers), not a mistake in the
+    command (exit 2)."""

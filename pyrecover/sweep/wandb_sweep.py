@@ -29,7 +29,7 @@ import yaml
 
 from pyrecover import tracking
 from pyrecover.config import Config
-from pyrecover.sweep import SweepError, record
+from pyrecover.sweep import SweepError, WandbUnavailable, record
 
 OURS = ("max_parallel", "seed")
 """pyrecover's own keys of the sweep file: wandb's format has no place for them."""
@@ -60,7 +60,8 @@ def sweep_config(path: str | Path, name: str) -> dict[str, Any]:
 
 def require_online(setting: str, environ: Mapping[str, str]) -> None:
     """require_online refuses a bayes sweep in one line unless tracking.wandb resolves to
-    online with an API key: wandb's controller chooses every trial's values."""
+    online with an API key (SweepError) and the server answers (WandbUnavailable): wandb's
+    controller chooses every trial's values."""
     url = environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
     mode = tracking.resolve_mode(setting, environ, reachable=lambda _: True)  # asked below
     if not tracking.api_key_configured(environ):
@@ -68,12 +69,19 @@ def require_online(setting: str, environ: Mapping[str, str]) -> None:
     elif mode != "online":
         why = f"tracking.wandb={setting} resolves to {mode}"
     elif not tracking.server_reachable(url):
-        why = f"{url} does not answer"
+        raise WandbUnavailable(unanswered(url, "a bayes sweep cannot be launched: wandb's "
+                                          "controller chooses each trial's values"))
     else:
         return
     raise SweepError(f"method=bayes needs tracking.wandb online with an API key ({why}): "
                      "wandb's controller chooses each trial's values; set WANDB_API_KEY (or "
                      "`wandb login`) and tracking.wandb=online, or use grid or random")
+
+
+def unanswered(url: str, why: str) -> str:
+    """unanswered is the one line of a wandb server that does not answer (WandbUnavailable)."""
+    return f"wandb's server {url} does not answer from here, so {why}; launch again once it " \
+        "answers"
 
 
 def register(config: dict[str, Any], project: str, entity: str | None) -> Registered:
@@ -117,9 +125,10 @@ def attach(sweep_file: Path, sweep_dir: Path, rec: record.Record, cfgs: list[Con
         known = record.read(sweep_dir).wandb
     elif base.wandb == "online" and not tracking.server_reachable(url):
         # A trial falls back to offline; the sweep cannot: a relaunch never registers it.
-        raise SweepError(f"tracking.wandb=online but {url} does not answer from here, so the "
-                         "sweep cannot be registered (a relaunch would not register it later); "
-                         "launch again once it answers, or set tracking.wandb=offline")
+        raise WandbUnavailable(unanswered(url, "the sweep cannot be registered "
+                                          "(tracking.wandb=online; a relaunch would not "
+                                          "register it later)") + ", or set "
+                               "tracking.wandb=offline")
     elif tracking.resolve_mode(base.wandb, environ) == "online":
         done = register(sweep_config(sweep_file, rec.name), base.project, base.entity)
         known = {"sweep_id": done.sweep_id, "url": done.url}

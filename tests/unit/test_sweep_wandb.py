@@ -160,14 +160,26 @@ def test_a_relaunch_may_rank_a_grid_by_another_metric_but_not_a_bayes_controller
         record.write(tmp_path / "b", other)
 
 
-def test_online_asked_for_and_no_server_is_refused_since_no_relaunch_would_register_it(
-        tmp_path):
-    path, sweep_dir, rec, cfgs = launch_parts(tmp_path, "online")
-    env = {"WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": closed_port_url()}
-    with pytest.raises(SweepError, match="does not answer from here, so the sweep cannot be "
-                                         "registered"):
-        wandb_sweep.attach(path, sweep_dir, rec, cfgs, env)
-    assert not sweep_dir.exists()
+@pytest.mark.parametrize("method", ["grid", "bayes"])
+def test_online_with_no_server_is_a_fault_of_the_network_exit_1_and_nothing_is_written(
+        tmp_path, method):
+    """No relaunch would register a sweep launched offline, so it is not launched; but a
+    server that does not answer is the network's fault, like a SLURM that does not answer
+    (exit 1: type it again once it answers), not a mistake in the command (exit 2)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path / 'SUBMITTED'}\necho 77\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    path = tmp_path / "lr.yaml"
+    path.write_text(SWEEP.replace("method: grid", f"method: {method}").replace(
+        "max_parallel: 2", "max_parallel: 2\nrun_cap: 2"))
+    url = closed_port_url()
+    done = launch_online(tmp_path, path, bin_dir, int(url.rsplit(":", 1)[1]))
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith(f"error: wandb's server {url} does not answer from here"), \
+        done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert not (tmp_path / "st").exists() and not (tmp_path / "SUBMITTED").exists()
 
 
 def test_the_sweep_files_project_and_entity_are_where_every_trial_logs_and_registers(
