@@ -186,9 +186,18 @@ def cancel_job(job_id: str) -> Cancelled:
     """cancel_job ends the job for good: a pyrecover job script takes scancel's SIGTERM for a
     preemption and requeues itself, so the job is made non-requeueable first (`scontrol
     update Requeue=0`), and made requeueable again where scancel refuses it. A job that
-    already ended is no error to callers that ignore the answer."""
+    already ended is no error to callers that ignore the answer. Raises SlurmUnavailable
+    where scancel failed and SLURM no longer answers (its controller went away after the
+    caller's squeue): a fault of the cluster, not a refusal of the job."""
+    from pyrecover.slurm import SlurmUnavailable
+
     kept = _complaint(["scontrol", "update", f"JobId={job_id}", "Requeue=0"])
     refused = _complaint(["scancel", job_id])
+    if refused is not None and not answers():
+        raise SlurmUnavailable(f"SLURM did not answer while job {job_id} was being cancelled ("
+                               f"{' '.join(refused.split())}): it may still be queued or "
+                               "running; type the same command again once SLURM answers "
+                               "(`sinfo`)")
     if refused is not None and kept is None:  # not cancelled: its requeues are its own
         undone = _not_changed(_complaint(["scontrol", "update", f"JobId={job_id}",
                                           "Requeue=1"]))
@@ -197,6 +206,16 @@ def cancel_job(job_id: str) -> Cancelled:
                         f"update JobId={job_id} Requeue=1` makes it requeue itself again")
     return Cancelled(refused=refused,
                      requeueable=_not_changed(kept) if refused is None else None)
+
+
+def answers() -> bool:
+    """answers tells whether SLURM's controller answers a query (squeue of this user's
+    jobs)."""
+    try:
+        return subprocess.run(["squeue", "-h", "--me", "-o", "%i"], capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _complaint(argv: list[str]) -> str | None:

@@ -234,3 +234,53 @@ def test_a_sweep_array_scontrol_would_not_change_is_said_as_a_runs_job_is(
         "(slurm_update error: Access/permission denied): its job script takes the cancel for "
         "a preemption and may requeue itself; if `pyrecover status` shows it queued again, "
         f"`scancel {running}` while it waits ends it for good"]
+
+
+@pytest.fixture
+def own_slurm(tmp_path_factory: pytest.TempPathFactory):
+    """A cluster of this test's own: its controller is stopped, which the session's cluster
+    must never be."""
+    from conftest import started_cluster
+
+    yield from started_cluster(tmp_path_factory.mktemp("ctld"), nodes=1)
+
+
+def controller_goes_away(folder: Path, cluster: LocalSlurm) -> dict[str, str]:
+    """An environment whose `scontrol update` (cancel's first command after its squeue) stops
+    the cluster's slurmctld by its recorded PID, waits until it is gone, and then runs the
+    real scontrol: the controller goes away after squeue answered and before scancel. A shim
+    because nothing else is deterministic: cancel runs squeue, scontrol and scancel in one
+    process without a pause between them, and this is the one moment between the two."""
+    from localslurm_daemons import load_records
+
+    pid = load_records(cluster.pids_path)["slurmctld"]["pid"]
+    return stand_in(folder, cluster, "scontrol",
+                    'if [ "$1" = update ]; then\n'
+                    f"    kill {pid}\n"  # gone once reaped (a zombie still answers kill -0)
+                    f"    while [ -e /proc/{pid} ] && [ \"$(cut -d')' -f2 /proc/{pid}/stat |"
+                    " cut -c2)\" != Z ]; do sleep 0.1; done\n"
+                    "fi\n")
+
+
+@pytest.mark.parametrize("kind", ["run", "sweep"])
+def test_slurm_going_away_between_squeue_and_scancel_is_a_fault_exit_1_in_one_line(
+        own_slurm, tmp_path, kind):
+    """The controller stopped after cancel's squeue listed the job: scancel then could not
+    reach it, and cancel said `could not cancel` with exit 2, the code of a mistake in the
+    command. SLURM's silence is a fault of the cluster (exit 1), as when squeue fails."""
+    folder = tmp_path / kind
+    (folder / "trial-0").mkdir(parents=True)
+    if kind == "run":
+        (folder / "events.jsonl").touch()
+    else:
+        (folder / "sweep.yaml").write_text("{}\n")
+    (folder / "job.sbatch").write_text(SLEEPER)
+    job = own_slurm.run("sbatch", "--parsable", "--hold", "--requeue", "-o",
+                        str(tmp_path / "%j.out"), *(["--array=0"] if kind == "sweep" else []),
+                        str(folder / "job.sbatch")).stdout.strip().split(";")[0]
+    done = cancel(folder, controller_goes_away(tmp_path / "bin", own_slurm))
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith(f"error: SLURM did not answer while job {job} was being "
+                                  "cancelled (scancel: error: Kill job error on job id "
+                                  f"{job}: Unable to contact slurm controller"), done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
