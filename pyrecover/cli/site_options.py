@@ -25,8 +25,8 @@ Nodes = Annotated[int | None, typer.Option(help=f"Nodes, per trial in a sweep ({
 Partition = Annotated[str | None, typer.Option(help=f"Partition ({P}: partition).")]
 Account = Annotated[str | None, typer.Option(help=f"Account ({P}: account).")]
 Time = Annotated[str | None, typer.Option(
-    help=f"Time limit, per trial in a sweep: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or "
-    f"infinite ({P}: time).")]
+    help=f"Time limit, per trial in a sweep: MM, MM:SS, HH:MM:SS, D-, D-HH, D-HH:MM, D-HH:MM:SS "
+    f"or infinite ({P}: time).")]
 GpusPerNode = Annotated[int | None, typer.Option(
     help=f"GPUs per node = tasks per node ({P}: gpus_per_node).")]
 CpusPerTask = Annotated[int | None, typer.Option(

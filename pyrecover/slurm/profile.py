@@ -25,8 +25,8 @@ from pyrecover.slurm import LaunchError, extra
 
 LAUNCHERS = ("srun", "torchrun", "spawn", "none")
 MAX_SIGNAL_SECONDS = 65535  # SLURM keeps --signal's time in 16 bits
-# SLURM's --time forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
-_TIME = re.compile(r"(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)")
+# SLURM's --time forms: MM, MM:SS, HH:MM:SS, D-, D-HH, D-HH:MM, D-HH:MM:SS (`1-` is a day).
+_TIME = re.compile(r"(?:(\d+)-(?:(\d+)(?::(\d+)(?::(\d+))?)?)?|(\d+)(?::(\d+)(?::(\d+))?)?)")
 _NO_LIMIT = ("infinite", "unlimited", "-1")
 # sbatch rounds the seconds up to minutes in a C int: a longer limit overflows into nonsense
 # (`--time=24855-03:13:09` became TimeLimit=2957761-01:02:00).
@@ -278,18 +278,19 @@ def time_seconds(text: str) -> int | None:
     for no limit.
 
     As SLURM (22.05, measured with scontrol) does: a field may overflow into the next
-    (`1-25` is 2-01:00:00, `0:75:00` is 01:15:00), and seconds round up to whole minutes
-    (`90:30` is 01:31:00, `0:0:30` is 00:01:00). Raises LaunchError for anything `sbatch
-    --time` would reject, and for a limit past SLURM's largest, which it garbles.
+    (`1-25` is 2-01:00:00, `0:75:00` is 01:15:00), `1-` is a day, and seconds round up to
+    whole minutes (`90:30` is 01:31:00, `0:0:30` is 00:01:00). Raises LaunchError for
+    anything `sbatch --time` would reject, and for a limit past SLURM's largest, which it
+    garbles (a negative one, `-2`, included).
     """
     if text.lower() in _NO_LIMIT:
         return None
     m = _TIME.fullmatch(text)
     if not m:
-        _bad("time", text, "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or infinite")
+        _bad("time", text, "MM, MM:SS, HH:MM:SS, D-, D-HH, D-HH:MM, D-HH:MM:SS or infinite")
     d, dh, dm, ds, a, b, c = (int(g) if g is not None else None for g in m.groups())
     if d is not None:
-        seconds = d * 86400 + dh * 3600 + (dm or 0) * 60 + (ds or 0)
+        seconds = d * 86400 + (dh or 0) * 3600 + (dm or 0) * 60 + (ds or 0)
     elif c is not None:  # HH:MM:SS
         seconds = a * 3600 + b * 60 + c
     elif b is not None:  # MM:SS

@@ -11,7 +11,8 @@ from pyrecover.slurm import profile
 
 pytestmark = pytest.mark.slurm
 
-TIMES = ["1-25", "0:75:00", "1-24:00:00", "90:00", "90:30", "0:0:30", "1-2:3:4", "0:00:00"]
+TIMES = ["1-25", "0:75:00", "1-24:00:00", "90:00", "90:30", "0:0:30", "1-2:3:4", "0:00:00",
+         "1-", "0-"]
 
 
 def scontrol_seconds(shown: str) -> int | None:
@@ -51,6 +52,13 @@ def test_a_limit_slurm_rounds_past_the_signal_is_launched(tmp_path):
     done = launch(tmp_path, "--time", "1:30", "--signal-seconds", "90")
     assert done.returncode == 0, done.stderr
     assert "#SBATCH --time=1:30\n" in done.stdout and "#SBATCH --signal=USR2@90\n" in done.stdout
+
+
+def test_a_limit_of_days_and_a_dash_is_launched_as_whole_days(tmp_path):
+    # sbatch reads `--time=1-` as one day (TimeLimit=1-00:00:00); launch refused it
+    done = launch(tmp_path, "--time", "1-", "--signal-seconds", "90")
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --time=1-\n" in done.stdout
 
 
 def test_a_limit_longer_than_slurm_keeps_is_one_line_before_anything_is_written(tmp_path):

@@ -52,6 +52,8 @@ SLURM_LIMITS = [
     ("30", "00:30:00"), ("90:00", "01:30:00"), ("2:00:00", "02:00:00"), ("1-0", "1-00:00:00"),
     ("1-2", "1-02:00:00"), ("1-02:30", "1-02:30:00"), ("infinite", None), ("UNLIMITED", None),
     ("-1", None), ("0", None), ("0-0", None), ("0:00:00", None),
+    # days and a dash alone are whole days
+    ("1-", "1-00:00:00"), ("01-", "1-00:00:00"), ("12-", "12-00:00:00"), ("0-", None),
     # a field may overflow into the next one
     ("1-25", "2-01:00:00"), ("0:75:00", "01:15:00"), ("1-24:00:00", "2-00:00:00"),
     ("1:99:99", "02:41:00"), ("100:00:00", "4-04:00:00"), ("1-2:60", "1-03:00:00"),
@@ -81,6 +83,7 @@ FORMS = [  # SLURM's forms, each with the seconds it asks for
     ("{d}-{h}:{m}:{s}", lambda d, h, m, s: d * 86400 + h * 3600 + m * 60 + s),
     ("{d}-{h}:{m}", lambda d, h, m, s: d * 86400 + h * 3600 + m * 60),
     ("{d}-{h}", lambda d, h, m, s: d * 86400 + h * 3600),
+    ("{d}-", lambda d, h, m, s: d * 86400),
     ("{h}:{m}:{s}", lambda d, h, m, s: h * 3600 + m * 60 + s),
     ("{m}:{s}", lambda d, h, m, s: m * 60 + s),
     ("{m}", lambda d, h, m, s: m * 60),
@@ -100,7 +103,7 @@ def test_any_field_values_give_whole_minutes_no_less_than_asked(form, asked):
 
 
 @pytest.mark.parametrize("text", ["", "1:2:3:4", "1h", "-1-2", "1-2:3:4:5", "1.5", "1 day",
-                                  "forever", "1-02:30\n", "1-2:3:"])
+                                  "forever", "1-02:30\n", "1-2:3:", "1-:", "1-:30", "-", "1--"])
 def test_time_strings_slurm_rejects_are_refused(text):
     with pytest.raises(LaunchError, match="time="):
         profile.time_seconds(text)
@@ -114,10 +117,11 @@ def test_a_limit_past_the_longest_slurm_keeps_is_refused(text):
         profile.time_seconds(text)
 
 
-def test_the_day_dash_alone_is_refused_with_the_forms_that_are_accepted():
-    # SLURM reads `1-` as one day; pyrecover asks for the D-HH it stands for
-    with pytest.raises(LaunchError, match="expected MM, MM:SS, HH:MM:SS, D-HH"):
-        profile.time_seconds("1-")
+@pytest.mark.parametrize("text", ["-2", "-11", "-222"])
+def test_a_negative_limit_sbatch_garbles_is_refused(text):
+    # sbatch takes these and gives the job TimeLimit=2982614-04:17:00 and the like
+    with pytest.raises(LaunchError, match="time="):
+        profile.time_seconds(text)
 
 
 @pytest.mark.parametrize("bind", ["", ":/x", "a:", "a:rel", "a:/b:/c", "a,b", "a:/b:ro:x"])
