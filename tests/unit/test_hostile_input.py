@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import TINY, pyrecover
+from helpers import TINY, files_under, pyrecover
 
 from pyrecover import config as config_mod
 from pyrecover.config import ConfigError
@@ -80,10 +80,6 @@ def test_a_merge_key_is_no_duplicate_and_may_be_overridden(tmp_path):
     path.write_text("train: {<<: {lr: 0.01, seed: 3}, seed: 4}\n")
     cfg = config_mod.load(path)
     assert (cfg.train.lr, cfg.train.seed) == (0.01, 4)
-
-
-def files_under(path):
-    return sorted(p.relative_to(path) for p in path.rglob("*"))
 
 
 def write_corpus(folder, ids):

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TINY, default_cluster, pyrecover
+from helpers import TINY, default_cluster, files_under, pyrecover
 from sbatch_support import (
     HOSTILE,
     LOCAL,
@@ -36,10 +36,6 @@ def launch(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
             "--set", f"data.path={tmp_path / 'data.parquet'}"]
     env = {**default_cluster(tmp_path), **(env or {})}
     return pyrecover(*base, *args, env=env, cwd=tmp_path)
-
-
-def files_under(path: Path) -> list[Path]:
-    return sorted(p.relative_to(path) for p in path.rglob("*"))
 
 
 @pytest.mark.parametrize("args, message", [
