@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from pyrecover.slurm import SlurmUnavailable
+
 # States of a job that is queued or running (squeue's %T): such a job still starts a trainer.
 LIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
                "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT")
@@ -189,8 +191,6 @@ def cancel_job(job_id: str) -> Cancelled:
     already ended is no error to callers that ignore the answer. Raises SlurmUnavailable
     where scancel failed and SLURM no longer answers (its controller went away after the
     caller's squeue): a fault of the cluster, not a refusal of the job."""
-    from pyrecover.slurm import SlurmUnavailable
-
     kept = _complaint(["scontrol", "update", f"JobId={job_id}", "Requeue=0"])
     refused = _complaint(["scancel", job_id])
     if refused is not None and not answers():
