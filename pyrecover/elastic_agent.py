@@ -6,10 +6,10 @@ same signal to its workers, waiting for them, and raising SignalException; any o
 keeps its default action, and SIGUSR2's kills the agent while the workers, which it started
 in sessions of their own, never hear of it. (torch 2.9 added `--signals-to-handle`; the
 image's torch is older.) So this runs torchrun's own `main` in-process with a handler that
-forwards the stop signal to the agent's children, the workers, each once it catches it (one
-still starting would die of it: spawn.Relay): they save and exit 75, the agent reports them
-failed, and `exit_code` turns that back into 75. A worker that crashed wins over the
-others' 75, so the job script requeues it as a crash.
+forwards the stop signal to the agent's children, the workers, each once it is one
+(`is_worker`) and catches it (one still starting would die of it: spawn.Relay): they save
+and exit 75, the agent reports them failed, and `exit_code` turns that back into 75. A
+worker that crashed wins over the others' 75, so the job script requeues it as a crash.
 
 SIGTERM (preemption, `scancel`, a time limit), and a stop signal torch handles itself (INT or
 HUP), take the same path: torch's own handling forwards it too, but then SIGKILLs the
@@ -67,23 +67,85 @@ def children(pid: int, proc: Path = Path("/proc")) -> list[int]:
     return found
 
 
-def forward_to_children(relay: Relay) -> Callable[..., None]:
+# Variables torch's agent puts in the environment of every worker it starts (and of no
+# other process it starts).
+WORKER_VARIABLES = (b"LOCAL_RANK", b"TORCHELASTIC_RUN_ID")
+
+
+def _environ(pid: int | str) -> bytes | None:
+    """_environ is the environment process `pid` was started with, from /proc (None where
+    there is none to read): a fork that has not exec'd yet shows its parent's."""
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+
+
+def is_worker(pid: int, own: bytes | None) -> bool | None:
+    """is_worker tells what child `pid` of the agent, whose own environment is `own`, is:
+    True once it runs a worker's command (torch's WORKER_VARIABLES are in its environment);
+    None while it is still the agent's fork, before its exec (torch's start, or any helper
+    the agent forks): it has the agent's handlers, and a signal sent now is lost, or kills
+    it once it puts the default actions back before its exec (subprocess.Popen does); False
+    where it is gone or runs something else."""
+    env = _environ(pid)
+    if env is None:
+        return False
+    if env == own:
+        return None
+    names = {entry.split(b"=", 1)[0] for entry in env.split(b"\0")}
+    return all(name in names for name in WORKER_VARIABLES)
+
+
+class WorkerRelay(Relay):
+    """WorkerRelay is spawn.Relay for the children of torch's agent, which it finds in /proc
+    rather than starts: a signal goes only to a child that `is_worker`, once it catches it;
+    one for a child still forked waits until it is a worker, and is dropped where it runs
+    something else."""
+
+    def __init__(self, stop: int | None) -> None:
+        super().__init__(stop)
+        self.own = _environ("self")
+
+    def children(self) -> tuple[list[int], list[int]]:
+        """children are this process's children that are workers, and those still forks."""
+        kinds = {child: is_worker(child, self.own) for child in children(os.getpid())}
+        return ([c for c, kind in kinds.items() if kind],
+                [c for c, kind in kinds.items() if kind is None])
+
+    def send(self, pid: int, signum: int) -> None:
+        if is_worker(pid, self.own) is not False:
+            super().send(pid, signum)
+
+    def release(self) -> None:
+        for pid, signum in list(self.held):
+            if is_worker(pid, self.own) is False:
+                self.held.remove((pid, signum))
+        super().release()
+
+    def _takes(self, pid: int, signum: int) -> bool:
+        return bool(is_worker(pid, self.own)) and super()._takes(pid, signum)
+
+
+def forward_to_children(stop: int | None) -> Callable[..., None]:
     """forward_to_children is a signal handler that passes its signal on to this process's
-    children, the workers, through `relay`: to each once it catches it (a worker still
-    starting would die of it). One that comes before any worker exists (the agent imports
-    torch, or waits in the rendezvous for the other nodes) waits for the first ones: the
-    ranks agree on the stop, so those are enough. The first signal it holds back starts a
-    thread that hands on what it holds, while torch's agent goes on watching the workers."""
+    children, the workers, through a WorkerRelay for the run's stop signal `stop`: to each
+    once it is a worker and catches it (one still forked or starting would die of it). One
+    that comes before any worker exists (the agent imports torch, or waits in the
+    rendezvous for the other nodes) waits for the first ones: the ranks agree on the stop,
+    so those are enough. The first signal it holds back starts a thread that hands on what
+    it holds, while torch's agent goes on watching the workers."""
+    relay = WorkerRelay(stop)
     releasing: list[threading.Thread] = []
     waiting: list[int] = []  # signals that came before any worker; no lock: handlers append
     wake_r, wake_w = os.pipe()  # a handler's byte wakes the thread (write(2): signal-safe)
     os.set_blocking(wake_w, False)
 
     def forward(signum: int, _frame: object = None) -> None:
-        workers = children(os.getpid())
+        workers, forks = relay.children()
         if not workers:
             waiting.append(signum)
-        for child in workers:
+        for child in workers + forks if workers else []:
             relay.send(child, signum)
         if relay.held or waiting:
             with contextlib.suppress(BlockingIOError):  # (full: the thread is woken already)
@@ -97,7 +159,8 @@ def forward_to_children(relay: Relay) -> Callable[..., None]:
     return forward
 
 
-def _keep_releasing(relay: Relay, waiting: list[int], wake: int, every_s: float = 0.02) -> None:
+def _keep_releasing(relay: WorkerRelay, waiting: list[int], wake: int,
+                    every_s: float = 0.02) -> None:
     """_keep_releasing hands on what `relay` holds and what is `waiting` for workers. While
     some signal is, it looks every `every_s` (nothing tells when a worker starts or catches
     one); else it waits for a handler's byte on `wake`, which a signal held meanwhile left
@@ -107,10 +170,10 @@ def _keep_releasing(relay: Relay, waiting: list[int], wake: int, every_s: float 
             time.sleep(every_s)
         else:
             os.read(wake, 512)
-        workers = children(os.getpid()) if waiting else []
+        workers, forks = relay.children() if waiting else ([], [])
         while waiting and workers:
             signum = waiting.pop(0)
-            for child in workers:
+            for child in workers + forks:
                 relay.send(child, signum)
         relay.release()
 
@@ -143,7 +206,7 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     stop = parse_signal(args[1])
-    forward = forward_to_children(Relay(stop))
+    forward = forward_to_children(stop)
     if stop not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(stop, forward)  # torch's agent forwards those four itself
     from torch.distributed import run  # (seconds: a stop meanwhile waits for the workers)

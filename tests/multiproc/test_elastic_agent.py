@@ -147,6 +147,33 @@ def test_children_are_found_by_parent_pid():
         child.wait()
 
 
+def test_a_child_is_a_worker_only_once_it_runs_with_torchs_worker_variables():
+    """A child forked and not yet exec'd is not yet known (None); one started without torch's
+    worker variables (a helper) is not a worker."""
+    own = elastic_agent._environ("self")
+    argv = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+    worker_env = {**os.environ, "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
+    helper_env = {k: v for k, v in worker_env.items() if k != "LOCAL_RANK"}
+    procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
+             for env in (worker_env, helper_env)]
+    fork = os.fork()
+    if fork == 0:  # the test's fork: it stays one until it is killed
+        try:
+            signal.pause()
+        finally:
+            os._exit(0)
+    try:
+        kinds = [elastic_agent.is_worker(p.pid, own) for p in procs]
+        assert kinds == [True, False]
+        assert elastic_agent.is_worker(fork, own) is None
+    finally:
+        os.kill(fork, signal.SIGKILL)
+        os.waitpid(fork, 0)
+        for p in procs:
+            p.communicate()
+    assert elastic_agent.is_worker(fork, own) is False  # gone
+
+
 # A worker still in Python's start-up, before catch_early put its handlers in: it catches
 # TERM from the start, the run's stop signal (USR2) only once the test says so.
 STARTING_WORKER = starting_worker("SIGUSR2")

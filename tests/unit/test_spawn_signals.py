@@ -85,13 +85,15 @@ def test_a_stop_signal_before_the_first_worker_started_reaches_it(tmp_path: Path
 
 
 # The torchrun wrapper's relay (pyrecover.elastic_agent) without torch: USR2 is handed on to
-# this process's children, workers started one after the other, one per folder in argv[2:].
+# this process's children, workers started one after the other, one per folder in argv[2:],
+# with torch's worker variables.
 RELAY_WRAPPER = """
 import os, signal, subprocess, sys
-from pyrecover import elastic_agent, spawn
-signal.signal(signal.SIGUSR2, elastic_agent.forward_to_children(spawn.Relay(signal.SIGUSR2)))
+from pyrecover import elastic_agent
+signal.signal(signal.SIGUSR2, elastic_agent.forward_to_children(signal.SIGUSR2))
+env = {**os.environ, "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "none"}
 for folder in sys.argv[2:]:
-    code = subprocess.Popen([sys.executable, "-c", sys.argv[1], folder]).wait()
+    code = subprocess.Popen([sys.executable, "-c", sys.argv[1], folder], env=env).wait()
 sys.exit(code)
 """
 READ = {"x86_64": 0, "aarch64": 63}.get(platform.machine())  # read(2)'s number
@@ -143,3 +145,52 @@ def test_catching_reads_the_mask_of_each_signal_asked_about(tmp_path: Path):
     finally:
         worker.kill()
         worker.wait()
+
+
+# The torchrun wrapper's relay with one worker started as the standard library starts one
+# (subprocess.Popen's fork and exec, held in between until `exec` exists in argv[2]): all
+# signals blocked across the fork; the child puts their default actions back, unblocks them
+# and execs the worker with torch's worker variables. Says `handled` once it took a USR2.
+RELAY_WRAPPER_HELD_FORK = """
+import os, signal, sys, time
+from pathlib import Path
+from pyrecover import elastic_agent
+folder = Path(sys.argv[2])
+forward = elastic_agent.forward_to_children(signal.SIGUSR2)
+def handle(signum, frame):
+    forward(signum, frame)
+    os.write(1, b"handled\\n")
+signal.signal(signal.SIGUSR2, handle)
+signal.signal(signal.SIGTERM, forward)  # torch's agent catches TERM once it starts workers
+old = signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals))
+pid = os.fork()
+if pid == 0:
+    (folder / "forked").touch()
+    while not (folder / "exec").exists():
+        time.sleep(0.01)
+    for s in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    env = {**os.environ, "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "none"}
+    os.execve(sys.executable, [sys.executable, "-c", sys.argv[1], str(folder)], env)
+signal.pthread_sigmask(signal.SIG_SETMASK, old)
+code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+sys.exit(128 - code if code < 0 else code)
+"""
+
+
+def test_the_wrappers_relay_holds_a_stop_for_a_child_forked_and_not_yet_a_worker(
+        tmp_path: Path):
+    """torch's agent starts each worker by fork and exec; the relay took the forked child,
+    which still had the agent's handlers, for a worker and sent it the stop signal, which
+    killed it once it put back the default actions before its exec (exit 140: a crash)."""
+    with started([sys.executable, "-c", RELAY_WRAPPER_HELD_FORK, starting_worker("SIGUSR2"),
+                  str(tmp_path)]) as launcher:
+        wait_for((tmp_path / "forked").exists, launcher)
+        launcher.send_signal(signal.SIGUSR2)
+        assert launcher.stdout.readline() == "handled\n", launcher.communicate()
+        (tmp_path / "exec").touch()
+        wait_for((tmp_path / "ready").exists, launcher)
+        (tmp_path / "go").touch()  # it catches USR2 now, and stops on it (exit 75)
+        _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 75, err
