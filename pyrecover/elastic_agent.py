@@ -12,11 +12,12 @@ and exit 75, the agent reports them failed, and `exit_code` turns that back into
 worker that crashed wins over the others' 75, so the job script requeues it as a crash.
 
 SIGTERM (preemption, `scancel`, a time limit), and a stop signal torch handles itself (INT or
-HUP), take the same path: torch's own handling forwards it too, but then SIGKILLs the
-workers after a shutdown timeout, 30 s and fixed before torch 2.12, however long SLURM's
-grace time is, so a stop's checkpoint of a large model was killed mid-write. Here the workers
-get the signal and as long as they take to save: SLURM's KillWait or preemption GraceTime is
-the bound, as it is for the srun launcher.
+HUP), take the same path from the wrapper's start (a SIGTERM before the workers started
+ended the agent with 143, which the job script counts as a crash). torch's own handling
+forwards it too, but then SIGKILLs the workers after a shutdown timeout, 30 s and fixed
+before torch 2.12, however long SLURM's grace time is, so a stop's checkpoint of a large
+model was killed mid-write. Here the workers get the signal and as long as they take to
+save: SLURM's KillWait or preemption GraceTime is the bound, as it is for the srun launcher.
 """
 
 from __future__ import annotations
@@ -207,8 +208,12 @@ def main(argv: Sequence[str]) -> int:
         return 2
     stop = parse_signal(args[1])
     forward = forward_to_children(stop)
-    if stop not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(stop, forward)  # torch's agent forwards those four itself
+    # Until torch's agent starts the workers it has no handler of its own, and its handler
+    # takes SIGTERM and the stop signal here (keep_workers_on_sigterm) once it has: from the
+    # start, either waits for the workers (a clean stop after their first step), where
+    # SIGTERM's default action ended the agent with 143, a crash for the job script.
+    for signum in {signal.SIGTERM, stop}:
+        signal.signal(signum, forward)
     from torch.distributed import run  # (seconds: a stop meanwhile waits for the workers)
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException

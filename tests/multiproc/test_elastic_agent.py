@@ -247,3 +247,46 @@ def wait_for(what, proc: subprocess.Popen, timeout: float = 120) -> None:
         assert proc.poll() is None, f"the agent ended first: {proc.communicate()[1][-3000:]}"
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_sigterm_before_the_workers_start_is_a_clean_stop_after_their_first_step(tmp_path,
+                                                                                corpus):
+    """A preemption's (or scancel's) SIGTERM that reached node 0's agent while it waited in
+    the rendezvous for node 1 (or imported torch) ended it with 143, which the job script
+    counts as a crash, a failure against max_restarts, where the trainer under srun or
+    `train --nproc` takes it as a stop after its first step (75, requeued, not counted)."""
+    port = spawn.free_port()
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("PYRECOVER_", "SLURM_", "TORCHELASTIC_"))}
+
+    def node() -> subprocess.Popen:
+        argv = [sys.executable, "-m", "pyrecover.elastic_agent", "--stop-signal", "USR2",
+                "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", "term-early", "-m", "pyrecover", "train",
+                *tiny_args(tmp_path, corpus, "early", "train.max_steps=200",
+                           "checkpoint.interval=50")]
+        return subprocess.Popen(argv, env={**clean, "WANDB_MODE": "disabled"},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+
+    first = node()
+    second = None
+    try:
+        wait_for(lambda: spawn.catching(first.pid, signal.SIGUSR2), first)  # in its main
+        first.send_signal(signal.SIGTERM)  # node 1 is not there: no worker yet
+        second = node()
+        _, err = first.communicate(timeout=240)
+        assert first.returncode == EXIT_STOPPED, err[-3000:]
+        second.communicate(timeout=240)  # its worker stopped with node 0's (75)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                workers = elastic_agent.children(proc.pid)  # in sessions of their own
+                os.killpg(proc.pid, signal.SIGKILL)
+                for pid in workers:
+                    os.kill(pid, signal.SIGKILL)
+                proc.communicate()
+    [stop] = events(tmp_path / "early", "stop")
+    assert stop["reason"] == "SIGTERM" and stop["step"] >= 1
+    assert (tmp_path / "early" / "checkpoints" / f"step-{stop['step']}" / "manifest.json").is_file()
