@@ -68,6 +68,7 @@ def exit_status(code: int) -> int:
 
 
 STOPPED_FOR_S = 2.0  # workers stopped this long are not waited for (spawn_local)
+QUIT_GRACE_S = 1.0  # to quit on a Ctrl-C; one waiting in C++ runs no handler: killed then
 LAUNCHER_ENV = "PYRECOVER_LAUNCHER_PID"  # a spawn_local worker's launcher (follow_launcher)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -102,7 +103,8 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
     Waits for all of them. When one fails, the others get `grace_s` seconds to notice (their
     next collective fails) and exit by themselves, which lets memory mode persist what the
     survivors hold; then they are terminated (then killed). None after a Ctrl-C while they
-    start: those it quit leave the others waiting for a group that never forms. The exit
+    start: those it quit leave the others waiting for a group that never forms (in C++, no
+    handler runs: killed after QUIT_GRACE_S); a second Ctrl-C ends them all so. The exit
     code of what caused it (`cause`) is returned (128+N for a death by signal N), so the
     caller exits like the job did. `killed(rank, how)` is told, once all have ended, of each
     worker a signal from outside killed (SIGKILL: the OOM killer; SIGSEGV, ...): its peers
@@ -123,8 +125,9 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
         if p.returncode < 0 and -p.returncode not in forwarded:  # not a stop handed on
             deaths.append((rank, ended(p.returncode)))
 
-    said_ctrl_c: list[bool] = []
+    said_ctrl_c: list[float] = []  # when the first Ctrl-C came
     quitting: list[bool] = []  # a Ctrl-C while they start: no worker has anything to save
+    quit_now: list[bool] = []  # a second Ctrl-C: quit at once, as each trainer does
     # (signal, how many workers had started) of each handed on while they start: one that
     # came before a worker's start (before the first's: before any) goes to it once started.
     reached: list[tuple[int, int]] = []
@@ -132,8 +135,10 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
 
     def forward(signum, _frame, from_terminal: bool | None = None):
         if signum == signal.SIGINT:
+            if said_ctrl_c and time.monotonic() - said_ctrl_c[0] >= preempt.INT_AGAIN_S:
+                quit_now.append(True)  # (one waiting in C++, the rendezvous, cannot)
             if not said_ctrl_c:  # the workers' output is no terminal: they do not say it
-                said_ctrl_c.append(True)
+                said_ctrl_c.append(time.monotonic())
                 starting = len(procs) < nproc or any(
                     p.poll() is None and not stops_on_ctrl_c(p.pid) for p in procs)
                 said = CTRL_C_STARTING if starting else preempt.CTRL_C
@@ -199,8 +204,9 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                 if frozen:
                     print("pyrecover: the ranks still running are stopped (SIGSTOP, state "
                           "T); ending them now", file=sys.stderr, flush=True)
-                if deadline is not None and (frozen or time.monotonic() > deadline):
-                    _stop_all(procs)
+                if quit_now or deadline is not None and (frozen or
+                                                         time.monotonic() > deadline):
+                    _stop_all(procs, QUIT_GRACE_S if quitting or quit_now else 10.0)
                     stopped = True
             info = signal.sigtimedwait(forwarded, 0.05)
             if info is not None:
@@ -212,7 +218,7 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
                     name(i, p)
         for rank, how in deaths if killed is not None else ():
             killed(rank, how)  # after the survivors' own records: the run's last word
-        return exit_status(cause(failures))
+        return exit_status(cause(failures) or (-signal.SIGINT if quit_now else 0))
     finally:
         _stop_all(procs)
         while old_mask is not None and signal.sigtimedwait(forwarded, 0) is not None:

@@ -15,7 +15,7 @@ import pytest
 from helpers import is_running, started, tiny_args
 
 from pyrecover.elastic_agent import children
-from pyrecover.preempt import CTRL_C
+from pyrecover.preempt import CTRL_C, INT_AGAIN_S
 from pyrecover.spawn import CTRL_C_STARTING, catching, stops_on_ctrl_c
 
 
@@ -156,26 +156,51 @@ def test_a_sigint_as_the_workers_start_ends_them_before_the_launcher(tmp_path, c
     assert not left, f"workers {left} outlived the launcher: {said}"
 
 
+def ctrl_c_while_rank_0_waits_for_rank_1(proc: subprocess.Popen, err_file: Path) -> list[int]:
+    """ctrl_c_while_rank_0_waits_for_rank_1 holds rank 1 of launcher `proc` (SIGSTOP) in its
+    start-up, waits until rank 0 has its stop flag (and waits for rank 1 to form the group,
+    in C++, where no Python handler runs), and sends the launcher a SIGINT, handed on to
+    both; returns the workers once the launcher has said the Ctrl-C line."""
+    deadline = time.monotonic() + 120
+    while not (len(workers := sorted(children(proc.pid))) == 2
+               and all(map(catching, workers))):
+        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+        time.sleep(0.001)
+    os.kill(workers[1], signal.SIGSTOP)  # rank 1 (started second) held in its start-up
+    assert not stops_on_ctrl_c(workers[1]), "it started before the test stopped it"
+    while not stops_on_ctrl_c(workers[0]):  # rank 0 has its stop flag: it waits for 1
+        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGINT)  # handed on to both
+    while "Ctrl-C" not in err_file.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+        time.sleep(0.01)
+    return workers
+
+
 def test_a_ctrl_c_while_one_worker_starts_ends_the_one_that_waits_for_it(tmp_path, corpus):
     """Rank 0 had its stop flag and waited for rank 1 to form the group; rank 1, still
     starting, quit on the Ctrl-C. The launcher gave rank 0 its 60 s of grace (meant for
     survivors of a crash to save what they hold: it held nothing), then 10 s more."""
     with launcher(tmp_path, corpus) as (proc, err_file):
-        deadline = time.monotonic() + 120
-        while not (len(workers := sorted(children(proc.pid))) == 2
-                   and all(map(catching, workers))):
-            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
-            time.sleep(0.001)
-        os.kill(workers[1], signal.SIGSTOP)  # rank 1 (started second) held in its start-up
-        assert not stops_on_ctrl_c(workers[1]), "it started before the test stopped it"
-        while not stops_on_ctrl_c(workers[0]):  # rank 0 has its stop flag: it waits for 1
-            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
-            time.sleep(0.01)
-        os.kill(proc.pid, signal.SIGINT)  # handed on to both
-        while "Ctrl-C" not in err_file.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
-            time.sleep(0.01)
+        workers = ctrl_c_while_rank_0_waits_for_rank_1(proc, err_file)
         os.kill(workers[1], signal.SIGCONT)
         proc.wait(timeout=45)  # the grace's 60 s and more before
+    said = err_file.read_text()
+    assert proc.returncode == 130 and CTRL_C_STARTING in said, said
+
+
+def test_a_second_ctrl_c_ends_workers_that_cannot_quit_by_themselves(tmp_path, corpus):
+    """A worker waiting in C++ (the rendezvous, the store) runs no Python handler, so the
+    first Ctrl-C could not quit it, and the second one, which quits a trainer at once,
+    did not either: `train --nproc` waited for it (here, rank 0's 600 s rendezvous
+    timeout); the user could only kill it."""
+    with launcher(tmp_path, corpus) as (proc, err_file):
+        ctrl_c_while_rank_0_waits_for_rank_1(proc, err_file)
+        said_at = time.monotonic()  # a second SIGINT sooner is the same Ctrl-C
+        while time.monotonic() - said_at < INT_AGAIN_S:
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGINT)  # rank 1 is still held: nothing else would end
+        proc.wait(timeout=120)
     said = err_file.read_text()
     assert proc.returncode == 130 and CTRL_C_STARTING in said, said
