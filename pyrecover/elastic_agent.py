@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from pyrecover.preempt import EXIT_CRASH, EXIT_STOPPED, parse_signal
+from pyrecover.preempt import EXIT_CRASH, EXIT_STOPPED, INT_AGAIN_S, parse_signal
 from pyrecover.spawn import Relay
 
 
@@ -185,16 +185,31 @@ def keep_workers_on_sigterm(api: object, stop: int, forward: Callable[[int], Non
     for them (they save and exit 75) instead of raising, which ends in SIGKILLing them after
     its shutdown timeout. Its handler is a module-level function that every torch from 2.6
     installs by name when it starts the workers, so it is replaced there; the other signals
-    keep torch's handling. A torch without it keeps its own, with a longer timeout."""
+    keep torch's handling. A torch without it keeps its own, with a longer timeout.
+
+    A Ctrl-C (SIGINT, not the stop) keeps torch's too: the workers get it, and the agent
+    waits its shutdown timeout for them. A second one, INT_AGAIN_S or more later, quits at
+    once, as it does a trainer: the workers are killed (one waiting in C++ for its peers,
+    the rendezvous, runs no handler, and torch's agent waited all its timeout for it)."""
     original = getattr(api, "_terminate_process_handler", None)
     if original is None:
         os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")  # torch 2.12 and later
         return
+    ctrl_c: list[float] = []  # when torch took the first SIGINT
+    own = _environ("self")
 
     def handler(signum: int, frame: object) -> None:
         if signum in (signal.SIGTERM, stop):
             forward(signum)
+        elif signum == signal.SIGINT and ctrl_c:  # (sooner: the same Ctrl-C, twice)
+            if time.monotonic() - ctrl_c[0] >= INT_AGAIN_S:
+                for child in children(os.getpid()):
+                    if is_worker(child, own):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(child, signal.SIGKILL)
         else:
+            if signum == signal.SIGINT:
+                ctrl_c.append(time.monotonic())
             original(signum, frame)
 
     api._terminate_process_handler = handler  # type: ignore[attr-defined]
