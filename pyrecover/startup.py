@@ -130,3 +130,18 @@ def end_startup_imports() -> None:
     if not gc.isenabled():
         gc.freeze()
         gc.enable()
+
+
+CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
+
+
+def quiet_torch_warnings(environ: MutableMapping[str, str] = os.environ) -> None:
+    """quiet_torch_warnings keeps torch's C++ warnings (c10's log, read once when torch loads)
+    off a trainer's output, for it and the workers it starts, unless the user chose a level.
+
+    A Ctrl-C while a rank waited to connect to the rendezvous store (TCPStore) interrupted the
+    client's wait between two tries, which it logged as a warning with ~15 lines of C++ stack
+    trace above pyrecover's own line; so did every store connection a peer that ended closed.
+    The client retries either way, and a store it cannot reach is still said: an error line of
+    torch's (c10's ERROR level is kept), then the failure Python gets."""
+    environ.setdefault(CPP_LOG_ENV, "ERROR")

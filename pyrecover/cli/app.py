@@ -113,6 +113,7 @@ def main() -> None:
             from pyrecover import preempt
 
             preempt.catch_early()  # (done already where `python -m pyrecover` started it)
+            startup.quiet_torch_warnings()  # (c10 reads it when torch loads)
             startup.use_bytecode_cache()  # before torch is imported (startup.py); it looks
         _main()  # for torch on sys.path: a Ctrl-C may come in the middle of it
     except KeyboardInterrupt:  # outside the command (typer's own exits 130): while it starts

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -204,3 +205,47 @@ def test_a_second_ctrl_c_ends_workers_that_cannot_quit_by_themselves(tmp_path, c
         proc.wait(timeout=120)
     said = err_file.read_text()
     assert proc.returncode == 130 and CTRL_C_STARTING in said, said
+
+
+def sleeping(pid: int) -> bool:
+    """sleeping: the main thread of `pid` waits in a timed sleep (TCPStore's pause between
+    two tries to connect, here), not in a read or a connect."""
+    try:
+        return "nanosleep" in Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return False
+
+
+def switches(pid: int) -> int:
+    """switches counts the times the main thread of `pid` left the CPU (each sleep is one)."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return sum(int(line.split()[1]) for line in lines if "ctxt_switches:" in line)
+
+
+def test_a_ctrl_c_while_a_rank_connects_to_the_store_prints_no_cpp_trace(tmp_path, corpus):
+    """A SIGINT while rank 1 waited between two tries to reach rank 0's store (TCPStore) made
+    torch log a warning with ~15 lines of C++ stack trace ("Interrupted system call"), and so
+    did the store closing its connection: the noise above pyrecover's own line."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYRECOVER_", "SLURM_", "TORCH_CPP"))}
+    env.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    argv = [sys.executable, "-m", "pyrecover", "train", *tiny_args(tmp_path, corpus, "run")]
+    with started(argv, env=env) as proc:
+        with server:
+            conn, _ = server.accept()  # rank 1 connects to the store: it is in that phase now
+        conn.close()  # a store that went away: it pauses, then tries again, refused
+        deadline = time.monotonic() + 120
+        before = None
+        for signum in (None, signal.SIGINT, None):  # the Ctrl-C in the pause between refusals
+            while not (sleeping(proc.pid) and (before is None or switches(proc.pid) > before)):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.001)
+            before = switches(proc.pid)  # a new pause begins with one more of them
+            if signum is not None:
+                os.kill(proc.pid, signum)
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    assert "frame #" not in err and "TCPStore" not in err and "Traceback" not in err, err
