@@ -220,7 +220,10 @@ def _cause(attempt: list[dict[str, Any]]) -> str:
     """_cause names why an attempt that another one followed ended: a hang, a failed health
     check, its stop, crash or error, its finish (a finished run continued with more steps), a
     start that never began training, a start of the job before its trainer recorded anything,
-    or a kill that left no record."""
+    or a kill that left no record. A `pyrecover cancel` of the attempt's own job comes first:
+    its SIGTERM ended the attempt as a stop would, and the user started the run again."""
+    if _cancelled(attempt):
+        return "cancelled"
     if phases.trainerless(attempt):
         return TRAINERLESS
     if any(e.get("event") == "hang" for e in attempt):
@@ -282,6 +285,12 @@ def _state(events: list[dict[str, Any]]) -> str:
                 return "cancelled"
             return KILLED if decided else RUNNING_OR_KILLED
     return "not started"
+
+
+def _cancelled(attempt: list[dict[str, Any]]) -> bool:
+    """_cancelled: the attempt holds a `cancel` of the job one of its own records names."""
+    jobs = {str(e["job_id"]) for e in attempt if e.get("job_id") and e.get("event") != "cancel"}
+    return any(e.get("event") == "cancel" and str(e.get("job_id")) in jobs for e in attempt)
 
 
 def _cancelled_before(before: list[dict[str, Any]], job_id: Any) -> bool:

@@ -37,8 +37,9 @@ def status(
     lock's last holder was on another host, whose lock may be invisible here, or the storage has
     no locks to ask). Starts: one per process start, and one per start of the job that ended
     before its trainer recorded anything; each one after the first is a restart, by why the one
-    before ended (stop and its signal, time limit, crash, hang, health check failed, error,
-    ended during start-up, failed before the trainer started, killed with no record). Lost:
+    before ended (stop and its signal, time limit, cancelled by `pyrecover cancel`, crash,
+    hang, health check failed, error, ended during start-up, failed before the trainer started,
+    killed with no record). Lost:
     steps computed after the last checkpoint and computed again. Goodput: the share of the
     wall time (first record to last, across every requeue) spent in productive training; the
     ledger below it splits that wall time by cause (queue wait, start up, restore, checkpoint

@@ -367,7 +367,8 @@ def test_pyrecover_cancel_ends_the_job_for_good_after_it_saves_its_stop_checkpoi
         local_slurm, jobs, corpus, tmp_path):
     """A plain scancel is a preemption to the job script (it requeues); `pyrecover cancel`
     makes the job non-requeueable first: the trainer still stops and saves, and the job
-    ends, with no requeue."""
+    ends, with no requeue. Launched again, the run's restart is counted as `cancelled` (it
+    was `stop (SIGTERM)`, as a preemption's)."""
     job_id, run_dir = launch(local_slurm, jobs, tmp_path, "cancel", corpus,
                              env={"PYRECOVER_STEP_DELAY": "0.5"})
     wait_running_at_step(local_slurm, job_id, run_dir, 3)
@@ -388,3 +389,6 @@ def test_pyrecover_cancel_ends_the_job_for_good_after_it_saves_its_stop_checkpoi
                            timeout=60)
     assert again.returncode == 2 and "nothing to cancel" in again.stderr, again.stderr
     assert again.stderr.count("\n") == 1  # one line, no traceback
+    job_id, _ = launch(local_slurm, jobs, tmp_path, "cancel", corpus)  # the user resumes it
+    assert wait_end(local_slurm, job_id, run_dir, timeout=300)["JobState"] == "COMPLETED"
+    assert status(local_slurm, run_dir)["restarts_by_cause"] == {"cancelled": 1}
