@@ -108,6 +108,10 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
     if state == RUNNING_OR_KILLED:  # a held lock: running; free, holder here and gone: killed
         holder = live_holder(run)
         state = state if holder is None else f"running ({holder})" if holder else KILLED
+    elif state == STARTING:  # its process started: held, it starts up; free and gone, killed
+        holder = live_holder(run)
+        state = "starting up or killed" if holder is None else (
+            f"{STARTING} ({holder})" if holder else KILLED)
     if last_error is None and (state.startswith("ended:") or state.startswith(TRAINERLESS)):
         last_error = _logged_error(run)  # failed before it could record an event
     checkpoint_s = sum(float(e.get("blocked", e.get("seconds", 0))) for e in events
@@ -251,6 +255,7 @@ RUNNING_OR_KILLED = "running or killed"  # (where the lock cannot tell which: no
 
 
 KILLED = "killed (no end recorded)"
+STARTING = "starting up"  # a first start that has not recorded its start yet (the lock tells)
 
 
 def _state(events: list[dict[str, Any]]) -> str:
@@ -284,7 +289,7 @@ def _state(events: list[dict[str, Any]]) -> str:
             if _cancelled_before(events[:i], e.get("job_id")):
                 return "cancelled"
             return KILLED if decided else RUNNING_OR_KILLED
-    return "not started"
+    return STARTING if restarted else "not started"
 
 
 def _cancelled(attempt: list[dict[str, Any]]) -> bool:

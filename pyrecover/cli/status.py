@@ -31,7 +31,8 @@ def status(
     before training; a job excludes the node and requeues), error, cancelled, ended (the job
     gave up: why), failed before the trainer started (the job's newest start ended before
     its trainer recorded anything, say the container did not start; requeued, or restarted in
-    the job), not started (no start recorded yet), running (who holds the run's lock),
+    the job), not started (no process started yet), starting up (its first start has begun,
+    its `start` not yet recorded: who holds the run's lock), running (who holds the run's lock),
     killed (no end recorded, and the lock is free and was last held by a process on this host
     that is gone, or the job script requeued or restarted it), or "running or killed" (the
     lock's last holder was on another host, whose lock may be invisible here, or the storage has

@@ -104,3 +104,32 @@ def test_storage_without_file_locks_runs_without_the_guard_and_says_so(tmp_path,
         assert "cannot lock" in str(exc) and "Input/output error" in str(exc)
     else:
         raise AssertionError("an EIO from flock must not be taken for storage without locks")
+
+
+def test_status_of_a_first_start_still_starting_up_names_its_process_then_says_it_was_killed(
+        tmp_path, corpus):
+    """A trainer that had recorded its start-up phases but not yet its start (rank 0 waiting
+    for rank 1 to form the group) was `not started`, beside `starts 1`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYRECOVER_", "SLURM_"))}
+    with socket.socket() as s:  # a port no peer comes to: rank 0 waits there for rank 1
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WANDB_MODE="disabled")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyrecover", "train", *tiny_args(tmp_path, corpus, "run")],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(e.get("phase") == "process_start"
+                      for e in read_jsonl(tmp_path / "run" / "events.jsonl")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
+            time.sleep(0.05)
+        starting = json.loads(pyrecover("status", str(tmp_path / "run"), "--json").stdout)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert starting["state"] == f"starting up (host {socket.gethostname()}, pid {proc.pid})"
+    assert starting["starts"] == 1
+    killed = json.loads(pyrecover("status", str(tmp_path / "run"), "--json").stdout)
+    assert killed["state"] == "killed (no end recorded)"
