@@ -40,11 +40,7 @@ def render(s: Status) -> str:
                           "checksums)" if ck else "none"),
         f"lost        {s.steps_lost} step{'s' * (s.steps_lost != 1)} redone after "
         "interruptions",
-"goodput     " + (f"{s.goodput:.1%} of {_launched(s.ledger):.0f}s wall time in "
-                          "productive training (the ledger below" + (
-                              "; idle time between launches left out"
-                              if s.ledger["causes"].get("idle") else "")
-                          + ")" if s.goodput is not None else "n/a"),
+        "goodput     " + _goodput(s),
     ]
     if s.failed_checkpoints:
         newest = s.failed_checkpoints[-1]
@@ -89,6 +85,18 @@ def render(s: Status) -> str:
                      "that are not as pyrecover writes them")
     lines += _ledger_lines(s.ledger, s.job_id) + _interruption_lines(s.interruption)
     return "\n".join(lines)
+
+
+def _goodput(s: Status) -> str:
+    """_goodput: the productive share of the launched time, in seconds as the ledger's
+    `wall time` line rounds them (`of 8s` stood beside `7.9s`)."""
+    if s.goodput is None:
+        return "n/a"
+    launched = _launched(s.ledger)
+    if s.ledger["causes"].get("idle"):
+        return (f"{s.goodput:.1%} of the {launched:.1f}s launched in productive training "
+                "(the ledger below; idle time between launches left out)")
+    return f"{s.goodput:.1%} of {launched:.1f}s wall time in productive training (the ledger below)"
 
 
 def _ledger_lines(book: dict[str, Any], job_id: str | None) -> list[str]:

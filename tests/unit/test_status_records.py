@@ -227,6 +227,9 @@ def test_idle_time_between_launches_is_its_own_row_and_left_out_of_each_share(tm
     assert f"{s.goodput:.1%} effective training" in wall and s.goodput > 0.8
     rows = {line.split()[0]: line.split()[-1] for line in text if line.startswith("  ")}
     assert rows["idle"] == "-" and rows["productive"] == f"{s.goodput:.1%}"
+    # the same seconds as the wall time line's (it said `of 46s wall time`, beside 9977.0s idle)
+    goodput = next(line for line in text if line.startswith("goodput"))
+    assert goodput.startswith(f"goodput     {s.goodput:.1%} of the 46.0s launched in "), goodput
 
 
 def test_a_checkpoint_stamped_after_now_is_0s_old_in_status_and_ckpt_ls_never_negative(
