@@ -50,14 +50,21 @@ FINISH_TIMEOUT_S = 60.0  # online: give up the upload at exit; `wandb sync` send
 
 def api_key_configured(environ: Mapping[str, str], netrc_file: str | None = None) -> bool:
     """api_key_configured tells whether wandb has a key: WANDB_API_KEY or a netrc entry."""
+    return api_key(environ, netrc_file) is not None
+
+
+def api_key(environ: Mapping[str, str], netrc_file: str | None = None) -> str | None:
+    """api_key is the key wandb would use, WANDB_API_KEY or the netrc entry for its server's
+    host (the entry's password), or None."""
     if environ.get("WANDB_API_KEY"):
-        return True
+        return environ["WANDB_API_KEY"]
     host = urlparse(_base_url(environ)).hostname or ""
     path = netrc_file or environ.get("NETRC") or str(Path.home() / ".netrc")
     try:
-        return netrc.netrc(path).authenticators(host) is not None
+        entry = netrc.netrc(path).authenticators(host)
     except (OSError, netrc.NetrcParseError):
-        return False
+        return None
+    return entry[2] if entry is not None else None
 
 
 def server_reachable(url: str, timeout_s: float = 3.0) -> bool:

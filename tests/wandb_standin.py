@@ -16,7 +16,8 @@ killed: run i (0, 1, ...) gets, for each parameter, values[i % len], value, or t
 after the RUNS-th run are answered with no command, as a finished sweep's are.
 
 With SWEEP_ID `-` it stands in for a server that refuses the API key: every GraphQL call is
-answered 401, as wandb answers a wrong key, and it exits after the first refusal.
+answered 401, as wandb answers a wrong key, until it is killed (a client may ask again, as
+pyrecover does to tell a refused key from a failing server).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def main(requests_path: str, sweep_id: str, runs: int | None) -> None:
             self.send_header("Content-Length", str(len(out)))
             self.end_headers()
             self.wfile.write(out)
-            if sweep_id == "-" or ("upsertSweep" in query and runs is None):
+            if "upsertSweep" in query and runs is None and sweep_id != "-":
                 done.set()
 
         def log_message(self, *args) -> None:

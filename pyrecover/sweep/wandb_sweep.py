@@ -15,11 +15,16 @@ launched offline is not registered, and a bayes sweep is refused (`require_onlin
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
+import http.client
 import io
+import json
 import os
 import re
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +39,7 @@ from pyrecover.sweep import SweepError, WandbUnavailable, record
 OURS = ("max_parallel", "seed")
 """pyrecover's own keys of the sweep file: wandb's format has no place for them."""
 LOCAL_CONTROLLER = {"type": "local"}
+VIEWER = "query Viewer { viewer { id } }"
 
 
 @dataclass(frozen=True)
@@ -84,9 +90,10 @@ def unanswered(url: str, why: str) -> str:
         "answers"
 
 
-def register(config: dict[str, Any], project: str, entity: str | None) -> Registered:
+def register(config: dict[str, Any], project: str, entity: str | None,
+             environ: Mapping[str, str]) -> Registered:
     """register creates the sweep on the wandb server and returns its id; raises SweepError
-    in one line when wandb refuses or fails."""
+    in one line when wandb refuses it (a wrong key), WandbUnavailable when the server fails."""
     try:
         import wandb
     except ImportError as exc:
@@ -102,6 +109,13 @@ def register(config: dict[str, Any], project: str, entity: str | None) -> Regist
             sweep_id = wandb.sweep(config, entity=entity or None, project=project)
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        url = environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+        failing = server_failing(url, tracking.api_key(environ))
+        if failing:
+            raise WandbUnavailable(f"wandb did not register the sweep: its server {url} "
+                                   f"{failing}, a fault of the server, not of the key; launch "
+                                   "again once it works, or set tracking.wandb=offline to "
+                                   "launch without it") from None
         raise SweepError(f"wandb did not register the sweep ({type(exc).__name__}: {first}); "
                          "fix the key or server, or set tracking.wandb=offline to launch "
                          "without it") from None
@@ -112,6 +126,24 @@ def register(config: dict[str, Any], project: str, entity: str | None) -> Regist
         os.environ.update(environ)
     url = re.search(r"^Sweep URL: (\S+)", said.getvalue(), re.M)
     return Registered(str(sweep_id), url.group(1) if url else None)
+
+
+def server_failing(url: str, key: str | None, timeout_s: float = 10.0) -> str | None:
+    """server_failing asks the server once, with the key, who it belongs to (wandb's Viewer
+    query), after wandb failed: wandb raises the same error for a key the server refuses as
+    for a server that fails. Returns what the server did wrong (an HTTP 5xx, 408 or 429, no
+    answer) or None where it answered, refusing the key (401, 403) or not."""
+    request = urllib.request.Request(
+        url.rstrip("/") + "/graphql", data=json.dumps({"query": VIEWER}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Basic " + base64.
+                 b64encode(f"api:{key or ''}".encode()).decode()})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError as exc:
+        return f"answers HTTP {exc.code}" if exc.code >= 500 or exc.code in (408, 429) else None
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # URLError, a timeout
+        return f"does not answer ({getattr(exc, 'reason', exc) or type(exc).__name__})"
 
 
 def attach(sweep_file: Path, sweep_dir: Path, rec: record.Record, cfgs: list[Config],
@@ -130,7 +162,8 @@ def attach(sweep_file: Path, sweep_dir: Path, rec: record.Record, cfgs: list[Con
                                           "register it later)") + ", or set "
                                "tracking.wandb=offline")
     elif tracking.resolve_mode(base.wandb, environ) == "online":
-        done = register(sweep_config(sweep_file, rec.name), base.project, base.entity)
+        done = register(sweep_config(sweep_file, rec.name), base.project, base.entity,
+                        environ)
         known = {"sweep_id": done.sweep_id, "url": done.url}
     else:
         known = None

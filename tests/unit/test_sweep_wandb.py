@@ -4,9 +4,11 @@ id. The registration itself, against a stand-in server, is tests/slurm/test_swee
 
 from __future__ import annotations
 
+import http.server
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -104,12 +106,51 @@ def test_a_key_the_server_refuses_is_one_line_and_nothing_is_written_or_submitte
     try:
         port = int(server.stdout.readline())
         done = launch_online(tmp_path, path, bin_dir, port)
-        assert server.wait(timeout=60) == 0  # it was asked, and refused
     finally:
         server.kill()
+        server.wait()
+    assert (tmp_path / "requests.jsonl").read_text()  # it was asked, and refused
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: wandb did not register the sweep (")
     assert "user is not logged in" in done.stderr and done.stderr.count("\n") == 1
+    assert not (tmp_path / "st").exists() and not (tmp_path / "SUBMITTED").exists()
+
+
+class FailingServer(http.server.BaseHTTPRequestHandler):
+    """A wandb server that answers, but fails: HTTP 500 to every request (an outage)."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(500)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_POST  # noqa: N815
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_server_that_fails_is_a_fault_exit_1_not_the_keys_and_nothing_is_written(tmp_path):
+    """wandb raises the same AuthenticationError for a failing server as for a wrong key; the
+    key is fine here, so the same launch may work later: exit 1, not 2."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path / 'SUBMITTED'}\necho 77\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    path = tmp_path / "lr.yaml"
+    path.write_text(SWEEP)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FailingServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done = launch_online(tmp_path, path, bin_dir, server.server_address[1])
+    finally:
+        server.shutdown()
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("error: wandb did not register the sweep: its server "
+                                  f"http://127.0.0.1:{server.server_address[1]} answers HTTP "
+                                  "500, a fault of the server, not of the key;")
+    assert done.stderr.count("\n") == 1
     assert not (tmp_path / "st").exists() and not (tmp_path / "SUBMITTED").exists()
 
 
