@@ -1,8 +1,9 @@
 """The fixed bash of the job script (render.py fills in the values around it).
 
 It runs in the batch shell, outside the container, so the image needs no SLURM commands.
-`REQUEUE_BLOCK` decides, after a training step, whether the job requeues; `NODES_BLOCK`
-keeps the run's bad nodes, picks each step's nodes and restarts a step inside the
+signals_block.py's SIGNALS_BLOCK comes first: the handlers and `wait_step`. `REQUEUE_BLOCK`
+decides, after a training step, whether the job requeues; `NODES_BLOCK` keeps the run's bad
+nodes, picks each step's nodes and restarts a step inside the
 allocation. Both read the trainer's records in events.jsonl by a regex that relies on the
 key order rundir.RunDir.event writes: event, time, the fields, job_id, restart_count,
 in_job_restart. Every grep of events.jsonl is `grep -a`: a node that died while appending can
@@ -17,52 +18,6 @@ if [ -z "${SLURM_JOB_END_TIME:-}" ]; then
     PYRECOVER_JOB_END_TIME=$(date -d "$end" +%s 2>/dev/null || true)
     export PYRECOVER_JOB_END_TIME
 fi
-
-# Preemption and scancel send SIGTERM to this shell too: keep waiting for the training step,
-# which saves on the same signal, and decide afterwards. (A handler, not an ignore: children
-# must still receive the signal.) `scontrol requeue` sends it as well: the handler keeps
-# this shell alive long enough to set the requeued job's excluded nodes.
-trap 'echo "pyrecover: batch shell got SIGTERM; waiting for the training step" >&2' TERM
-# The stop signal would end this shell by default, with no requeue decision. Sent to this
-# shell alone (`scancel -s USR2 --batch`), it reaches no task: the handler passes it on to
-# the step's srun, which hands it to every task (sent to the whole job, `--full`, the tasks
-# get it twice: one stop). One that comes between steps goes to the next step.
-STEP_PID=
-STOP_PENDING=
-relay_stop() {
-    echo "pyrecover: batch shell got SIG$STOP_SIGNAL; passing it on to the training step" >&2
-    if [ -n "$STEP_PID" ]; then
-        kill -s "$STOP_SIGNAL" "$STEP_PID" 2>/dev/null
-    else
-        STOP_PENDING=1
-    fi
-}
-[ "$STOP_SIGNAL" = TERM ] || trap relay_stop "$STOP_SIGNAL"
-# wait_step returns the exit code of the step started in the background as process $1: in
-# the foreground, bash would run the handlers above only once the step had ended.
-wait_step() {
-    local code again
-    STEP_PID=$1
-    if [ -n "$STOP_PENDING" ]; then
-        STOP_PENDING=
-        kill -s "$STOP_SIGNAL" "$STEP_PID" 2>/dev/null
-    fi
-    wait "$STEP_PID"
-    code=$?
-    while kill -0 "$STEP_PID" 2>/dev/null; do  # a handler ended the wait; the step runs on
-        wait "$STEP_PID"
-        code=$?
-    done
-    # The step ended as a handler ran (a code above 128): bash keeps the step's own code for
-    # one more wait (127 where it has none left to give).
-    if [ "$code" -gt 128 ]; then
-        wait "$STEP_PID" 2>/dev/null
-        again=$?
-        [ "$again" -eq 127 ] || code=$again
-    fi
-    STEP_PID=
-    return "$code"
-}
 
 # ---- after the training step: the requeue decision ----------------------------------
 # Exit 0: finished. 2: a config, data or training error (a diverged loss), which a

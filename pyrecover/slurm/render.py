@@ -25,9 +25,10 @@ from pyrecover.rundir import RunDir
 from pyrecover.slurm import LaunchError, extra
 from pyrecover.slurm.blocks import NODES_BLOCK, REQUEUE_BLOCK
 from pyrecover.slurm.profile import ClusterProfile
+from pyrecover.slurm.signals_block import SIGNALS_BLOCK
 
 INDENT = "    "
-SCRIPT_BLOCK = REQUEUE_BLOCK + "\n\n" + NODES_BLOCK
+SCRIPT_BLOCK = SIGNALS_BLOCK + "\n\n" + REQUEUE_BLOCK + "\n\n" + NODES_BLOCK
 
 
 @dataclass(frozen=True)
@@ -346,7 +347,8 @@ def task_path(spec: JobSpec, name: str) -> Word:
 # array's id as its SLURM_JOB_ID, and `scontrol requeue` or `squeue -j` of that id means every
 # task (seen on SLURM 22.05). An array task names itself ARRAYID_TASKID instead.
 _ARRAY_TASK = '"${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"'
-_ARRAY_WORDS = ('squeue -h -j "$SLURM_JOB_ID"', 'scontrol requeue "$SLURM_JOB_ID"',
+_ARRAY_WORDS = ('squeue -h -j "$SLURM_JOB_ID"', 'squeue -h -s -j "$SLURM_JOB_ID"',
+                'scontrol requeue "$SLURM_JOB_ID"',
                 'scontrol update JobId="$SLURM_JOB_ID"', 'scontrol show job -o "$SLURM_JOB_ID"')
 
 

@@ -229,7 +229,8 @@ def assert_completed(cluster: LocalSlurm, job_id: int, run_dir: Path, info: dict
 # --------------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("signal, to", [("USR2", "full"), ("USR2", "batch"), ("TERM", None)])
+@pytest.mark.parametrize("signal, to", [("USR2", "full"), ("USR2", "batch"), ("TERM", None),
+                                        ("TERM", "batch")])
 def test_a_preempted_job_saves_requeues_resumes_and_ends_with_the_uninterrupted_model(
         local_slurm, jobs, corpus, reference_model, tmp_path, signal, to):
     job_id, run_dir = launch(local_slurm, jobs, tmp_path, f"preempt-{signal.lower()}-{to}",
@@ -237,7 +238,8 @@ def test_a_preempted_job_saves_requeues_resumes_and_ends_with_the_uninterrupted_
     wait_running_at_step(local_slurm, job_id, run_dir, 4)
     # USR2 as `scancel --signal=USR2 --full` sends it: to the batch shell too, which must
     # survive it to requeue the job. `--batch`: to the batch shell alone, which must pass it
-    # on to the training step (it did not, and the job trained on to its end).
+    # on to the training step (it did not, and the job trained on to its end). SIGTERM to the
+    # batch shell alone is a preemption notice too (it was only logged).
     local_slurm.run("scancel", f"--signal={signal}", *([f"--{to}"] if to else []),
                     str(job_id))
     info = wait_end(local_slurm, job_id, run_dir, timeout=300)
