@@ -103,10 +103,13 @@ class CheckpointManager:
         stall_before = self.stall_seconds
         started = self._clock.begin()
         self._count_device_wait()
+        # A boundary with nothing to do is no wait for a save (a run saving nothing had one).
+        busy = self.inflight is not None or final or self._due(step) or bool(
+            self.snapshot_interval and step % self.snapshot_interval == 0)
         # Buffers for the saves, once the optimizer has its state (after the first update
         # that was not skipped): get_state_dict would make one up with a step of its own.
         if not self._prepared and self.parts.optimizer.state:
-            self._prepared = True
+            busy = self._prepared = True
             self.mode.prepare(self.parts)
         clock = Clock(step, started, self.stall_seconds)  # the device's waits until now in it
         if self.auto is not None:
@@ -128,7 +131,7 @@ class CheckpointManager:
             self._start(step, final, clock)
             if self.inflight is not None and (final or not self.mode.asynchronous):
                 self._commit_now()
-        self.stall_seconds += self._clock.end(started)
+        self.stall_seconds += self._clock.end(started) if busy else self._clock.forget()
         return self.stall_seconds - stall_before
 
     def before_update(self) -> float:

@@ -47,6 +47,11 @@ class StallClock:
         self.open_since = None
         return now - started
 
+    def forget(self) -> float:
+        """forget drops the host span begun last (a call that waited for nothing): 0 seconds."""
+        self.open_since = None
+        return 0.0
+
     def device(self, waits: Iterable[tuple[float, float]]) -> float:
         """device is the seconds of the device waits, each (seconds, ended at on the host's
         perf_counter clock), that no host span, closed or still open, already covers."""

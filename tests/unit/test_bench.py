@@ -73,6 +73,20 @@ def test_bench_train_says_when_no_save_falls_in_the_measured_steps(tmp_path, cor
     assert "vanilla" in done.stdout
 
 
+def test_a_run_that_saves_nothing_in_the_measured_steps_reports_no_blocked_time(tmp_path,
+                                                                                corpus):
+    """`none` read "saves 0 ... blocked % 0.12": the manager's bookkeeping at every step
+    boundary, with nothing to save, was counted as the loop waiting for a save. (The warm-up
+    covers the one-time preparation of the save buffers, after the first update.)"""
+    done = pyrecover("bench", "train", "--config", str(TINY), "--set", f"data.path={corpus}",
+                     "--steps", "4", "--warmup", "2", "--interval", "50", "--mode", "vanilla",
+                     "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = {r["mode"]: r for r in json.loads(done.stdout)["rows"]}
+    assert {m: (r["saves"], r["blocked_s"], r["blocked_share"]) for m, r in rows.items()} == {
+        "none": (0, 0, 0), "vanilla": (0, 0, 0)}
+
+
 def test_bench_train_logs_as_the_config_does_and_measures_whole_logged_windows(
         tmp_path, corpus):
     """A logged step is where the loop waits for the device, so the bench keeps the config's
