@@ -95,17 +95,15 @@ class CheckpointManager:
     # --- saving --------------------------------------------------------------------------
 
     def at_step(self, step: int, final: bool = False) -> float:
-        """at_step commits finished background saves and starts the one due at `step`.
-
-        Returns the seconds this call added to the loop's stall (its own, and the device's
-        waits at fences that ended since the last count).
-        """
+        """at_step commits finished background saves and starts the one due at `step`; returns
+        the seconds it added to the loop's stall (its own, and the device's waits at fences
+        that ended since the last count)."""
         stall_before = self.stall_seconds
         started = self._clock.begin()
         self._count_device_wait()
+        snap = bool(self.snapshot_interval) and step % self.snapshot_interval == 0
         # A boundary with nothing to do is no wait for a save (a run saving nothing had one).
-        busy = self.inflight is not None or final or self._due(step) or bool(
-            self.snapshot_interval and step % self.snapshot_interval == 0)
+        busy = self.inflight is not None or final or snap or self._due(step)
         # Buffers for the saves, once the optimizer has its state (after the first update
         # that was not skipped): get_state_dict would make one up with a step of its own.
         if not self._prepared and self.parts.optimizer.state:
@@ -116,7 +114,7 @@ class CheckpointManager:
             self.auto.begin(clock)
         if self.inflight is not None:
             self._try_commit(wait=False)
-        if self.snapshot_interval and step % self.snapshot_interval == 0:
+        if snap:
             assert isinstance(self.mode, Snapshotting)
             later = self.parts.train_state_later
             # No wait for the step's numbers: the snapshot reads them once its copy is done.
@@ -339,7 +337,6 @@ class CheckpointManager:
         self.run.event("checkpoint_failed", step=pending.step, reason=error)
 
     # --- resuming ------------------------------------------------------------------------
-
     def find_resume(self, below: int | None = None) -> Checkpoint | None:
         """find_resume picks the newest checkpoint that verifies (rank 0) and agrees on it;
         with `below`, the newest older than that step.
