@@ -15,6 +15,7 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pyrecover.config_schema import DataConfig
 from pyrecover.oneline import first_line, not_a_file
 from pyrecover.rundir import storage_error
 
@@ -30,8 +31,9 @@ def check_source(path: str | Path, column: str) -> pa.Schema:
     """
     p = Path(path)
     if not p.is_file():
+        demo = " (`pyrecover demo` builds this default one)" if str(path) == DataConfig.path else ""
         raise DataError(f"data file {str(p)!r} {not_a_file(p, 'a parquet file')}; build one with "
-                        "`pyrecover data prepare SRC_DIR OUT.parquet`")
+                        f"`pyrecover data prepare SRC_DIR OUT.parquet`{demo}")
     try:
         schema = pq.read_schema(p)
     except (pa.ArrowException, OSError) as exc:

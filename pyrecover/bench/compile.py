@@ -32,6 +32,7 @@ from pyrecover.bench.common import (
     quiet,
     remove_made,
 )
+from pyrecover.datasource import check_source
 from pyrecover.rundir import read_jsonl
 
 CACHED, UNCACHED, FIRST = "restart, run's cache", "restart, empty cache", "first start"
@@ -46,6 +47,7 @@ def bench_compile(directory: Path, config: Path | None, overrides: list[str], re
     at_least(1, repeat=repeat)
     cfg = config_mod.load(config, overrides)  # a bad config: one line, not a failed attempt
     no_profile(cfg.train.profile, "")
+    check_source(cfg.data.path, cfg.data.column)  # (and no corpus: not 3 failed attempts)
     made = make_dir(Path(directory))  # made where missing, as bench ckpt and restart do
     try:
         work = Path(tempfile.mkdtemp(prefix="bench-compile-", dir=directory))

@@ -31,6 +31,7 @@ from pyrecover.bench.common import (
     quiet,
 )
 from pyrecover.bench.plain import plain_tokens_per_s
+from pyrecover.datasource import check_source
 
 TRAIN_MODES: dict[str, tuple[str, bool] | None] = {"none": None, **MODES}
 
@@ -76,6 +77,7 @@ def bench_train(config: Path | None, overrides: Sequence[str], interval: int, st
     given = config_mod.load(config, list(overrides))  # a bad config: said here
     no_profile(given.train.profile, " and use --profile N (steps after the measured ones, "
                "traces in --profile-dir)")
+    check_source(given.data.path, given.data.column)  # and no corpus, before any run
     every = given.train.log_interval
     rounded = (-(-warmup // every) * every, -(-steps // every) * every)
     if rounded != (warmup, steps):

@@ -110,6 +110,7 @@ def train(
         raise user_error(exc) from None
     from pyrecover.bench import common
     from pyrecover.bench import train as bench_train
+    from pyrecover.datasource import DataError
     from pyrecover.preempt import StopRequested
 
     try:
@@ -117,7 +118,7 @@ def train(
                                          repeat, tuple(mode or bench_train.TRAIN_MODES),
                                          note=_note, plain=plain, profile=profile,
                                          profile_dir=traces.resolve())
-    except (common.BenchError, ConfigError) as exc:
+    except (common.BenchError, ConfigError, DataError) as exc:
         raise user_error(exc) from None
     except StopRequested as stop:  # SIGTERM or the stop signal, during one of its runs
         typer.echo(f"bench train: stopped by a signal ({stop.reason}); nothing measured",
@@ -292,11 +293,12 @@ def compile_(
     from pyrecover.bench import common
     from pyrecover.bench import compile as bench_compile
     from pyrecover.config import ConfigError
+    from pyrecover.datasource import DataError
 
     try:
         report = bench_compile.bench_compile(where, config, overrides or [], repeat,
                                              note=_note)
-    except (common.BenchError, ConfigError) as exc:
+    except (common.BenchError, ConfigError, DataError) as exc:
         raise user_error(exc) from None
     typer.echo(common.to_json(report) if as_json else bench_compile.format_compile(report))
 

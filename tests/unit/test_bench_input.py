@@ -165,7 +165,7 @@ def test_bench_compile_makes_its_folder_and_removes_it_again(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_dir_written_with_a_tilde_is_under_the_home_folder(tmp_path, monkeypatch):
+def test_a_dir_written_with_a_tilde_is_under_the_home_folder(tmp_path, monkeypatch, corpus):
     """`--dir=~/bench` (bash expands no tilde after `--dir=`) measured, and for restart left
     its run in, a folder named `~` in the working directory, on whatever storage that is."""
     from pyrecover.bench import compile as bench_compile
@@ -180,9 +180,21 @@ def test_a_dir_written_with_a_tilde_is_under_the_home_folder(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(bench_compile, "_attempt", fake)
     result = CliRunner().invoke(app, ["bench", "compile", "--dir=~/bench", "--config",
-                                      str(TINY)])
+                                      str(TINY), "--set", f"data.path={corpus}"])
     assert result.exit_code == 2, result.output
     assert seen == [tmp_path / "home" / "bench"]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["train"], ["compile", "--dir", "b"]])
+def test_a_bench_without_its_corpus_says_so_before_it_runs_anything(tmp_path, command):
+    """On a fresh machine `pyrecover bench train` (the demo's corpus, not built yet) said
+    that it was training, then that the run failed; bench compile started three attempts."""
+    done = pyrecover("bench", *command, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "error: data file 'runs/stdlib.parquet' does not exist; build one with `pyrecover data "
+        "prepare SRC_DIR OUT.parquet` (`pyrecover demo` builds this default one)")
     assert list(tmp_path.iterdir()) == []
 
 
