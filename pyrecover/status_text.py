@@ -23,14 +23,22 @@ def _earlier(items: list, label: str, what: str) -> list[str]:
     return [f"{label}{hidden} earlier {what} in --json"] if hidden > 0 else []
 
 
+def _slurm_part(s: Status) -> str:
+    """_slurm_part is the state line's SLURM job and its state, the job named once (a live
+    trainer's state names its job already)."""
+    job = "" if f"SLURM job {s.job_id}" in s.state else f" job {s.job_id}"
+    if s.slurm_state:
+        return f"; SLURM{job}: {s.slurm_state}" + (f" ({s.slurm_reason})" if s.slurm_reason
+                                                   else "")
+    return f"; SLURM{job}" if s.job_id and job else ""
+
+
 def render(s: Status) -> str:
     """render is the human view of a Status, a few aligned lines."""
     ck = s.last_checkpoint
     lines = [
         f"run         {s.run_dir} ({s.exp_name})",
-        f"state       {s.state}" + (f"; SLURM job {s.job_id}: {s.slurm_state}" + (
-            f" ({s.slurm_reason})" if s.slurm_reason else "") if s.slurm_state else (
-            f"; SLURM job {s.job_id}" if s.job_id else "")),
+        f"state       {s.state}" + _slurm_part(s),
         f"progress    step {s.step}" + (f" of {s.max_steps}" if s.max_steps else ""),
         f"starts      {s.starts}" + (": restarts " + ", ".join(
             f"{n} x {cause}" for cause, n in sorted(s.restarts_by_cause.items()))

@@ -4,6 +4,7 @@ ARRAYID_TASKID, not the SLURM_JOB_ID its trainer and job script saw."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -78,3 +79,20 @@ def test_a_run_whose_only_job_was_cancelled_in_the_queue_still_names_it(tmp_path
     run.event("cancel", job_id="200", slurm_state="PENDING", time=5.0)
     s = status.read(run.root, now=6.0, squeue={"200": "CANCELLED"}.get)
     assert (s.job_id, s.slurm_state, s.state) == ("200", "CANCELLED", "cancelled")
+
+
+def test_a_running_trainers_job_is_named_once_on_the_state_line(tmp_path, monkeypatch):
+    """The state of a live trainer names its job (the run's lock holder), and the SLURM part
+    named it again: 'running (host vm, pid 4515, SLURM job 57); SLURM job 57: RUNNING'."""
+    monkeypatch.setenv("SLURM_JOB_ID", "57")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    run = RunDir(tmp_path / "run")
+    run.create()
+    run.event("start", step=0, time=2.0)
+    s = status.read(run.root, now=10.0, squeue=lambda name: "RUNNING")
+    assert s.job_id == "57"
+    live = dataclasses.replace(s, state="running (host n1, pid 7, SLURM job 57)")
+    line = next(x for x in status_text.render(live).splitlines() if x.startswith("state"))
+    assert line == "state       running (host n1, pid 7, SLURM job 57); SLURM: RUNNING"
+    line = next(x for x in status_text.render(s).splitlines() if x.startswith("state"))
+    assert line.endswith("; SLURM job 57: RUNNING")
