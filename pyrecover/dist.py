@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from pyrecover.hostlist import DistError, expand_hostlist, expand_tasks_per_node
+from pyrecover.oneline import first_line
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,11 @@ def _checked(env: DistEnv) -> DistEnv:
 # --- process group ------------------------------------------------------------------------
 
 
+class GroupUnreachable(RuntimeError):
+    """The process group did not form: a peer never came, or rank 0's address is out of
+    reach (a fault, exit 1: the job script restarts it)."""
+
+
 def setup(env: DistEnv, device_kind: str, timeout_s: float = 600.0):
     """setup binds this rank's device and joins the process group; returns the torch device.
 
@@ -208,16 +214,23 @@ def setup(env: DistEnv, device_kind: str, timeout_s: float = 600.0):
         # (torch._dynamo imports it, for DDP), held the group for good, so that leaving it
         # (teardown) closed no connection: a peer blocked on rank 0 waited for its exit.
         importlib.import_module("torch.distributed.nn")
-        tdist.init_process_group(
-            # CPU tensors (stop flags, checkpoint agreement, object gathers) go over gloo
-            # even on GPUs, so they never queue behind NCCL kernels.
-            backend="cpu:gloo,cuda:nccl" if device_kind == "cuda" else "gloo",
-            **rendezvous(env, timedelta(seconds=timeout_s)),
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timedelta(seconds=timeout_s),
-            device_id=device if device_kind == "cuda" and not one_each else None,
-        )
+        try:
+            tdist.init_process_group(
+                # CPU tensors (stop flags, checkpoint agreement, object gathers) go over gloo
+                # even on GPUs, so they never queue behind NCCL kernels.
+                backend="cpu:gloo,cuda:nccl" if device_kind == "cuda" else "gloo",
+                **rendezvous(env, timedelta(seconds=timeout_s)),
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timedelta(seconds=timeout_s),
+                device_id=device if device_kind == "cuda" and not one_each else None,
+            )
+        except (tdist.DistNetworkError, tdist.DistStoreError) as exc:  # not a traceback
+            raise GroupUnreachable(
+                f"rank {env.rank} could not join the process group at "
+                f"{_bracket(env.master_addr)}:{env.master_port} within {timeout_s:.0f} s "
+                f"({first_line(exc)}): a rank did not start, or this node cannot reach that "
+                "address; see the other ranks' output") from None
         if one_each:
             check_own_gpus(env, str(torch.cuda.get_device_properties(device).uuid))
     return device

@@ -93,7 +93,8 @@ USER_ERRORS = (("pyrecover.config_schema", "ConfigError"), ("pyrecover.datasourc
 FAULTS = (("pyrecover.peers", "PeerLost"), ("pyrecover.checkpoint.manager", "SaveFailed"),
           ("pyrecover.checkpoint.resume", "ResumeFailed"), ("pyrecover.rundir", "StorageError"),
           ("pyrecover.sweep.agent", "AgentUnavailable"), ("pyrecover.rundir", "HeldByThisJob"),
-          ("pyrecover.slurm", "SlurmUnavailable"), ("pyrecover.sweep", "WandbUnavailable"))
+          ("pyrecover.slurm", "SlurmUnavailable"), ("pyrecover.sweep", "WandbUnavailable"),
+          ("pyrecover.dist", "GroupUnreachable"))
 
 
 def loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
