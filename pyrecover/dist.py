@@ -228,9 +228,9 @@ def setup(env: DistEnv, device_kind: str, timeout_s: float = 600.0):
         except (tdist.DistNetworkError, tdist.DistStoreError) as exc:  # not a traceback
             raise GroupUnreachable(
                 f"rank {env.rank} could not join the process group at "
-                f"{_bracket(env.master_addr)}:{env.master_port} within {timeout_s:.0f} s "
-                f"({first_line(exc)}): a rank did not start, or this node cannot reach that "
-                "address; see the other ranks' output") from None
+                f"{_bracket(env.master_addr)}:{env.master_port} (torch's timeout "
+                f"{timeout_s:.0f} s: {first_line(exc).rstrip('.')}): a rank did not start, or "
+                "this node cannot reach that address; see the other ranks' output") from None
         if one_each:
             check_own_gpus(env, str(torch.cuda.get_device_properties(device).uuid))
     return device

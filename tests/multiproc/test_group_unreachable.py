@@ -24,7 +24,8 @@ def _join_alone(rank: int, _port: int, alone: int) -> None:
     said = str(err.value)
     assert "\n" not in said, said
     assert said.startswith(f"rank {alone} could not join the process group at "
-                           f"127.0.0.1:{env.master_port} within 3 s ("), said
+                           f"127.0.0.1:{env.master_port} (torch's timeout 3 s: "), said
+    assert ".)" not in said, said
     assert said.endswith("a rank did not start, or this node cannot reach that address; see "
                          "the other ranks' output"), said
 
