@@ -13,11 +13,12 @@ worker that crashed wins over the others' 75, so the job script requeues it as a
 
 SIGTERM (preemption, `scancel`, a time limit), and a stop signal torch handles itself (INT or
 HUP), take the same path from the wrapper's start (a SIGTERM before the workers started
-ended the agent with 143, which the job script counts as a crash). torch's own handling
-forwards it too, but then SIGKILLs the workers after a shutdown timeout, 30 s and fixed
-before torch 2.12, however long SLURM's grace time is, so a stop's checkpoint of a large
-model was killed mid-write. Here the workers get the signal and as long as they take to
-save: SLURM's KillWait or preemption GraceTime is the bound, as it is for the srun launcher.
+ended the agent with 143, which the job script counts as a crash); a Ctrl-C (SIGINT) too,
+once the workers started. torch's own handling forwards it too, but then SIGKILLs the
+workers after a shutdown timeout, 30 s and fixed before torch 2.12, however long SLURM's
+grace time is, so a stop's checkpoint of a large model was killed mid-write. Here the
+workers get the signal and as long as they take to save: SLURM's KillWait or preemption
+GraceTime is the bound, as it is for the srun launcher.
 """
 
 from __future__ import annotations
@@ -187,29 +188,32 @@ def keep_workers_on_sigterm(api: object, stop: int, forward: Callable[[int], Non
     installs by name when it starts the workers, so it is replaced there; the other signals
     keep torch's handling. A torch without it keeps its own, with a longer timeout.
 
-    A Ctrl-C (SIGINT, not the stop) keeps torch's too: the workers get it, and the agent
-    waits its shutdown timeout for them. A second one, INT_AGAIN_S or more later, quits at
-    once, as it does a trainer: the workers are killed (one waiting in C++ for its peers,
-    the rendezvous, runs no handler, and torch's agent waited all its timeout for it)."""
+    A Ctrl-C (SIGINT) goes the same way: a clean stop, as it is for a trainer, where torch
+    SIGKILLed the workers mid-save after its timeout. It is always handed on: the workers
+    run in sessions of their own, so a terminal's Ctrl-C reaches the agent alone, and one
+    Ctrl-C is one stop. A second one, INT_AGAIN_S or more later, quits at once, as it does a
+    trainer: the workers are killed (one waiting in C++ for its peers, the rendezvous, runs
+    no handler) and torch's handling ends the agent (130)."""
     original = getattr(api, "_terminate_process_handler", None)
     if original is None:
         os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")  # torch 2.12 and later
         return
-    ctrl_c: list[float] = []  # when torch took the first SIGINT
+    ctrl_c: list[float] = []  # when the first SIGINT came
     own = _environ("self")
 
     def handler(signum: int, frame: object) -> None:
-        if signum in (signal.SIGTERM, stop):
-            forward(signum)
-        elif signum == signal.SIGINT and ctrl_c:  # (sooner: the same Ctrl-C, twice)
+        if signum == signal.SIGINT and ctrl_c:  # (sooner: the same Ctrl-C, twice)
             if time.monotonic() - ctrl_c[0] >= INT_AGAIN_S:
                 for child in children(os.getpid()):
                     if is_worker(child, own):
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(child, signal.SIGKILL)
-        else:
+                original(signum, frame)
+        elif signum in (signal.SIGTERM, signal.SIGINT, stop):
             if signum == signal.SIGINT:
                 ctrl_c.append(time.monotonic())
+            forward(signum)
+        else:
             original(signum, frame)
 
     api._terminate_process_handler = handler  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ import torch
 from helpers import events, load_export, pyrecover, starting_worker, tiny_args
 
 from pyrecover import elastic_agent, spawn
-from pyrecover.preempt import EXIT_STOPPED, INT_AGAIN_S
+from pyrecover.preempt import EXIT_STOPPED
 from pyrecover.rundir import read_jsonl
 
 pytestmark = pytest.mark.multiproc
@@ -290,34 +290,3 @@ def test_sigterm_before_the_workers_start_is_a_clean_stop_after_their_first_step
     [stop] = events(tmp_path / "early", "stop")
     assert stop["reason"] == "SIGTERM" and stop["step"] >= 1
     assert (tmp_path / "early" / "checkpoints" / f"step-{stop['step']}" / "manifest.json").is_file()
-
-
-def test_a_second_ctrl_c_ends_the_agent_whose_worker_waits_in_the_rendezvous(tmp_path, corpus):
-    """Ctrl-C on the agent: torch's agent hands SIGINT on to the workers and waits its
-    shutdown timeout for them (600 s where a large save needs it, as the wrapper sets on a
-    torch without the handler it replaces). A worker waiting in C++ for its peers runs no
-    handler, so the agent waited all of it; a second Ctrl-C, which quits a trainer at once,
-    only started the wait again."""
-    proc = agent(tmp_path, corpus, "quit", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600"})
-    own = elastic_agent._environ(proc.pid)
-    try:
-        wait_for(lambda: len(workers := [c for c in elastic_agent.children(proc.pid)
-                                         if elastic_agent.is_worker(c, own)]) == 2
-                 and all(map(spawn.catching, workers)), proc)
-        workers = sorted(c for c in elastic_agent.children(proc.pid)
-                         if elastic_agent.is_worker(c, own))
-        os.kill(workers[1], signal.SIGSTOP)  # rank 1 held in its start-up
-        wait_for(lambda: spawn.stops_on_ctrl_c(workers[0]), proc)  # rank 0 waits for it
-        proc.send_signal(signal.SIGINT)
-        said_at = time.monotonic()  # a second SIGINT sooner is the same Ctrl-C
-        while time.monotonic() - said_at < INT_AGAIN_S:
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            for pid in elastic_agent.children(proc.pid):  # in sessions of their own
-                os.kill(pid, signal.SIGKILL)
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 130, err[-3000:]
