@@ -219,6 +219,42 @@ def keep_workers_on_sigterm(api: object, stop: int, forward: Callable[[int], Non
     api._terminate_process_handler = handler  # type: ignore[attr-defined]
 
 
+def option(args: Sequence[str], name: str) -> str | None:
+    """option is the value of torchrun's option `--name` in `args` (either spelling: `-`
+    or `_`, `--name V` or `--name=V`; the last one given), None where it is not there."""
+    spellings = {f"--{name}", f"--{name.replace('-', '_')}"}
+    value = None
+    for i, arg in enumerate(args):
+        key, eq, rest = arg.partition("=")
+        if key in spellings:
+            value = rest if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def join_timeout(args: Sequence[str]) -> str:
+    """join_timeout is the seconds torchrun's rendezvous waits for the nodes (`--rdzv-conf
+    join_timeout=N`; torch's default 600)."""
+    for item in (option(args, "rdzv-conf") or "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "join_timeout" and value.strip():
+            return value.strip()
+    return "600"
+
+
+def rendezvous_failed(args: Sequence[str], exc: Exception) -> str:
+    """rendezvous_failed says in one line why torchrun's rendezvous ended this node's agent
+    before any worker started, and what to do."""
+    nodes = option(args, "nnodes") or "?"
+    if type(exc).__name__ == "RendezvousTimeoutError":
+        return (f"pyrecover: torchrun's rendezvous timed out: the other nodes did not join "
+                f"within {join_timeout(args)} s (--nnodes {nodes}); see in the job's log "
+                "whether their tasks started; a longer wait: --rdzv-conf join_timeout=SECONDS")
+    return (f"pyrecover: torchrun's rendezvous failed: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'} (store "
+            f"{option(args, 'rdzv-endpoint') or '?'}, --nnodes {nodes}); see in the job's log "
+            "whether the node hosting it (node 0) started its task")
+
+
 def main(argv: Sequence[str]) -> int:
     args = list(argv)
     if len(args) < 2 or args[0] != "--stop-signal":
@@ -237,6 +273,7 @@ def main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     keep_workers_on_sigterm(api, stop, forward)
     # torch >= 2.5 shares the agent's store with the workers, across restarts and without a
@@ -253,6 +290,9 @@ def main(argv: Sequence[str]) -> int:
         print(f"pyrecover: workers exited with {[f.exitcode for f in failed]}: exit code "
               f"{code}", file=sys.stderr)
         return code
+    except RendezvousError as exc:  # the other nodes never came: a crash, which requeues
+        print(rendezvous_failed(args[2:], exc), file=sys.stderr)
+        return EXIT_CRASH
     except SignalException as exc:  # the workers got the same signal and were waited for
         print(f"pyrecover: torchrun got {exc.sigval.name}", file=sys.stderr)
         return 128 + int(exc.sigval)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pyrecover import spawn
+from pyrecover import elastic_agent, spawn
 
 pytestmark = pytest.mark.multiproc
 
@@ -77,3 +77,28 @@ def test_nodes_whose_restart_counts_differ_still_meet_after_a_restart(tmp_path):
     assert len(first) == 2 and len(again) == 2, seen
     # The case itself: after the restart, the two nodes' counts differ (0 and 1).
     assert sorted(s[2] for s in again) == ["0", "1"], seen
+
+
+def test_a_node_whose_peers_never_join_ends_with_one_line_once_the_rendezvous_times_out():
+    """node 1 never comes: node 0's agent, once the rendezvous timed out, printed torch's
+    RendezvousTimeoutError traceback. One line instead, and a crash's code (1), which the
+    job script restarts or requeues on other nodes."""
+    argv = [sys.executable, "-m", "pyrecover.elastic_agent", "--stop-signal", "USR2",
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{spawn.free_port()}", "--rdzv-id", "alone",
+            "--rdzv-conf", "join_timeout=3", "--max-restarts", "0", "--no-python", "true"]
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("PYRECOVER_", "SLURM_", "TORCHELASTIC_", "TORCH_"))}
+    done = subprocess.run(argv, env=clean, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert ("pyrecover: torchrun's rendezvous timed out: the other nodes did not join within "
+            "3 s (--nnodes 2)") in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args, expected", [
+    ([], "600"), (["--rdzv-conf", "join_timeout=30"], "30"),
+    (["--rdzv_conf=read_timeout=5,join_timeout=7"], "7"), (["--rdzv-conf", "x=1"], "600"),
+])
+def test_the_join_timeout_is_read_from_torchruns_rdzv_conf(args, expected):
+    assert elastic_agent.join_timeout(args) == expected
