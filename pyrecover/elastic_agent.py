@@ -219,6 +219,38 @@ def keep_workers_on_sigterm(api: object, stop: int, forward: Callable[[int], Non
     api._terminate_process_handler = handler  # type: ignore[attr-defined]
 
 
+class NoRestartAfterStop:
+    """NoRestartAfterStop is a stop handler (`forward`, called with the signal) that also
+    takes the restarts left from torch's agent once a stop came: under `--max-restarts N`
+    the agent took the workers' clean stop (exit 75) for a failure and started them again,
+    so they resumed and trained on past the stop (to a time limit that then killed them
+    without a checkpoint, or past a Ctrl-C). `watch(agent_class)` finds the agent when it
+    runs; a stop that came before that takes its restarts then."""
+
+    def __init__(self, forward: Callable[..., None]) -> None:
+        self.forward = forward
+        self.agents: list[object] = []
+        self.stopped = False
+
+    def __call__(self, signum: int, _frame: object = None) -> None:
+        self.stopped = True
+        for agent in self.agents:
+            agent._remaining_restarts = 0  # type: ignore[attr-defined]
+        self.forward(signum)
+
+    def watch(self, agent_class: type) -> None:
+        run = agent_class.run
+        watcher = self
+
+        def recorded(agent: object, *args: object, **kwargs: object) -> object:
+            watcher.agents.append(agent)
+            if watcher.stopped:
+                agent._remaining_restarts = 0  # type: ignore[attr-defined]
+            return run(agent, *args, **kwargs)
+
+        agent_class.run = recorded  # type: ignore[attr-defined]
+
+
 def option(args: Sequence[str], name: str) -> str | None:
     """option is the value of torchrun's option `--name` in `args` (either spelling: `-`
     or `_`, `--name V` or `--name=V`; the last one given), None where it is not there."""
@@ -262,7 +294,7 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     stop = parse_signal(args[1])
-    forward = forward_to_children(stop)
+    forward = NoRestartAfterStop(forward_to_children(stop))
     # Until torch's agent starts the workers it has no handler of its own, and its handler
     # takes SIGTERM and the stop signal here (keep_workers_on_sigterm) once it has: from the
     # start, either waits for the workers (a clean stop after their first step), where
@@ -270,11 +302,13 @@ def main(argv: Sequence[str]) -> int:
     for signum in {signal.SIGTERM, stop}:
         signal.signal(signum, forward)
     from torch.distributed import run  # (seconds: a stop meanwhile waits for the workers)
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+    forward.watch(SimpleElasticAgent)
     keep_workers_on_sigterm(api, stop, forward)
     # torch >= 2.5 shares the agent's store with the workers, across restarts and without a
     # prefix per restart (pytorch/pytorch#135712); the workers key theirs by the restart

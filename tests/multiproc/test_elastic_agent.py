@@ -290,3 +290,17 @@ def test_sigterm_before_the_workers_start_is_a_clean_stop_after_their_first_step
     [stop] = events(tmp_path / "early", "stop")
     assert stop["reason"] == "SIGTERM" and stop["step"] >= 1
     assert (tmp_path / "early" / "checkpoints" / f"step-{stop['step']}" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR2, signal.SIGINT])
+def test_a_stop_under_max_restarts_is_not_restarted(tmp_path, corpus, signum):
+    """`torchrun --max-restarts 1`: the agent took the workers' clean stop (75) for a
+    failure and started them again; they resumed and trained on past the time limit's
+    signal (or a Ctrl-C), to the end of the run."""
+    proc = agent(tmp_path, corpus, "again", restarts=1, steps=60)
+    wait_step(proc, tmp_path / "again", 3)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_STOPPED, stderr[-3000:]
+    assert len(events(tmp_path / "again", "start")) == 1
+    assert not events(tmp_path / "again", "resume") and not events(tmp_path / "again", "finish")
