@@ -132,7 +132,9 @@ def main(cfg: Config, run_dir: Path) -> None:
     health_s = health.before_group(cfg, env, run, kind, dist.node_name()) if local else 0.0
     # The process caught stop signals from its first moment (preempt.catch_early).
     flag = preempt.take_over((cfg.run.stop_signal, "SIGTERM", "SIGINT"))  # and earlier ones
-    flag.announce = sys.stderr.isatty() and not os.environ.get(dist.SPAWNED)  # Ctrl-C's line
+    # Ctrl-C's line, once per node: torchrun's workers share the terminal's stderr
+    flag.announce = sys.stderr.isatty() and not os.environ.get(dist.SPAWNED) and \
+        env.local_rank == 0
     # Issue 14: the hang watchdog; torch's own timeout is set above its limits (backstop).
     rule = watchdog.rule_from(cfg.run.hang_timeout, cfg.run.hang_startup_timeout)
     try:  # the lock is released however this start ends (the process may live on: bench)

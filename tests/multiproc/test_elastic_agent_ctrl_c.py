@@ -22,7 +22,7 @@ from helpers import events, tiny_args
 from test_elastic_agent import agent, wait_for, wait_step
 
 from pyrecover import elastic_agent, spawn
-from pyrecover.preempt import EXIT_STOPPED, INT_AGAIN_S
+from pyrecover.preempt import CTRL_C, EXIT_STOPPED, INT_AGAIN_S
 
 pytestmark = pytest.mark.multiproc
 
@@ -73,6 +73,7 @@ def test_a_ctrl_c_at_the_terminal_is_one_clean_stop(tmp_path, corpus):
         os.close(master)
     said = b"".join(output).decode(errors="replace")
     assert proc.returncode == EXIT_STOPPED, said[-3000:]
+    assert said.count(CTRL_C) == 1, said[-3000:]  # not once per worker
     [stop] = events(tmp_path / "tty", "stop")
     assert stop["reason"] == "SIGINT"
     assert (tmp_path / "tty" / "checkpoints" / f"step-{stop['step']}" / "manifest.json").is_file()
