@@ -333,5 +333,12 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+CTRL_C_BEFORE_WORKERS = ("pyrecover: torchrun stopped by Ctrl-C before its workers started "
+                         "(it imported torch or waited for the other nodes); nothing to save")
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # before torch's agent takes SIGINT: a traceback of its wait
+        print(CTRL_C_BEFORE_WORKERS, file=sys.stderr)
+        sys.exit(130)

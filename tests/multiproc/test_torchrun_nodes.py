@@ -9,8 +9,11 @@ Real agents (c10d rendezvous), real gloo, a small worker written here.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +97,36 @@ def test_a_node_whose_peers_never_join_ends_with_one_line_once_the_rendezvous_ti
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert ("pyrecover: torchrun's rendezvous timed out: the other nodes did not join within "
             "3 s (--nnodes 2)") in done.stderr, done.stderr[-3000:]
+
+
+def test_a_ctrl_c_while_the_agent_waits_for_the_other_nodes_is_one_line_exit_130():
+    """A Ctrl-C in the rendezvous (before torch's agent has a handler of its own) printed the
+    KeyboardInterrupt's traceback through torch's rendezvous code."""
+    port = spawn.free_port()
+    argv = [sys.executable, "-m", "pyrecover.elastic_agent", "--stop-signal", "USR2",
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "waits", "--max-restarts",
+            "0", "--no-python", "true"]
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("PYRECOVER_", "SLURM_", "TORCHELASTIC_", "TORCH_"))}
+    proc = subprocess.Popen(argv, env=clean, stderr=subprocess.PIPE, text=True)
+    try:
+        while not _listens(port):  # node 0 hosts the rendezvous store: it waits there now
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and elastic_agent.CTRL_C_BEFORE_WORKERS in err, err[-3000:]
+
+
+def _listens(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.mark.parametrize("args, expected", [
