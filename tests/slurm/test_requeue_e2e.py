@@ -353,7 +353,7 @@ def test_a_run_longer_than_the_time_limit_stops_on_the_warning_signal_and_comple
 def test_without_a_warning_signal_the_trainer_stops_on_its_deadline_and_completes(
         local_slurm, time_limit_runs, reference_model):
     job_id, run_dir = time_limit_runs["deadline"]
-    assert "--signal" not in (run_dir / "job.sbatch").read_text()
+    assert "#SBATCH --signal" not in (run_dir / "job.sbatch").read_text()  # no warning
     info = wait_end(local_slurm, job_id, run_dir, timeout=900)
 
     report = assert_completed(local_slurm, job_id, run_dir, info)
