@@ -231,14 +231,20 @@ def test_the_stop_signal_before_the_workers_start_reaches_them_once_started(tmp_
         (tmp_path / "0" / "go").touch()  # it catches USR2 now, and stops on it (exit 75)
         _, err = first.communicate(timeout=120)
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                workers = elastic_agent.children(proc.pid)  # in sessions of their own
-                os.killpg(proc.pid, signal.SIGKILL)
-                for pid in workers:
-                    os.kill(pid, signal.SIGKILL)
-                proc.communicate()
+        kill_agents(first, second)
     assert first.returncode == EXIT_STOPPED, err[-3000:]
+
+
+def kill_agents(*agents: subprocess.Popen | None) -> None:
+    """kill_agents ends the agents still running, each started in a session of its own, and
+    their workers, which torch starts in sessions of theirs."""
+    for proc in agents:
+        if proc is not None and proc.poll() is None:
+            workers = elastic_agent.children(proc.pid)
+            os.killpg(proc.pid, signal.SIGKILL)
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+            proc.communicate()
 
 
 def wait_for(what, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -280,13 +286,7 @@ def test_sigterm_before_the_workers_start_is_a_clean_stop_after_their_first_step
         assert first.returncode == EXIT_STOPPED, err[-3000:]
         second.communicate(timeout=240)  # its worker stopped with node 0's (75)
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                workers = elastic_agent.children(proc.pid)  # in sessions of their own
-                os.killpg(proc.pid, signal.SIGKILL)
-                for pid in workers:
-                    os.kill(pid, signal.SIGKILL)
-                proc.communicate()
+        kill_agents(first, second)
     [stop] = events(tmp_path / "early", "stop")
     assert stop["reason"] == "SIGTERM" and stop["step"] >= 1
     assert (tmp_path / "early" / "checkpoints" / f"step-{stop['step']}" / "manifest.json").is_file()

@@ -65,11 +65,7 @@ def test_a_ctrl_c_at_the_terminal_is_one_clean_stop(tmp_path, corpus):
         proc.wait(timeout=240)
         reader.join(timeout=60)
     finally:
-        if proc.poll() is None:
-            for pid in elastic_agent.children(proc.pid):  # in sessions of their own
-                os.kill(pid, signal.SIGKILL)
-            proc.kill()
-            proc.wait()
+        kill_agent(proc)
         os.close(master)
     said = b"".join(output).decode(errors="replace")
     assert proc.returncode == EXIT_STOPPED, said[-3000:]
@@ -77,6 +73,16 @@ def test_a_ctrl_c_at_the_terminal_is_one_clean_stop(tmp_path, corpus):
     [stop] = events(tmp_path / "tty", "stop")
     assert stop["reason"] == "SIGINT"
     assert (tmp_path / "tty" / "checkpoints" / f"step-{stop['step']}" / "manifest.json").is_file()
+
+
+def kill_agent(proc: subprocess.Popen) -> None:
+    """kill_agent ends the agent if it still runs, and its workers (in sessions of their
+    own)."""
+    if proc.poll() is None:
+        for pid in elastic_agent.children(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.communicate()
 
 
 def _drain(fd: int, into: list[bytes]) -> None:
@@ -113,9 +119,5 @@ def test_a_second_ctrl_c_ends_the_agent_whose_worker_waits_in_the_rendezvous(tmp
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            for pid in elastic_agent.children(proc.pid):  # in sessions of their own
-                os.kill(pid, signal.SIGKILL)
-            proc.kill()
-            proc.communicate()
+        kill_agent(proc)
     assert proc.returncode == 130, err[-3000:]

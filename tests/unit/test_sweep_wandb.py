@@ -92,15 +92,22 @@ def launch_online(tmp_path, path, bin_dir, port):
                                         **default_cluster(tmp_path)})
 
 
-def test_a_key_the_server_refuses_is_one_line_and_nothing_is_written_or_submitted(tmp_path):
-    """sbatch is a stand-in that leaves a mark if called; the wandb server is
-    tests/wandb_standin.py refusing the key (401), as wandb answers a wrong one."""
+def marking_sbatch(tmp_path: Path) -> tuple[Path, Path]:
+    """marking_sbatch is a folder with a stand-in sbatch that leaves a mark (SUBMITTED) if
+    called, and the sweep file to launch."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path / 'SUBMITTED'}\necho 77\n")
     (bin_dir / "sbatch").chmod(0o755)
     path = tmp_path / "lr.yaml"
     path.write_text(SWEEP)
+    return bin_dir, path
+
+
+def test_a_key_the_server_refuses_is_one_line_and_nothing_is_written_or_submitted(tmp_path):
+    """sbatch is a stand-in that leaves a mark if called; the wandb server is
+    tests/wandb_standin.py refusing the key (401), as wandb answers a wrong one."""
+    bin_dir, path = marking_sbatch(tmp_path)
     server = subprocess.Popen([sys.executable, str(STANDIN), str(tmp_path / "requests.jsonl"),
                                "-"], stdout=subprocess.PIPE, text=True)
     try:
@@ -134,12 +141,7 @@ class FailingServer(http.server.BaseHTTPRequestHandler):
 def test_a_server_that_fails_is_a_fault_exit_1_not_the_keys_and_nothing_is_written(tmp_path):
     """wandb raises the same AuthenticationError for a failing server as for a wrong key; the
     key is fine here, so the same launch may work later: exit 1, not 2."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path / 'SUBMITTED'}\necho 77\n")
-    (bin_dir / "sbatch").chmod(0o755)
-    path = tmp_path / "lr.yaml"
-    path.write_text(SWEEP)
+    bin_dir, path = marking_sbatch(tmp_path)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FailingServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
