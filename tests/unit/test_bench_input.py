@@ -30,14 +30,15 @@ def test_bench_ckpt_measures_a_mode_named_twice_once_per_repeat(tmp_path):
     assert rows and all(r["min_s"] == r["median_s"] == r["max_s"] for r in rows), rows
 
 
-def test_bench_train_shows_a_mode_named_twice_as_one_row(tmp_path, monkeypatch):
+def test_bench_train_shows_a_mode_named_twice_as_one_row(tmp_path, monkeypatch, corpus):
     """It was two identical rows, each the median of both modes' runs."""
     runs = []
     monkeypatch.setattr(bench_train, "_train_once", lambda c, o, run_dir: runs.append(run_dir))
     monkeypatch.setattr(bench_train, "_throughput", lambda *a: {
         "tokens_per_s": 100.0, "saves": 1, "blocked_s": 0.0, "blocked_share": 0.0,
         "mfu": None, "checkpoint_bytes": 1})
-    report = bench_train.bench_train(TINY, ["train.device=cpu"], 1, 1, 0, repeat=1,
+    report = bench_train.bench_train(TINY, ["train.device=cpu", f"data.path={corpus}"], 1, 1, 0,
+                                     repeat=1,
                                      modes=("vanilla", "vanilla"), workdir=tmp_path)
     assert [r["mode"] for r in report["rows"]] == ["none", "vanilla"]
     assert len(runs) == 2  # none and vanilla, once each
@@ -151,7 +152,7 @@ def test_bench_ckpt_refuses_a_state_larger_than_this_machines_memory_holds(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
-def test_bench_compile_makes_its_folder_and_removes_it_again(tmp_path, monkeypatch):
+def test_bench_compile_makes_its_folder_and_removes_it_again(tmp_path, monkeypatch, corpus):
     """It refused a --dir that did not exist yet, where every other bench makes it."""
     from pyrecover.bench import compile as bench_compile
 
@@ -161,7 +162,7 @@ def test_bench_compile_makes_its_folder_and_removes_it_again(tmp_path, monkeypat
 
     monkeypatch.setattr(bench_compile, "_attempt", fake)
     with pytest.raises(bench_compile.BenchError, match="stop here"):
-        bench_compile.bench_compile(tmp_path / "new" / "bench", TINY, [], 1)
+        bench_compile.bench_compile(tmp_path / "new" / "bench", TINY, [f"data.path={corpus}"], 1)
     assert list(tmp_path.iterdir()) == []
 
 
