@@ -58,7 +58,7 @@ def api_key(environ: Mapping[str, str], netrc_file: str | None = None) -> str | 
     host (the entry's password), or None."""
     if environ.get("WANDB_API_KEY"):
         return environ["WANDB_API_KEY"]
-    host = urlparse(_base_url(environ)).hostname or ""
+    host = urlparse(base_url(environ)).hostname or ""
     path = netrc_file or environ.get("NETRC") or str(Path.home() / ".netrc")
     try:
         entry = netrc.netrc(path).authenticators(host)
@@ -87,10 +87,10 @@ def resolve_mode(setting: str, environ: Mapping[str, str], netrc_file: str | Non
     answer). `auto` follows WANDB_MODE when it is set, else goes online only
     when an API key is configured and the server answers, so nothing waits on a network.
     """
-    if setting == "online" and not reachable(_base_url(environ)):
+    if setting == "online" and not reachable(base_url(environ)):
         # wandb would wait 60 s for it at every start, then leave its run id taken.
         log.warning("wandb: %s is not reachable from here; logging offline (upload later "
-                    "with wandb sync)", _base_url(environ))
+                    "with wandb sync)", base_url(environ))
         return "offline"
     if setting != "auto":
         return setting
@@ -101,13 +101,14 @@ def resolve_mode(setting: str, environ: Mapping[str, str], netrc_file: str | Non
         return "offline"
     if not api_key_configured(environ, netrc_file):
         return "offline"
-    if not reachable(_base_url(environ)):
-        log.info("wandb: %s is not reachable from here; logging offline", _base_url(environ))
+    if not reachable(base_url(environ)):
+        log.info("wandb: %s is not reachable from here; logging offline", base_url(environ))
         return "offline"
     return "online"
 
 
-def _base_url(environ: Mapping[str, str]) -> str:
+def base_url(environ: Mapping[str, str]) -> str:
+    """base_url is the wandb server this environment names (WANDB_BASE_URL), else wandb's."""
     return environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
 
 

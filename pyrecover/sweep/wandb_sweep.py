@@ -68,7 +68,7 @@ def require_online(setting: str, environ: Mapping[str, str]) -> None:
     """require_online refuses a bayes sweep in one line unless tracking.wandb resolves to
     online with an API key (SweepError) and the server answers (WandbUnavailable): wandb's
     controller chooses every trial's values."""
-    url = environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    url = tracking.base_url(environ)
     mode = tracking.resolve_mode(setting, environ, reachable=lambda _: True)  # asked below
     if not tracking.api_key_configured(environ):
         why = "no API key"
@@ -109,7 +109,7 @@ def register(config: dict[str, Any], project: str, entity: str | None,
             sweep_id = wandb.sweep(config, entity=entity or None, project=project)
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        url = environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+        url = tracking.base_url(environ)
         failing = server_failing(url, tracking.api_key(environ))
         if failing:
             raise WandbUnavailable(f"wandb did not register the sweep: its server {url} "
@@ -152,7 +152,7 @@ def attach(sweep_file: Path, sweep_dir: Path, rec: record.Record, cfgs: list[Con
     at the first launch (a relaunch registers nothing); else, where tracking.wandb resolves
     to online, a new registration; else none, and nothing changes."""
     base = cfgs[0].tracking
-    url = environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    url = tracking.base_url(environ)
     if (sweep_dir / record.RECORD).is_file():
         known = record.read(sweep_dir).wandb
     elif base.wandb == "online" and not tracking.server_reachable(url):
