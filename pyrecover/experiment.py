@@ -18,14 +18,8 @@ from pyrecover import config as config_mod
 from pyrecover.config import Config, ConfigError
 from pyrecover.dist import DistEnv
 from pyrecover.phases import Phases, process_start_time
-from pyrecover.rundir import (
-    HeldByThisJob,
-    RunDir,
-    RunLock,
-    RunLocked,
-    StorageError,
-    replace_text,
-)
+from pyrecover.rundir import RunDir, StorageError, replace_text
+from pyrecover.runlock import HeldByThisJob, RunLock, RunLocked
 
 
 def resolve_for_run(cfg: Config, world_size: int) -> tuple[Config, str | None]:

@@ -19,7 +19,8 @@ from pyrecover import phases
 from pyrecover.badnodes import read_bad_nodes
 from pyrecover.health import Failure
 from pyrecover.records import well_formed
-from pyrecover.rundir import RunDir, live_holder, read_jsonl
+from pyrecover.rundir import RunDir, read_jsonl
+from pyrecover.runlock import live_holder
 from pyrecover.slurm.query import LIVE_STATES
 
 

@@ -33,7 +33,7 @@ from pyrecover import (
     preempt,
     profiling,
     progress,
-    rundir,
+    runlock,
     straggler,
     tracking,
     watchdog,
@@ -66,7 +66,8 @@ from pyrecover.oneline import first_line
 from pyrecover.optim import apply_changes, build_optimizer, build_scheduler
 from pyrecover.phases import Phases, process_start_time
 from pyrecover.preempt import StopRequested
-from pyrecover.rundir import HeldByThisJob, RunDir, RunLock, RunLocked, StorageError, read_jsonl
+from pyrecover.rundir import RunDir, StorageError, read_jsonl
+from pyrecover.runlock import HeldByThisJob, RunLock, RunLocked
 from pyrecover.startup import bytecode_note, end_startup_imports
 
 log = logging.getLogger("pyrecover")
@@ -120,7 +121,7 @@ def main(cfg: Config, run_dir: Path) -> None:
         if env.rank == 0:  # the lock first: a refused start writes nothing into the folder
             if batch_note:
                 log.info("%s", batch_note)
-            prepare_run_dir(cfg, run, batch_note, lock, rundir.lock_wait_seconds(), corpus)
+            prepare_run_dir(cfg, run, batch_note, lock, runlock.lock_wait_seconds(), corpus)
             phases.attach(run)
         else:
             run.create()

@@ -88,11 +88,11 @@ USER_ERRORS = (("pyrecover.config_schema", "ConfigError"), ("pyrecover.datasourc
                ("pyrecover.checkpoint.store", "CheckpointError"),
                ("pyrecover.loop", "TrainingError"), ("pyrecover.status", "StatusError"),
                ("pyrecover.slurm", "LaunchError"), ("pyrecover.sweep", "SweepError"),
-               ("pyrecover.rundir", "RunLocked"))
+               ("pyrecover.runlock", "RunLocked"))
 # Faults, not bugs: exit 1 with one line, no traceback.
 FAULTS = (("pyrecover.peers", "PeerLost"), ("pyrecover.checkpoint.manager", "SaveFailed"),
           ("pyrecover.checkpoint.resume", "ResumeFailed"), ("pyrecover.rundir", "StorageError"),
-          ("pyrecover.sweep.agent", "AgentUnavailable"), ("pyrecover.rundir", "HeldByThisJob"),
+          ("pyrecover.sweep.agent", "AgentUnavailable"), ("pyrecover.runlock", "HeldByThisJob"),
           ("pyrecover.slurm", "SlurmUnavailable"), ("pyrecover.sweep", "WandbUnavailable"),
           ("pyrecover.dist", "GroupUnreachable"))
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from pyrecover import config as config_mod
 from pyrecover import datasource
-from pyrecover.rundir import RunDir, RunLocked, live_holder, read_jsonl
+from pyrecover.rundir import RunDir, read_jsonl
+from pyrecover.runlock import RunLocked, live_holder
 
 KILL_AFTER_STEPS = 30  # steps past the first checkpoint: work the kill throws away
 DEMO_RUN = "local-demo"  # <workdir>/local-demo, replaced at every demo

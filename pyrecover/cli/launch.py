@@ -170,7 +170,7 @@ def _refuse_live(run: RunDir) -> None:
     next requeue starts with the new limits) and then wait on the run's lock. Its job is one
     of this user's in the queue that runs its job.sbatch, or whatever holds its lock. A run
     launched before is not launched again while squeue cannot tell (a new one has no job)."""
-    from pyrecover.rundir import live_holder
+    from pyrecover.runlock import live_holder
     from pyrecover.slurm import LaunchError, SlurmUnavailable, query
 
     end = (f"let it run, or end it with `pyrecover cancel {shlex.quote(str(run.root))}` first, "

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from localslurm import LocalSlurm
 
-from pyrecover.rundir import RunDir, RunLock
+from pyrecover.rundir import RunDir
+from pyrecover.runlock import RunLock
 from pyrecover.spawn import free_port
 
 pytestmark = pytest.mark.slurm

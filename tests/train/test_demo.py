@@ -84,7 +84,8 @@ def test_a_demo_stopped_by_sigterm_stops_its_run_cleanly_and_leaves_no_process(t
 def test_a_demo_leaves_a_live_demo_run_in_the_same_workdir_alone(tmp_path):
     """A second `pyrecover demo` in the same folder (another terminal) removed the first's
     run directory under its live trainer and trained in its place."""
-    from pyrecover.rundir import RunDir, RunLock
+    from pyrecover.rundir import RunDir
+    from pyrecover.runlock import RunLock
 
     run = RunDir(tmp_path / "local-demo")
     run.create()

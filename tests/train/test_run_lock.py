@@ -80,7 +80,8 @@ def test_storage_without_file_locks_runs_without_the_guard_and_says_so(tmp_path,
     import errno
     import fcntl
 
-    from pyrecover.rundir import RunDir, RunLock, StorageError
+    from pyrecover.rundir import RunDir, StorageError
+    from pyrecover.runlock import RunLock
 
     run = RunDir(tmp_path / "run")
     run.root.mkdir()

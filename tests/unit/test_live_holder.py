@@ -19,7 +19,8 @@ import sys
 import pytest
 
 from pyrecover import status, status_text
-from pyrecover.rundir import RunDir, RunLock, live_holder
+from pyrecover.rundir import RunDir
+from pyrecover.runlock import RunLock, live_holder
 
 OTHER_HOST = socket.gethostname() + "-other-node"
 
@@ -46,7 +47,7 @@ def _lock_and_exit(run: RunDir, reap: bool = True) -> subprocess.Popen:
     dead, its files closed and its lock gone, its pid not yet free (the caller reaps it)."""
     child = subprocess.Popen(
         [sys.executable, "-c", "import sys; from pathlib import Path; "
-         "from pyrecover.rundir import RunDir, RunLock; "
+         "from pyrecover.rundir import RunDir; from pyrecover.runlock import RunLock; "
          "RunLock(RunDir(Path(sys.argv[1]))).acquire(); import os; os._exit(0)",
          str(run.root)])
     if reap:
@@ -150,7 +151,7 @@ def test_a_lock_still_held_by_an_earlier_start_of_the_same_job_is_a_fault_not_a_
     data error", never requeued). The same job's holder is a fault: exit 1, requeued."""
     from helpers import pyrecover, tiny_args
 
-    from pyrecover.rundir import HeldByThisJob, RunLocked
+    from pyrecover.runlock import HeldByThisJob, RunLocked
 
     run = RunDir(tmp_path / "run")
     run.create()
