@@ -13,6 +13,7 @@ from pyrecover.checkpoint.listing import human_age, human_bytes
 from pyrecover.profiling import describe
 from pyrecover.records import is_number
 from pyrecover.status import Status
+from pyrecover.status_list import UNREADABLE, Row
 
 SHOWN = 3  # of the requeue decisions and the hangs, the newest; --json has them all
 
@@ -172,3 +173,20 @@ def _silent(hang: dict[str, Any]) -> str:
     where = f" on {', '.join(map(str, nodes))}" if nodes else ""
     suspect = f", suspect node {hang['suspect_node']}" if hang.get("suspect_node") else ""
     return f"; silent ranks {hang['silent_ranks']}{where}{suspect}"
+
+
+def render_rows(rows: list[Row]) -> str:
+    """render_rows is `status STORAGE`'s table: one aligned line per run or sweep (Row,
+    status_list.py), the state last, where its words may run long."""
+    table = [("NAME", "STEP", "CHECKPOINT", "JOB", "GOODPUT", "STATE")]
+    for r in rows:
+        run = r.kind == "run" and not r.state.startswith(UNREADABLE)
+        step = "-" if not run else f"{r.step}/{r.max_steps}" if r.max_steps else f"{r.step}"
+        ckpt = "-" if not run else "none" if r.checkpoint_step is None else (
+            f"step {r.checkpoint_step} ({human_age(r.checkpoint_age_s)} old)")
+        goodput = "-" if r.goodput is None else f"{r.goodput:.1%}"
+        state = f"sweep of {r.trials} trials: {r.hint}" if r.state == "sweep" else r.state
+        table.append((r.name, step, ckpt, r.job_id or "-", goodput, state))
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]) - 1)]
+    return "\n".join("  ".join([*(line[i].ljust(w) for i, w in enumerate(widths)), line[-1]])
+                     for line in table)

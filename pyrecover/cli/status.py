@@ -15,9 +15,9 @@ from pyrecover.cli.errors import EXIT_USER_ERROR, PathText, run_folder
 def status(
     run_dir: Annotated[PathText, typer.Argument(  # text: an empty one is not the Path '.'
         parser=str,
-        help="The run directory (<storage>/<exp_name>).")],
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object, for scripts.")] =
-    False,
+        help="A run directory (<storage>/<exp_name>), or a storage folder: lists its runs.")],
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object, for scripts (a "
+                                          "storage folder: a list, one per run).")] = False,
     clear_bad_nodes: Annotated[bool, typer.Option(
         "--clear-bad-nodes", help="Forget the nodes this run excludes (after a failed health "
         "check, hang or crash), so its next job may use them again; then show the status.")] =
@@ -47,10 +47,18 @@ def status(
     stall, lost work, productive, idle, remainder), adding up to it. Last interruption: each
     phase of the newest stop and start, with the seconds between them.
 
+    A storage folder (run.storage) that holds runs: one line per run or sweep directly inside
+    it, the most recently active first: its step of max_steps, last checkpoint and its age,
+    SLURM job, goodput and state (in the words above; SLURM is not asked: the run's own status
+    shows its job's SLURM state). A sweep is listed with its number of trials (`pyrecover
+    sweep status DIR` shows them); a folder that cannot be read says why in its row. Folders
+    nested deeper than one level are not searched.
+
     \b
     Examples:
       pyrecover status runs/tiny
       pyrecover status runs/tiny --json
+      pyrecover status runs                 # every run in the storage folder runs/
     """
     _status(run_folder(run_dir, "status"), as_json, clear_bad_nodes)
 
@@ -77,6 +85,8 @@ def _status(run_dir: Path, as_json: bool, clear_bad_nodes: bool) -> None:
         cleared = clear(RunDir(run_dir))
         typer.echo(f"cleared {len(cleared)} excluded node(s)" +
                    (f": {', '.join(cleared)}" if cleared else ""), err=True)
+    elif _listed(run_dir, as_json):  # a storage folder with runs in it
+        return
 
     def slow(ask, command):  # said only where SLURM itself is slow, not the run's files
         def call(*args):
@@ -87,6 +97,26 @@ def _status(run_dir: Path, as_json: bool, clear_bad_nodes: bool) -> None:
                              sacct=slow(job_times, "sacct"), queued=slow(queued_jobs, "squeue"),
                              reason=slow(pending_reason, "squeue"), task=trial_task(run_dir))
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_text.render(report))
+
+
+def _listed(folder: Path, as_json: bool) -> bool:
+    """_listed shows the runs and sweeps inside `folder` where it is a storage folder (no run
+    or sweep itself); False where it is not one, or holds none (the one-line error follows:
+    status_mod.read's)."""
+    import json
+
+    from pyrecover import status_list, status_text
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(folder)
+    if not folder.is_dir() or run.is_run() or run.is_sweep():
+        return False
+    found = status_list.rows(folder)
+    if not found:
+        return False
+    typer.echo(json.dumps([row.to_dict() for row in found], indent=1) if as_json
+               else status_text.render_rows(found))
+    return True
 
 
 def cancel(

@@ -1,0 +1,138 @@
+"""`pyrecover status STORAGE`: a folder that holds runs lists them, one line per run (or
+sweep), newest first; a child it cannot read is a row that says why, never the end of the
+list; a folder with no run in it is still the one-line error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import pyrecover, tiny_args
+from test_sweep import sweep_of
+
+from pyrecover.sweep import record, trials
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, corpus) -> Path:
+    """A storage folder with two real runs, b-older trained before a-newer (so the newest
+    first is not the order of their names)."""
+    storage = tmp_path_factory.mktemp("trained") / "runs"
+    for name, steps in (("b-older", 2), ("a-newer", 3)):
+        done = pyrecover("train", *tiny_args(storage, corpus, name, f"train.max_steps={steps}"))
+        assert done.returncode == 0, done.stderr
+    return storage
+
+
+def storage_with(two_runs: Path, tmp_path: Path) -> Path:
+    """storage_with is a copy of the two runs (their files' times kept) in tmp_path."""
+    storage = tmp_path / "runs"
+    shutil.copytree(two_runs, storage)  # (copy2: modification times kept)
+    return storage
+
+
+def add_sweep(storage: Path, name: str, n: int) -> Path:
+    """add_sweep records a grid sweep of `n` trials in `storage`, as `sweep launch` does."""
+    sweep = sweep_of({"method": "grid", "parameters": {
+        "train.lr": {"values": [1e-3 * (i + 1) for i in range(n)]}}}, name)
+    record.write(storage / name, record.make(sweep, trials.choose(sweep)))
+    return storage / name
+
+
+def test_status_of_a_storage_folder_lists_its_runs_and_sweeps_newest_first(two_runs,
+                                                                         tmp_path):
+    storage = storage_with(two_runs, tmp_path)
+    sweep = add_sweep(storage, "c-sweep", 2)  # the newest
+    (storage / "stdlib.parquet").write_text("a corpus beside the runs")
+    (storage / "notes").mkdir()  # no run: not listed
+    shutil.copytree(storage / "b-older", storage / "project" / "deep")  # two levels down
+    done = pyrecover("status", str(storage))
+    assert done.returncode == 0, done.stderr
+    header, *rows = done.stdout.splitlines()
+    assert header.split() == ["NAME", "STEP", "CHECKPOINT", "JOB", "GOODPUT", "STATE"], header
+    assert [row.split()[0] for row in rows] == ["c-sweep", "a-newer", "b-older"], done.stdout
+    newer = rows[1].split()
+    assert newer[1:4] == ["3/3", "step", "3"] and newer[-1] == "finished", rows[1]
+    assert rows[0].endswith(f"sweep of 2 trials: pyrecover sweep status {sweep}"), rows[0]
+
+    listed = json.loads(pyrecover("status", str(storage), "--json").stdout)
+    assert [r["name"] for r in listed] == ["c-sweep", "a-newer", "b-older"]
+    assert [r["kind"] for r in listed] == ["sweep", "run", "run"]
+    assert listed[0]["trials"] == 2 and listed[0]["hint"] == f"pyrecover sweep status {sweep}"
+    for row in listed[1:]:  # the same words and figures as `status RUN --json`
+        one = json.loads(pyrecover("status", row["path"], "--json").stdout)
+        assert row["path"] == str(storage / row["name"])
+        assert (row["state"], row["step"], row["max_steps"], row["job_id"]) == (
+            one["state"], one["step"], one["max_steps"], one["job_id"]) == (
+            "finished", one["max_steps"], one["max_steps"], None)
+        assert row["checkpoint_step"] == one["last_checkpoint"]["step"] == row["step"]
+        assert row["checkpoint_age_s"] >= 0 and 0 < row["goodput"] <= 1
+    assert listed[1]["active"] >= listed[2]["active"]
+
+
+def test_a_child_that_cannot_be_read_is_a_row_saying_why_and_the_others_are_listed(
+        two_runs, tmp_path):
+    storage = storage_with(two_runs, tmp_path)
+    damaged = add_sweep(storage, "damaged-sweep", 2)
+    (damaged / "sweep.yaml").write_text("name: [unclosed\n")
+    shutil.copytree(storage / "a-newer", storage / "ckpt-file")
+    shutil.rmtree(storage / "ckpt-file" / "checkpoints")
+    (storage / "ckpt-file" / "checkpoints").write_text("not a folder")
+    shutil.copytree(storage / "a-newer", storage / "garbled")
+    (storage / "garbled" / "events.jsonl").write_bytes(b"\x00\xff{not json\n" * 50)
+    shutil.copytree(storage / "a-newer", storage / "shut")
+    shut = storage / "shut"
+    shutil.copytree(storage / "a-newer", storage / "shut-events")
+    shut.chmod(0)
+    (storage / "shut-events" / "events.jsonl").chmod(0)
+    try:
+        done = pyrecover("status", str(storage), file_permissions=True)
+        as_json = pyrecover("status", str(storage), "--json", file_permissions=True)
+    finally:
+        shut.chmod(0o755)
+        (storage / "shut-events" / "events.jsonl").chmod(0o644)
+    assert done.returncode == 0 and as_json.returncode == 0, done.stderr + as_json.stderr
+    rows = {r["name"]: r for r in json.loads(as_json.stdout)}
+    assert set(rows) == {"a-newer", "b-older", "damaged-sweep", "ckpt-file", "garbled", "shut",
+                         "shut-events"}
+    assert rows["a-newer"]["state"] == rows["b-older"]["state"] == "finished"
+    assert rows["shut"]["state"] == "unreadable: permission denied", rows["shut"]
+    assert rows["shut-events"]["state"] == "unreadable: permission denied: events.jsonl"
+    assert rows["ckpt-file"]["state"].startswith("unreadable: checkpoints is not a folder")
+    assert rows["damaged-sweep"]["state"].startswith("unreadable: sweep.yaml is damaged")
+    assert rows["damaged-sweep"]["kind"] == "sweep"
+    assert rows["garbled"]["kind"] == "run"  # its records skipped, as `status RUN` does
+    text = {line.split()[0]: line for line in done.stdout.splitlines()[1:]}
+    assert set(text) == set(rows)
+    assert text["shut"].endswith("unreadable: permission denied"), text["shut"]
+
+
+@pytest.mark.parametrize("inside", ["nothing", "files and a run two levels down"])
+def test_a_folder_with_no_run_inside_is_still_the_one_line_error(tmp_path, inside):
+    storage = tmp_path / "runs"
+    storage.mkdir()
+    if inside != "nothing":
+        (storage / "stdlib.parquet").write_text("a corpus")
+        deep = storage / "project" / "deep"
+        deep.mkdir(parents=True)
+        (deep / "events.jsonl").write_text("")
+    for args in ([], ["--json"]):
+        done = pyrecover("status", str(storage), *args)
+        assert done.returncode == 2, done.stderr
+        assert done.stdout == ""
+        assert done.stderr == (f"error: {storage} is not a pyrecover run directory (no "
+                               "run.yaml, events.jsonl, metrics.jsonl or checkpoints/)\n")
+
+
+def test_status_help_says_a_storage_folder_lists_its_runs_one_level_down():
+    from typer.testing import CliRunner
+
+    from pyrecover.cli import app
+
+    shown = " ".join(CliRunner().invoke(app, ["status", "--help"],
+                                        terminal_width=1000).output.split())
+    assert "A run directory (<storage>/<exp_name>), or a storage folder: lists its runs." \
+        in shown, shown
+    assert "Folders nested deeper than one level are not searched." in shown, shown
