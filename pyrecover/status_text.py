@@ -185,7 +185,8 @@ def render_rows(rows: list[Row]) -> str:
         ckpt = "-" if not run else "none" if r.checkpoint_step is None else (
             f"step {r.checkpoint_step} ({human_age(r.checkpoint_age_s)} old)")
         goodput = "-" if r.goodput is None else f"{r.goodput:.1%}"
-        state = f"sweep of {r.trials} trials: {r.hint}" if r.state == "sweep" else r.state
+        state = (f"sweep of {r.trials} trial{'s' * (r.trials != 1)}: {r.hint}"
+                 if r.state == "sweep" else r.state)
         table.append((r.name, step, ckpt, r.job_id or "-", goodput, state))
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]) - 1)]
     return "\n".join("  ".join([*(line[i].ljust(w) for i, w in enumerate(widths)), line[-1]])

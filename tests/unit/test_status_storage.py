@@ -136,3 +136,12 @@ def test_status_help_says_a_storage_folder_lists_its_runs_one_level_down():
     assert "A run directory (<storage>/<exp_name>), or a storage folder: lists its runs." \
         in shown, shown
     assert "Folders nested deeper than one level are not searched." in shown, shown
+
+
+def test_a_sweep_of_one_trial_is_said_in_the_singular():
+    from pyrecover.status_list import Row
+    from pyrecover.status_text import render_rows
+
+    row = Row("s", "sweep", "runs/s", "sweep", trials=1, hint="pyrecover sweep status runs/s")
+    assert render_rows([row]).splitlines()[1].endswith(
+        "sweep of 1 trial: pyrecover sweep status runs/s")
