@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from pyrecover.cli.errors import EXIT_USER_ERROR, PathText, run_folder
+from pyrecover.cli.errors import EXIT_USER_ERROR, PathText, run_folder, user_error
 
 
 def status(
@@ -81,6 +82,11 @@ def _status(run_dir: Path, as_json: bool, clear_bad_nodes: bool) -> None:
     from pyrecover.sweep.record import trial_task
 
     if clear_bad_nodes:
+        inside = _runs_inside(run_dir)
+        if inside:
+            raise user_error(f"--clear-bad-nodes forgets one run's excluded nodes; {run_dir} "
+                             "is a storage folder: name a run in it, e.g. pyrecover status "
+                             f"{inside[0]} --clear-bad-nodes")
         status_mod.read(run_dir)  # refuses what is not a run directory, before changing it
         cleared = clear(RunDir(run_dir))
         typer.echo(f"cleared {len(cleared)} excluded node(s)" +
@@ -97,6 +103,19 @@ def _status(run_dir: Path, as_json: bool, clear_bad_nodes: bool) -> None:
                              sacct=slow(job_times, "sacct"), queued=slow(queued_jobs, "squeue"),
                              reason=slow(pending_reason, "squeue"), task=trial_task(run_dir))
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_text.render(report))
+
+
+def _runs_inside(folder: Path) -> list[Path]:
+    """_runs_inside are the run directories directly inside `folder` where it is a storage
+    folder (none where it is a run or sweep itself)."""
+    from pyrecover.rundir import RunDir
+
+    run = RunDir(folder)
+    if not folder.is_dir() or run.is_run() or run.is_sweep():
+        return []
+    with contextlib.suppress(OSError):
+        return sorted(p for p in folder.iterdir() if p.is_dir() and RunDir(p).is_run())
+    return []
 
 
 def _listed(folder: Path, as_json: bool) -> bool:

@@ -145,3 +145,13 @@ def test_a_sweep_of_one_trial_is_said_in_the_singular():
     row = Row("s", "sweep", "runs/s", "sweep", trials=1, hint="pyrecover sweep status runs/s")
     assert render_rows([row]).splitlines()[1].endswith(
         "sweep of 1 trial: pyrecover sweep status runs/s")
+
+
+def test_clearing_bad_nodes_of_a_storage_folder_names_a_run_to_clear_instead(two_runs,
+                                                                           tmp_path):
+    storage = storage_with(two_runs, tmp_path)
+    done = pyrecover("status", str(storage), "--clear-bad-nodes")
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert done.stderr == (f"error: --clear-bad-nodes forgets one run's excluded nodes; "
+                           f"{storage} is a storage folder: name a run in it, e.g. pyrecover "
+                           f"status {storage / 'a-newer'} --clear-bad-nodes\n"), done.stderr
