@@ -44,7 +44,10 @@ class Status:
     invalid_checkpoints: list[dict[str, Any]] = field(default_factory=list)
     """Step folders newer than the last valid checkpoint that do not verify (sizes only)."""
     steps_lost: int = 0
-    checkpoint_seconds: float = 0.0
+    checkpoint_stall_seconds: float = 0.0
+    """What saves cost the loop: the ledger's `checkpoint_stall` (stop checkpoints too)."""
+    checkpoint_write_seconds: float = 0.0
+    """Each committed save's start to its commit, summed (background time where async)."""
     restore_seconds: float = 0.0
     wall_seconds: float = 0.0
     goodput: float | None = None
@@ -115,8 +118,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
             f"{STARTING} ({holder})" if holder else KILLED)
     if last_error is None and (state.startswith("ended:") or state.startswith(TRAINERLESS)):
         last_error = _logged_error(run)  # failed before it could record an event
-    checkpoint_s = sum(float(e.get("blocked", e.get("seconds", 0))) for e in events
-                       if e.get("event") == "checkpoint")
+    write_s = sum(float(e.get("seconds", 0)) for e in events if e.get("event") == "checkpoint")
     restore_s = sum(float(e.get("restore_seconds", 0)) for e in events
                     if e.get("event") == "resume")
     last_ckpt, invalid = _last_checkpoint(run, now)
@@ -135,12 +137,12 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
     exp_name, max_steps = _recorded(run)
     return Status(
         run_dir=str(run.root), exp_name=exp_name, state=state,
-        slurm_state=slurm_state, slurm_reason=slurm_reason,
-        job_id=job_id,
+        slurm_state=slurm_state, slurm_reason=slurm_reason, job_id=job_id,
         step=step, max_steps=max_steps, starts=len(runs),
         restarts_by_cause=dict(causes), last_checkpoint=last_ckpt, invalid_checkpoints=invalid,
         steps_lost=ledger_mod.steps_lost(events, metrics),
-        checkpoint_seconds=round(checkpoint_s, 3),
+        checkpoint_stall_seconds=book.causes["checkpoint_stall"],
+        checkpoint_write_seconds=round(write_s, 3),
         restore_seconds=round(restore_s, 3), wall_seconds=round(book.wall_seconds, 1),
         goodput=book.effective_share, last_error=last_error,
         requeue_decisions=[{**e, "job_id": _slurm_names(events).get(str(e["job_id"]),

@@ -47,6 +47,7 @@ def render(s: Status) -> str:
         "checkpoint  " + (f"step {ck['step']} ({ck['mode']}, {human_bytes(ck['bytes'])}, "
                           f"{human_age(ck['age_s'])} old; sizes checked, `ckpt verify` reads "
                           "checksums)" if ck else "none"),
+        "saves       " + _saves(s),
         f"lost        {s.steps_lost} step{'s' * (s.steps_lost != 1)} redone after "
         "interruptions",
         "goodput     " + _goodput(s),
@@ -94,6 +95,17 @@ def render(s: Status) -> str:
                      "that are not as pyrecover writes them")
     lines += _ledger_lines(s.ledger, s.job_id) + _interruption_lines(s.interruption)
     return "\n".join(lines)
+
+
+def _saves(s: Status) -> str:
+    """_saves: what checkpoints cost the loop (the ledger's checkpoint stall, one figure with
+    its row) and, apart from it, how long they took to write, much of it in the background
+    where the mode saves asynchronously."""
+    if not (s.checkpoint_stall_seconds or s.checkpoint_write_seconds):
+        return "none"
+    return (f"loop blocked {s.checkpoint_stall_seconds:.1f}s (the checkpoint stall below, stop "
+            f"saves too); {s.checkpoint_write_seconds:.1f}s writing (each save's start to "
+            "commit, summed; in the background where async)")
 
 
 def _goodput(s: Status) -> str:

@@ -41,7 +41,9 @@ def status(
     before its trainer recorded anything; each one after the first is a restart, by why the one
     before ended (stop and its signal, time limit, cancelled by `pyrecover cancel`, crash,
     hang, health check failed, error, ended during start-up, failed before the trainer started,
-    killed with no record). Lost:
+    killed with no record). Saves: the seconds the loop waited for checkpoints, stop
+    checkpoints too (the ledger's checkpoint stall), and apart from them the seconds the saves
+    took to write, each one's start to its commit (in the background where async). Lost:
     steps computed after the last checkpoint and computed again. Goodput: the share of the
     wall time (first record to last, across every requeue) spent in productive training; the
     ledger below it splits that wall time by cause (queue wait, start up, restore, checkpoint

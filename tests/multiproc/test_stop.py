@@ -113,6 +113,11 @@ def test_a_stop_signal_saves_exits_75_and_the_resumed_run_is_bitwise(tmp_path, c
     assert report["state"] == "finished"
     assert report["restarts_by_cause"] == {f"stop ({reason})": 1}
     assert report["steps_lost"] == 0 and report["last_checkpoint"]["step"] == 200
+    # One figure for what saves cost the loop, the stop checkpoint's span in it (ledger.py),
+    # and the causes still add up to the wall time.
+    book = report["ledger"]
+    assert report["checkpoint_stall_seconds"] == book["causes"]["checkpoint_stall"] > 0
+    assert sum(book["causes"].values()) == pytest.approx(book["wall_seconds"], abs=0.005)
 
 
 @pytest.mark.parametrize("stop", ["HUP", "XCPU"])

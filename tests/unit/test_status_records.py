@@ -43,7 +43,8 @@ def test_a_record_with_a_value_of_the_wrong_type_is_left_out_and_counted(tmp_pat
         f.write(json.dumps({"event": "checkpoint", "time": 1.0, "blocked": [1]}) + "\n")
     s = status.read(run.root)
     assert s.skipped_records == 2
-    assert (s.starts, s.checkpoint_seconds) == (clean.starts, clean.checkpoint_seconds)
+    assert (s.starts, s.checkpoint_write_seconds, s.checkpoint_stall_seconds) == (
+        clean.starts, clean.checkpoint_write_seconds, clean.checkpoint_stall_seconds)
     assert "skipped     2 records" in status_text.render(s)
 
 
@@ -66,7 +67,8 @@ def test_lines_that_are_no_record_at_all_are_counted_and_never_stop_status_or_a_
         f.write(f'{deep}\n{{"step": 16, "loss"')  # the last line: still being written
     s = status.read(run.root)
     assert s.skipped_records == 5
-    assert (s.starts, s.checkpoint_seconds) == (clean.starts, clean.checkpoint_seconds)
+    assert (s.starts, s.checkpoint_write_seconds, s.checkpoint_stall_seconds) == (
+        clean.starts, clean.checkpoint_write_seconds, clean.checkpoint_stall_seconds)
     assert "skipped     5 records" in status_text.render(s)
     interval.for_config("auto", 1.0, 100, list(run.read_events()))  # what a resume reads
 
