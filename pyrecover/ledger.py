@@ -120,12 +120,15 @@ def _times(records: list[dict[str, Any]]) -> list[float]:
 
 
 def _stall(attempt: list[dict[str, Any]], metrics: list[dict[str, Any]], until: float) -> float:
-    """_stall: the loop's blocked seconds as the attempt's newest metric counted them, plus the
-    checkpoints committed after that metric (their own `blocked`) up to `until`."""
-    counted = [m for m in metrics if "checkpoint_stall_total" in m and "time" in m]
+    """_stall: the loop's blocked seconds as the attempt's newest count up to `until` gave
+    them (a metrics row's; the trainer's own at its finish, or when its ranks agreed to stop),
+    plus the checkpoints committed after that count (their own `blocked`, which leaves out
+    their commit) up to `until`."""
+    counted = [r for r in (*metrics, *attempt) if "checkpoint_stall_total" in r
+               and "time" in r and float(r["time"]) <= until]
     since, total = float("-inf"), 0.0
-    if counted:
-        newest = max(counted, key=lambda m: float(m["time"]))
+    if counted:  # a tie (the times' milliseconds): the later count is the larger
+        newest = max(counted, key=lambda r: (float(r["time"]), float(r["checkpoint_stall_total"])))
         since, total = float(newest["time"]), float(newest["checkpoint_stall_total"])
     for e in attempt:
         if e.get("event") == "checkpoint" and since < float(e["time"]) <= until:

@@ -165,11 +165,12 @@ class Loop:
                                               self.manager.last_save_seconds)
                 reason = self.stopper.check()
                 if reason is not None and step < t.max_steps:
+                    stall = self.manager.stall_seconds  # the training's, for the ledger
                     self.settle()  # a stop checkpoint never holds a run the guard has ended
                     self.check_bad_steps()
                     self._phase("checkpoint")
                     self.manager.finish(step)  # the stop checkpoint, committed before exit
-                    raise StopRequested(step, reason)
+                    raise StopRequested(step, reason, stall)
             self.tracker.after_step(step)
             faults.maybe_kill(step, self.rank, commit=self.manager.commit_inflight)
             faults.maybe_kill_on_file(self.rank, self.world_size)

@@ -27,12 +27,14 @@ DEFAULT_SIGNALS = ("SIGUSR2", "SIGTERM")
 
 
 class StopRequested(Exception):
-    """Raised after the stop checkpoint is committed; the process exits with EXIT_STOPPED."""
+    """Raised after the stop checkpoint is committed; the process exits with EXIT_STOPPED.
+    `stall` is the seconds saves had blocked the loop when the stop was agreed, before the
+    stop checkpoint (the loop's; None where no loop counted them)."""
 
-    def __init__(self, step: int, reason: str) -> None:
+    def __init__(self, step: int, reason: str, stall: float | None = None) -> None:
         super().__init__(f"stopped after step {step} ({reason}) with a checkpoint; run the same "
                          "command again to resume")
-        self.step, self.reason = step, reason
+        self.step, self.reason, self.stall = step, reason, stall
 
 
 def parse_signal(name: str) -> signal.Signals:

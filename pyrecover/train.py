@@ -178,7 +178,10 @@ def main(cfg: Config, run_dir: Path) -> None:
         if env.rank == 0:
             if flag.received_at is not None:
                 phases.mark("signal_seen", flag.received_at, signal=flag.reason)
-            phases.mark("stop_agreed", flag.agreed_at, reason=stop.reason)
+            # The loop's count of checkpoint stall up to here: the ledger's (ledger.py).
+            counted = {} if stop.stall is None else {
+                "checkpoint_stall_total": round(stop.stall, 5)}
+            phases.mark("stop_agreed", flag.agreed_at, reason=stop.reason, **counted)
             phases.mark("save_done")
             run.event("stop", step=stop.step, reason=stop.reason)
             log.info("%s", stop)
@@ -383,7 +386,8 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
         dog.phase("idle")
         loop.tracker.after_step(state.step)
     if env.rank == 0:
-        run.event("finish", step=state.step, tokens_seen=state.tokens_seen)
+        run.event("finish", step=state.step, tokens_seen=state.tokens_seen,
+                  checkpoint_stall_total=round(manager.stall_seconds, 5))  # the ledger's
         log.info("finished at step %d; run directory %s", state.step, run.root)
 
 

@@ -118,6 +118,14 @@ def test_a_stop_signal_saves_exits_75_and_the_resumed_run_is_bitwise(tmp_path, c
     book = report["ledger"]
     assert report["checkpoint_stall_seconds"] == book["causes"]["checkpoint_stall"] > 0
     assert sum(book["causes"].values()) == pytest.approx(book["wall_seconds"], abs=0.005)
+    # Each attempt's own count (at the stop's agreement; at the finish), and the stop
+    # checkpoint's span between the two.
+    records = list(read_jsonl(run_dir / "events.jsonl"))
+    at = {e["phase"]: e for e in records if e["event"] == "phase"}
+    (finish,) = [e for e in records if e["event"] == "finish"]
+    assert report["checkpoint_stall_seconds"] == pytest.approx(
+        at["stop_agreed"]["checkpoint_stall_total"] + at["save_done"]["time"]
+        - at["stop_agreed"]["time"] + finish["checkpoint_stall_total"], abs=0.003)
 
 
 @pytest.mark.parametrize("stop", ["HUP", "XCPU"])

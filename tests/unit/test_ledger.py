@@ -48,6 +48,26 @@ def test_each_cause_is_counted_once_and_all_add_up_to_the_wall_time():
     assert book.effective_share == round(c["productive"] / 73.0, 4)
 
 
+def test_the_trainer_s_own_count_at_its_finish_or_stop_is_the_attempt_s_stall():
+    """A metrics row is written before its step's save, and a save's own `blocked` leaves out
+    its commit: the newest row plus the later saves' `blocked` missed the last commit (a tiny
+    vanilla run: 0.237 s of the 0.245 s its trainer counted). The trainer's count at its
+    finish, or where its ranks agreed to stop, holds every second."""
+    stopped = [*EVENTS[:13], {**EVENTS[13], "checkpoint_stall_total": 0.3}, *EVENTS[14:]]
+    assert stopped[13]["phase"] == "stop_agreed"
+    book = ledger(stopped, METRICS)
+    assert book.causes["checkpoint_stall"] == 0.5 + 0.3 + 1.5  # the stop checkpoint's span too
+    assert sum(book.causes.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
+    # Finished after step 14 with a save: the row of step 14 (126.0, before that save)
+    # counted 0.5 s, the finish, after the save's commit, 0.8 s.
+    done = [*EVENTS[:7], {"event": "finish", "time": 127.0, "step": 14,
+                          "checkpoint_stall_total": 0.8}]
+    book = ledger(done, METRICS)
+    assert book.causes["checkpoint_stall"] == 0.8
+    assert book.causes["productive"] == (127.0 - 112.0) - 0.8
+    assert sum(book.causes.values()) == pytest.approx(book.wall_seconds, abs=1e-6)
+
+
 def test_slurm_queue_times_count_as_queue_wait_and_extend_the_wall_time():
     jobs = [JobTimes(submit=90.0, start=99.0, end=127.0), JobTimes(140.0, 148.0, 174.0)]
     book = ledger(EVENTS, METRICS, jobs)
