@@ -52,3 +52,16 @@ def test_no_ledger_row_prints_minus_zero_whatever_the_rounding_left_over(tmp_pat
         rows = [x for x in text.splitlines() if x.startswith("  remainder")]
         assert rows and "-0.0" not in rows[0], rows
         assert rows[0].split()[1:] == ["0.0s", "0.0%"], rows
+
+
+def test_a_run_that_saved_nothing_says_so_on_its_saves_line(tmp_path):
+    """The `saves` line: what checkpoints cost the loop (the ledger's checkpoint stall) and
+    their write time apart, or `none` for a run that has neither."""
+    run, _ = _run_with_a_checkpoint(tmp_path, 10)  # (a folder committed by hand: no event)
+    s = status.read(run.root)
+    assert "saves       none" in status_text.render(s).splitlines()
+    text = status_text.render(dataclasses.replace(s, checkpoint_stall_seconds=0.26,
+                                                  checkpoint_write_seconds=3.04))
+    (line,) = [x for x in text.splitlines() if x.startswith("saves ")]
+    assert line.startswith("saves       loop blocked 0.3s (the checkpoint stall below")
+    assert "; 3.0s writing (each save's start to commit" in line
