@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pyrecover import elastic_agent, spawn
+from pyrecover import elastic_agent, elastic_rdzv, spawn
 
 pytestmark = pytest.mark.multiproc
 
@@ -134,4 +134,4 @@ def _listens(port: int) -> bool:
     (["--rdzv_conf=read_timeout=5,join_timeout=7"], "7"), (["--rdzv-conf", "x=1"], "600"),
 ])
 def test_the_join_timeout_is_read_from_torchruns_rdzv_conf(args, expected):
-    assert elastic_agent.join_timeout(args) == expected
+    assert elastic_rdzv.join_timeout(args) == expected
