@@ -24,6 +24,7 @@ GraceTime is the bound, as it is for the srun launcher.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -252,6 +253,45 @@ class NoRestartAfterStop:
         agent_class.run = recorded  # type: ignore[attr-defined]
 
 
+STOPPED_CLEANLY = ("pyrecover: the workers stopped cleanly (exit 75) with a checkpoint; run the "
+                   "same command again to resume")
+
+
+class CleanStopLog(logging.Filter):
+    """CleanStopLog holds back the ERROR line torch's agent logs when the first of its
+    workers to exit exited 75, `failed (exitcode: 75) local_rank: ...`, which reads as a
+    crash in a job's log. A clean stop drops it (`drop`); any other end hands it on as
+    torch logged it (`release`): a worker that crashed while the others stopped is still
+    torch's failure. It filters torch's logger by name, where that line has come from since
+    torch 1.9, and nothing in torch changes: a torch that logs it elsewhere logs it still."""
+
+    LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+        logging.getLogger(self.LOGGER).addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if (record.levelno >= logging.ERROR and isinstance(record.msg, str)
+                and record.msg.startswith("failed (exitcode: ")
+                and args and args[0] == EXIT_STOPPED):
+            self.held.append(record)
+            return False
+        return True
+
+    def drop(self) -> None:
+        logging.getLogger(self.LOGGER).removeFilter(self)
+        self.held.clear()
+
+    def release(self) -> None:
+        logger = logging.getLogger(self.LOGGER)
+        logger.removeFilter(self)
+        while self.held:
+            logger.handle(self.held.pop(0))
+
+
 def main(argv: Sequence[str]) -> int:
     args = list(argv)
     if len(args) < 2 or args[0] != "--stop-signal":
@@ -281,11 +321,17 @@ def main(argv: Sequence[str]) -> int:
     # without counting, so the nodes' counts part and their ranks meet under different
     # keys. Each rendezvous round gets a new store instead, on worker rank 0.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    log = CleanStopLog()
     try:
         run.main(args[2:])
     except ChildFailedError as exc:
         failed = sorted(exc.failures.values(), key=lambda f: f.timestamp)
         code = exit_code(f.exitcode for f in failed)
+        if code == EXIT_STOPPED:
+            log.drop()
+            print(STOPPED_CLEANLY, file=sys.stderr)
+            return code
+        log.release()
         print(f"pyrecover: workers exited with {[f.exitcode for f in failed]}: exit code "
               f"{code}", file=sys.stderr)
         return code
@@ -295,6 +341,8 @@ def main(argv: Sequence[str]) -> int:
     except SignalException as exc:  # the workers got the same signal and were waited for
         print(f"pyrecover: torchrun got {exc.sigval.name}", file=sys.stderr)
         return 128 + int(exc.sigval)
+    finally:
+        log.release()  # (none held after a clean stop: it dropped them)
     return 0
 
 

@@ -7,6 +7,7 @@ hear of it: the job is killed instead of stopped.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -57,6 +58,10 @@ def test_the_stop_signal_to_the_agent_alone_stops_every_worker_cleanly(tmp_path,
     [stop] = [e for e in events if e["event"] == "stop"]
     assert stop["reason"] == "SIGUSR2" and stop["step"] >= 3
     assert (tmp_path / "stop" / "checkpoints" / f"step-{stop['step']}" / "manifest.json").is_file()
+    # torch's agent logged the clean stop as an ERROR, "failed (exitcode: 75)", a crash to
+    # whoever reads the job's log: one line of pyrecover's says what it was instead.
+    assert "exitcode: 75" not in stderr and "ChildFailedError" not in stderr, stderr[-3000:]
+    assert elastic_agent.STOPPED_CLEANLY in stderr, stderr[-3000:]
 
 
 def test_sigterm_to_the_agent_gives_the_workers_all_the_time_their_save_takes(tmp_path,
@@ -98,6 +103,8 @@ def test_a_crashed_worker_is_a_crash_code_not_a_stop(tmp_path, corpus):
     _, stderr = proc.communicate(timeout=240)
     assert proc.returncode not in (0, 2, EXIT_STOPPED), stderr[-3000:]
     assert "stop" not in [e["event"] for e in read_jsonl(tmp_path / "crash" / "events.jsonl")]
+    assert "failed (exitcode: " in stderr, stderr[-3000:]  # torch's own line, as it was
+    assert elastic_agent.STOPPED_CLEANLY not in stderr, stderr[-3000:]
 
 
 def test_torchruns_own_restart_resumes_the_killed_workers_to_the_unbroken_model(tmp_path,
@@ -304,3 +311,27 @@ def test_a_stop_under_max_restarts_is_not_restarted(tmp_path, corpus, signum):
     assert proc.returncode == EXIT_STOPPED, stderr[-3000:]
     assert len(events(tmp_path / "again", "start")) == 1
     assert not events(tmp_path / "again", "resume") and not events(tmp_path / "again", "finish")
+
+
+def test_torchs_failure_line_for_a_75_is_held_until_the_end_tells_whether_it_was_a_stop():
+    """A worker that exited 75 first, while another crashed, is still torch's failure: its
+    line comes out as torch logged it (release); only a clean stop drops it."""
+    logger = logging.getLogger(elastic_agent.CleanStopLog.LOGGER)
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    line = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+    try:
+        for ending in ("release", "drop"):
+            seen.clear()
+            log = elastic_agent.CleanStopLog()
+            logger.error(line, 75, 0, 1, "python")
+            logger.error(line, -9, 1, 2, "python")
+            assert [r.args[0] for r in seen] == [-9]
+            getattr(log, ending)()
+            logger.error(line, 75, 0, 3, "python")  # the filter is gone either way
+            assert [r.args[0] for r in seen] == ([-9, 75, 75] if ending == "release"
+                                                 else [-9, 75])
+    finally:
+        logger.removeHandler(handler)
