@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from pyrecover.elastic_rdzv import rendezvous_failed
+from pyrecover.elastic_rdzv import bound_store_wait, rendezvous_failed
 from pyrecover.preempt import EXIT_CRASH, EXIT_STOPPED, INT_AGAIN_S, parse_signal
 from pyrecover.spawn import Relay
 
@@ -299,6 +299,7 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     stop = parse_signal(args[1])
+    torchrun = bound_store_wait(args[2:], os.environ)
     forward = NoRestartAfterStop(forward_to_children(stop))
     # Until torch's agent starts the workers it has no handler of its own, and its handler
     # takes SIGTERM and the stop signal here (keep_workers_on_sigterm) once it has: from the
@@ -323,7 +324,7 @@ def main(argv: Sequence[str]) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     log = CleanStopLog()
     try:
-        run.main(args[2:])
+        run.main(torchrun)
     except ChildFailedError as exc:
         failed = sorted(exc.failures.values(), key=lambda f: f.timestamp)
         code = exit_code(f.exitcode for f in failed)
@@ -336,7 +337,7 @@ def main(argv: Sequence[str]) -> int:
               f"{code}", file=sys.stderr)
         return code
     except RendezvousError as exc:  # the other nodes never came: a crash, which requeues
-        print(rendezvous_failed(args[2:], exc), file=sys.stderr)
+        print(rendezvous_failed(torchrun, exc), file=sys.stderr)
         return EXIT_CRASH
     except SignalException as exc:  # the workers got the same signal and were waited for
         print(f"pyrecover: torchrun got {exc.sigval.name}", file=sys.stderr)

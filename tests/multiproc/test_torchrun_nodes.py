@@ -99,6 +99,26 @@ def test_a_node_whose_peers_never_join_ends_with_one_line_once_the_rendezvous_ti
             "3 s (--nnodes 2)") in done.stderr, done.stderr[-3000:]
 
 
+def test_a_node_whose_host_never_starts_gives_up_with_one_line_near_its_join_timeout():
+    """node 0, which hosts the rendezvous's store, never starts: node 1 waited torch's
+    connect timeout twice and a random pause (130 s measured), whatever join_timeout said,
+    and then named no cause ("see inner exception"). The wrapper bounds that wait by
+    join_timeout (`read_timeout` a third of it). Its length is measured, not asserted."""
+    argv = [sys.executable, "-m", "pyrecover.elastic_agent", "--stop-signal", "USR2",
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{spawn.free_port()}", "--rdzv-id", "no-host",
+            "--rdzv-conf", "is_host=false,join_timeout=15", "--max-restarts", "0",
+            "--no-python", "true"]  # is_host=false: node 1, whose host name is not node 0's
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("PYRECOVER_", "SLURM_", "TORCHELASTIC_", "TORCH_", "PET_"))}
+    done = subprocess.run(argv, env=clean, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert ("pyrecover: torchrun's rendezvous failed: this node could not reach its store at "
+            "127.0.0.1:") in done.stderr and "(tried twice, 5 s each; --nnodes 2)" in done.stderr, \
+        done.stderr[-3000:]
+
+
 def test_a_ctrl_c_while_the_agent_waits_for_the_other_nodes_is_one_line_exit_130():
     """A Ctrl-C in the rendezvous (before torch's agent has a handler of its own) printed the
     KeyboardInterrupt's traceback through torch's rendezvous code."""
@@ -135,3 +155,26 @@ def _listens(port: int) -> bool:
 ])
 def test_the_join_timeout_is_read_from_torchruns_rdzv_conf(args, expected):
     assert elastic_rdzv.join_timeout(args) == expected
+
+
+@pytest.mark.parametrize("args, environ, expected", [
+    (["--rdzv-backend", "c10d", "x.py"], {},
+     ["--rdzv-conf", "read_timeout=60", "--rdzv-backend", "c10d", "x.py"]),
+    (["--rdzv_backend=c10d", "--rdzv-conf", "join_timeout=30", "x.py", "--rdzv-conf"], {},
+     ["--rdzv_backend=c10d", "--rdzv-conf", "join_timeout=30", "x.py", "--rdzv-conf"]),
+    (["--rdzv-backend=c10d", "--rdzv_conf=a=1", "--rdzv-conf=join_timeout=9", "x.py"], {},
+     ["--rdzv-backend=c10d", "--rdzv_conf=a=1", "--rdzv-conf=join_timeout=9,read_timeout=5",
+      "x.py"]),
+    (["--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout=90", "x.py"], {},
+     ["--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout=90,read_timeout=30", "x.py"]),
+    (["--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout=9,read_timeout=2", "x.py"], {},
+     ["--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout=9,read_timeout=2", "x.py"]),
+    (["--standalone", "x.py"], {}, ["--standalone", "x.py"]),  # (its own store: the host)
+    (["--rdzv-backend", "static", "x.py"], {}, ["--rdzv-backend", "static", "x.py"]),
+    (["x.py"], {"PET_RDZV_BACKEND": "c10d"}, ["--rdzv-conf", "read_timeout=60", "x.py"]),
+    (["--rdzv-backend", "c10d", "x.py"], {"PET_RDZV_CONF": "join_timeout=9"},
+     ["--rdzv-backend", "c10d", "x.py"]),  # an argument would replace the environment's
+])
+def test_the_store_wait_is_bounded_by_join_timeout_unless_read_timeout_is_set(args, environ,
+                                                                            expected):
+    assert elastic_rdzv.bound_store_wait(args, environ) == expected
