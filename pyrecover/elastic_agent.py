@@ -227,7 +227,9 @@ class NoRestartAfterStop:
     the agent took the workers' clean stop (exit 75) for a failure and started them again,
     so they resumed and trained on past the stop (to a time limit that then killed them
     without a checkpoint, or past a Ctrl-C). `watch(agent_class)` finds the agent when it
-    runs; a stop that came before that takes its restarts then."""
+    runs; a stop that came before that takes its restarts then. A stop the workers chose
+    with no signal (the job's end near) is seen in their exit codes: a 75 among them takes
+    the restarts too, before the agent decides on one."""
 
     def __init__(self, forward: Callable[..., None]) -> None:
         self.forward = forward
@@ -246,11 +248,27 @@ class NoRestartAfterStop:
 
         def recorded(agent: object, *args: object, **kwargs: object) -> object:
             watcher.agents.append(agent)
+            watcher._seen_in_exit_codes(agent)
             if watcher.stopped:
                 agent._remaining_restarts = 0  # type: ignore[attr-defined]
             return run(agent, *args, **kwargs)
 
         agent_class.run = recorded  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _seen_in_exit_codes(agent: object) -> None:
+        """_seen_in_exit_codes makes `agent` (its own `_monitor_workers`, which the local
+        agent overrides) take its restarts once a worker exited 75."""
+        monitor = agent._monitor_workers  # type: ignore[attr-defined]
+
+        def monitored(*args: object, **kwargs: object) -> object:
+            result = monitor(*args, **kwargs)
+            failures = getattr(result, "failures", None) or {}
+            if any(f.exitcode == EXIT_STOPPED for f in failures.values()):
+                agent._remaining_restarts = 0  # type: ignore[attr-defined]
+            return result
+
+        agent._monitor_workers = monitored  # type: ignore[attr-defined]
 
 
 STOPPED_CLEANLY = ("pyrecover: the workers stopped cleanly (exit 75) with a checkpoint; run the "

@@ -313,6 +313,23 @@ def test_a_stop_under_max_restarts_is_not_restarted(tmp_path, corpus, signum):
     assert not events(tmp_path / "again", "resume") and not events(tmp_path / "again", "finish")
 
 
+def test_a_stop_the_workers_chose_themselves_is_not_restarted(tmp_path, corpus):
+    """The job's end drawing near (a stop no signal told the agent of): under `torchrun
+    --max-restarts 2` the workers' 75 was taken for a failure, twice; each restart resumed,
+    found the deadline as near and stopped again, spending the restarts meant for crashes
+    and the job's last seconds on start-ups."""
+    end = f"{time.time() + 32:.0f}"  # inside the trainer's 30 s margin within seconds
+    proc = agent(tmp_path, corpus, "deadline", restarts=2, steps=200,
+                 env={"PYRECOVER_JOB_END_TIME": end})
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_STOPPED, stderr[-3000:]
+    assert len(events(tmp_path / "deadline", "start")) == 1, stderr[-3000:]
+    assert not events(tmp_path / "deadline", "resume")
+    [stop] = events(tmp_path / "deadline", "stop")
+    assert stop["reason"] != "SIGUSR2"
+    assert elastic_agent.STOPPED_CLEANLY in stderr
+
+
 def test_torchs_failure_line_for_a_75_is_held_until_the_end_tells_whether_it_was_a_stop():
     """A worker that exited 75 first, while another crashed, is still torch's failure: its
     line comes out as torch logged it (release); only a clean stop drops it."""
