@@ -122,8 +122,8 @@ def _times(records: list[dict[str, Any]]) -> list[float]:
 def _stall(attempt: list[dict[str, Any]], metrics: list[dict[str, Any]], until: float) -> float:
     """_stall: the loop's blocked seconds as the attempt's newest count up to `until` gave
     them (a metrics row's; the trainer's own at its finish, or when its ranks agreed to stop),
-    plus the checkpoints committed after that count (their own `blocked`, which leaves out
-    their commit) up to `until`."""
+    plus the checkpoints committed after that count (their own `blocked`, each its share of
+    the loop's stall, its commit included) up to `until`."""
     counted = [r for r in (*metrics, *attempt) if "checkpoint_stall_total" in r
                and "time" in r and float(r["time"]) <= until]
     since, total = float("-inf"), 0.0

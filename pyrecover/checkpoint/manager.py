@@ -18,7 +18,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ from pyrecover.checkpoint.resume import (
     rank0_choice,
     resume_newest,
 )
-from pyrecover.checkpoint.stall import StallClock
+from pyrecover.checkpoint.stall import InFlight, Laps, StallClock
 from pyrecover.checkpoint.store import Checkpoint, CheckpointError, Pending
 from pyrecover.oneline import said_once
 from pyrecover.rundir import RunDir
@@ -54,16 +53,6 @@ class SaveFailed(RuntimeError):
     """The checkpoint a run must leave behind (its final one, or the one on a stop request)
     could not be written. Exit code 1: the job is requeued and resumes from the newest valid
     checkpoint."""
-
-
-@dataclass
-class _InFlight:
-    pending: Pending
-    train: TrainArg
-    started: float
-    blocked: float
-    since: Clock | None = None  # auto: the clock this save counted from (_retune)
-    clock: Clock | None = None  # auto: the clock at this save's start
 
 
 class CheckpointManager:
@@ -79,13 +68,14 @@ class CheckpointManager:
         # A snapshotting mode only: steps between in-memory snapshots (0: none).
         self.snapshot_interval = (snapshot_interval if isinstance(self.mode, Snapshotting)
                                   else 0)
-        self.inflight: _InFlight | None = None
+        self.inflight: InFlight | None = None
         self.last_saved_step: int | None = None
         self.last_error = ""  # why the newest save failed, if it did
         self.failed_step: int | None = None
         self.retention = retention.Retention(self.root, keep)  # checkpoints beyond `keep`
         self.stall_seconds = 0.0  # time the loop was blocked by saves, summed
         self._clock = StallClock()  # the host's blocked spans, so a device wait counts once
+        self._laps = Laps()  # which save each blocked second was for (its `blocked`)
         self.last_save_seconds = 0.0  # start to commit of the newest checkpoint (rank 0)
         self.auto: AutoInterval | None = None  # `checkpoint.interval: auto` (see _retune)
         self._prepared = False  # the mode's buffers are allocated (at the first step boundary)
@@ -100,6 +90,7 @@ class CheckpointManager:
         that ended since the last count)."""
         stall_before = self.stall_seconds
         started = self._clock.begin()
+        self._laps.open(started)
         self._count_device_wait()
         snap = bool(self.snapshot_interval) and step % self.snapshot_interval == 0
         # A boundary with nothing to do is no wait for a save (a run saving nothing had one).
@@ -109,6 +100,7 @@ class CheckpointManager:
         if not self._prepared and self.parts.optimizer.state:
             busy = self._prepared = True
             self.mode.prepare(self.parts)
+            self._laps.owe()  # the first save's
         clock = Clock(step, started, self.stall_seconds)  # the device's waits until now in it
         if self.auto is not None:
             self.auto.begin(clock)
@@ -120,6 +112,7 @@ class CheckpointManager:
             # No wait for the step's numbers: the snapshot reads them once its copy is done.
             self.mode.snapshot(step, self.parts,
                                later() if later is not None else self.parts.train_state())
+            self._laps.lap()  # the snapshot's own wait, no save's
         if self._due(step) or final:
             if self.inflight is not None:
                 if self.rank == 0:
@@ -129,6 +122,7 @@ class CheckpointManager:
             self._start(step, final, clock)
             if self.inflight is not None and (final or not self.mode.asynchronous):
                 self._commit_now()
+        self._laps.close(self.inflight, counted=busy)
         self.stall_seconds += self._clock.end(started) if busy else self._clock.forget()
         return self.stall_seconds - stall_before
 
@@ -159,6 +153,7 @@ class CheckpointManager:
     def finish(self, step: int) -> None:
         """finish makes sure the checkpoint of `step` is committed before the process exits."""
         tries = 1 if self.failed_step == step else 2  # a failed write is tried once more
+        self._laps.open(time.perf_counter())  # in `blocked`; the ledger's stop span, no stall
         if self.inflight is not None:
             tries -= self.inflight.pending.step == step
             self._commit_now()
@@ -169,6 +164,7 @@ class CheckpointManager:
             self._start(step)
             if self.inflight is not None:
                 self._commit_now()
+        self._laps.close(None, counted=False)
         self._count_device_wait(drain=True)
         self.mode.close()
         self.retention.wait()
@@ -210,7 +206,7 @@ class CheckpointManager:
         else:
             train = self.parts.train_state()
         self.mode.start(pending, self.parts, train)
-        self.inflight = _InFlight(pending, train, started, time.perf_counter() - started)
+        self.inflight = InFlight(pending, train, started, self._laps.start())
         if self.auto is not None:  # the next save is due counted from this one's start
             self.inflight.since, self.inflight.clock = self.auto.started(
                 clock or Clock(step, started, self.stall_seconds))
@@ -248,14 +244,14 @@ class CheckpointManager:
         if self.world_size > 1 and tdist.is_initialized():
             flag = torch.tensor([0 if local is None else 1], dtype=torch.int32)
             tdist.all_reduce(flag, op=tdist.ReduceOp.MIN)
-            if not flag.item():
-                return False
             results = [None] * self.world_size
-            tdist.all_gather_object(results, local)
+            if flag.item():
+                tdist.all_gather_object(results, local)
         else:
-            if local is None:
-                return False
             results = [local]
+        if any(r is None for r in results):  # still writing: the poll was this save's wait
+            self.inflight.blocked += self._laps.lap()
+            return False
         self._count_device_wait(drain=True)  # its copy's fence, in its own `blocked`
         flight, self.inflight = self.inflight, None
         errors = [f"rank {r}: {res.error}" for r, res in enumerate(results) if res.error]
@@ -283,13 +279,13 @@ class CheckpointManager:
             return step % self.interval == 0
         return self.auto.due(step, self.interval)
 
-    def _retune(self, flight: _InFlight) -> None:
+    def _retune(self, flight: InFlight) -> None:
         """_retune re-chooses the interval (checkpoint/interval.py) after a commit from rank 0's
         measured step time and stall; every rank takes rank 0's choice (one broadcast), so
         saves stay collective."""
         assert self.auto is not None
         self.auto.observe_steps(flight.since, flight.clock)
-        self.auto.observe_stall(flight.blocked)
+        self.auto.observe_stall(flight.blocked)  # the whole save's, its commit included
         choice = torch.tensor([self.auto.propose()], dtype=torch.int64)
         if tdist.is_initialized() and self.world_size > 1:
             tdist.broadcast(choice, src=0)
@@ -304,7 +300,7 @@ class CheckpointManager:
                            mtbf_hours=round(self.auto.mtbf_s / 3600, 3))
         self.interval = steps
 
-    def _commit_or_abort(self, flight: _InFlight, results: list[Any], error: str) -> str:
+    def _commit_or_abort(self, flight: InFlight, results: list[Any], error: str) -> str:
         """_commit_or_abort commits rank 0's pending save or discards it; returns why a commit
         that every rank's files allowed failed itself ("" where it did not)."""
         pending = flight.pending
@@ -323,12 +319,13 @@ class CheckpointManager:
             return ""
         seconds = time.perf_counter() - flight.started
         self.last_save_seconds = seconds
+        self.retention.after_commit(pending.step)  # the newest `keep` at or below it stay
+        flight.blocked += self._laps.lap()  # to here: its fsyncs, its manifest, retention
         size = sum(f["size"] for f in pending.files.values())
         self.run.event("checkpoint", step=pending.step, mode=self.mode_name, path=str(folder),
                        bytes=size, seconds=round(seconds, 4), blocked=round(flight.blocked, 4))
         log.info("checkpoint step %d committed: %s (%.1f MB, loop blocked %.3fs, %.2fs in all)",
                  pending.step, folder, size / 1e6, flight.blocked, seconds)
-        self.retention.after_commit(pending.step)  # the newest `keep` at or below it stay
         return ""
 
     def _discard(self, pending: Pending, error: str) -> None:

@@ -26,6 +26,10 @@ def test_an_auto_interval_is_chosen_after_the_first_save_and_every_save_follows_
     assert saved[0] == 1 + FIRST_STEPS
     assert changes and changes[0]["step"] == saved[0], events
     assert changes[0]["mtbf_hours"] == pytest.approx(0.01)
+    # The rule's stall is the first save's own `blocked`: every wait of the loop for it, its
+    # commit at a step boundary included (that one once left out a third of a vanilla save).
+    first = next(e for e in events if e["event"] == "checkpoint")
+    assert changes[0]["stall_seconds"] == first["blocked"] > 0
     assert "checkpoint interval 20 -> " in done.stderr
     # Every later save is the chosen interval after the one before it (or the last step).
     interval = {c["step"]: c["interval"] for c in changes}

@@ -49,8 +49,8 @@ def test_each_cause_is_counted_once_and_all_add_up_to_the_wall_time():
 
 
 def test_the_trainer_s_own_count_at_its_finish_or_stop_is_the_attempt_s_stall():
-    """A metrics row is written before its step's save, and a save's own `blocked` leaves out
-    its commit: the newest row plus the later saves' `blocked` missed the last commit (a tiny
+    """A metrics row is written before its step's save, and a save's own `blocked` once left
+    out its commit: the newest row plus the later saves' `blocked` missed the last commit (a tiny
     vanilla run: 0.237 s of the 0.245 s its trainer counted). The trainer's count at its
     finish, or where its ranks agreed to stop, holds every second."""
     stopped = [*EVENTS[:13], {**EVENTS[13], "checkpoint_stall_total": 0.3}, *EVENTS[14:]]
