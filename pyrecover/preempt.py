@@ -12,8 +12,9 @@ import math
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # Exit codes the job script acts on (see the sbatch template):
 EXIT_OK = 0
@@ -35,6 +36,18 @@ class StopRequested(Exception):
         super().__init__(f"stopped after step {step} ({reason}) with a checkpoint; run the same "
                          "command again to resume")
         self.step, self.reason, self.stall = step, reason, stall
+
+    def record(self, flag: StopFlag, mark: Callable[..., Any], event: Callable[..., Any]
+               ) -> None:
+        """record writes rank 0's records of the stop (`mark`: its phases, `event`: the run's
+        events): `signal_seen` where a signal came; `stop_agreed`, with the loop's count of
+        checkpoint stall up to there (the ledger's, ledger.py); `save_done`; `stop`."""
+        if flag.received_at is not None:
+            mark("signal_seen", flag.received_at, signal=flag.reason)
+        counted = {} if self.stall is None else {"checkpoint_stall_total": round(self.stall, 5)}
+        mark("stop_agreed", flag.agreed_at, reason=self.reason, **counted)
+        mark("save_done")
+        event("stop", step=self.step, reason=self.reason)
 
 
 def parse_signal(name: str) -> signal.Signals:

@@ -255,7 +255,8 @@ class Tracker:
         wb, self._wb = self._wb, None
         if self._run is not None:
             with contextlib.suppress(Exception):  # a summary is a nicety; never a reason to stop
-                # The ledger with this attempt in it (at the start it held the ones before).
+                # The ledger with this attempt in it (at the start it held the ones before),
+                # its finish or stop too: the trainer records them before this close.
                 wb.summary["ledger"] = ledger(self._run.read_events(),
                                               self._run.read_metrics()).to_dict()
         try:

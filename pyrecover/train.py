@@ -174,18 +174,8 @@ def main(cfg: Config, run_dir: Path) -> None:
         _train(cfg, run, env, device, tokens, managers, flag, dog, phases)
     except StorageError:
         raise  # the run directory cannot be written: record nothing
-    except StopRequested as stop:
-        if env.rank == 0:
-            if flag.received_at is not None:
-                phases.mark("signal_seen", flag.received_at, signal=flag.reason)
-            # The loop's count of checkpoint stall up to here: the ledger's (ledger.py).
-            counted = {} if stop.stall is None else {
-                "checkpoint_stall_total": round(stop.stall, 5)}
-            phases.mark("stop_agreed", flag.agreed_at, reason=stop.reason, **counted)
-            phases.mark("save_done")
-            run.event("stop", step=stop.step, reason=stop.reason)
-            log.info("%s", stop)
-        raise
+    except StopRequested:
+        raise  # recorded (_train), no failure
     except Exception as exc:
         # Stopped before persisting, so this path's own work is never taken for a hang; one
         # that already fired ends the process with EXIT_HANG inside this call.
@@ -379,16 +369,24 @@ def _train(cfg: Config, run: RunDir, env: dist.DistEnv, device: torch.device,
     if state.step >= t.max_steps:
         log.info("nothing to do: step %d already reached train.max_steps=%d", state.step,
                  t.max_steps)
-    with loop.tracker, profiler:  # closes the wandb run (failed if the loop raised), a profile
-        loop.run_steps()
+    # Closes the wandb run (failed if the loop raised), a profile. The stop's or the finish's
+    # records come first: the run's summary holds the ledger they end.
+    with loop.tracker, profiler:
+        try:
+            loop.run_steps()
+        except StopRequested as stop:
+            if env.rank == 0:
+                stop.record(flag, phases.mark, run.event)
+                log.info("%s", stop)
+            raise
         dog.phase("checkpoint")
         manager.finish(state.step)
         dog.phase("idle")
         loop.tracker.after_step(state.step)
-    if env.rank == 0:
-        run.event("finish", step=state.step, tokens_seen=state.tokens_seen,
-                  checkpoint_stall_total=round(manager.stall_seconds, 5))  # the ledger's
-        log.info("finished at step %d; run directory %s", state.step, run.root)
+        if env.rank == 0:
+            run.event("finish", step=state.step, tokens_seen=state.tokens_seen,
+                      checkpoint_stall_total=round(manager.stall_seconds, 5))  # the ledger's
+            log.info("finished at step %d; run directory %s", state.step, run.root)
 
 
 def train_state_of(saved: dict) -> TrainState:

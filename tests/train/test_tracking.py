@@ -15,6 +15,7 @@ from helpers import pyrecover, tiny_args
 
 from pyrecover import config as config_mod
 from pyrecover import tracking
+from pyrecover.preempt import EXIT_STOPPED
 from pyrecover.rundir import RunDir
 
 
@@ -127,6 +128,37 @@ def test_a_killed_and_resumed_run_keeps_one_wandb_run_with_every_step_once(tmp_p
     assert at_close["wall_seconds"] > at_start["wall_seconds"]
     for book in (at_start, at_close):
         assert abs(sum(book["causes"].values()) - book["wall_seconds"]) < 0.01
+
+
+def closing_ledger(run_dir: Path) -> dict:
+    """closing_ledger is the ledger in the summary the run's one offline wandb run closed with."""
+    (folder,) = offline_runs(run_dir)
+    (log_file,) = folder.glob("run-*.wandb")
+    books = [json.loads(i.value_json) for record in wandb_records(log_file)
+             if record.WhichOneof("record_type") == "summary"
+             for i in record.summary.update if i.key == "ledger"]
+    return books[-1]
+
+
+@pytest.mark.parametrize("end", ["finish", "stop"])
+def test_the_ledger_a_wandb_run_closes_with_holds_the_finish_or_the_stop(tmp_path, corpus, end):
+    """The summary's ledger was computed before the trainer wrote its `finish` (its count of
+    the checkpoint stall: the last save's left out) or its stop's records (the stop
+    checkpoint's span left out): 0.0 s of stall where status said 0.081 s for a run stopped
+    at its first step, 0.062 s against 0.083 s for a finished one."""
+    argv = ["train", *tiny_args(tmp_path, corpus, "run", "tracking.wandb=offline",
+                                "checkpoint.interval=3", "train.max_steps=" + (
+                                    "12" if end == "finish" else "1000"))]
+    # A stop without a signal: a job that ends now (preempt.Deadline) stops at the first step.
+    stop = {"PYRECOVER_JOB_END_TIME": str(time.time()), "PYRECOVER_DEADLINE_MARGIN": "2"}
+    done = pyrecover(*argv, env=stop if end == "stop" else None)
+    assert done.returncode == (0 if end == "finish" else EXIT_STOPPED), done.stderr
+    report = json.loads(pyrecover("status", str(tmp_path / "run"), "--json").stdout)
+    assert report["restarts_by_cause"] == {} and report["state"] in (
+        "finished", "stopped (resumes when started again)")
+    stall = report["ledger"]["causes"]["checkpoint_stall"]
+    assert stall > 0
+    assert closing_ledger(tmp_path / "run")["causes"]["checkpoint_stall"] == stall
 
 
 def _wandb_services() -> list[int]:
