@@ -8,8 +8,10 @@ union of all of them."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
-from pyrecover.checkpoint.stall import StallClock, covered
+from pyrecover.checkpoint import stall
+from pyrecover.checkpoint.stall import Laps, StallClock, covered
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:
@@ -71,3 +73,43 @@ def test_covered_clips_to_the_interval_and_merges_overlapping_spans():
     assert covered(0.0, 1.0, []) == 0.0
     assert covered(0.0, 1.0, [(-1.0, 0.25), (0.5, 0.75), (0.6, 2.0)]) == 0.75
     assert covered(0.0, 1.0, [(2.0, 3.0)]) == 0.0
+
+
+def test_laps_hand_each_blocked_second_to_the_save_it_was_for(monkeypatch):
+    """A step boundary's seconds up to a commit are that save's, a start's the new save's, the
+    rest owed to the next save (where the loop's stall counted them); a snapshot's and those
+    outside a manager call are no save's. A stand-in clock makes the seconds exact."""
+    now = [0.0]
+    monkeypatch.setattr(stall.time, "perf_counter", lambda: now[0])
+
+    def after(seconds: float) -> float:
+        now[0] += seconds
+        return laps.lap()
+
+    laps = Laps()
+    laps.open(now[0])  # the first boundary: the buffers, 0.5 s, owed to the first save
+    now[0] += 0.5
+    laps.owe()
+    laps.close(None, counted=True)
+    assert after(9.0) == 0.0  # a step outside any call
+    laps.open(now[0])  # a boundary that starts a save (1 s) and polls it (0.25 s)
+    now[0] += 1.0
+    flight = SimpleNamespace(blocked=laps.start())
+    assert flight.blocked == 1.5
+    now[0] += 0.25
+    laps.close(flight, counted=True)
+    assert flight.blocked == 1.75
+    laps.open(now[0])  # a boundary that snapshots (2 s), commits (0.5 s) and retires (0.125)
+    assert after(2.0) == 2.0  # the snapshot's own: dropped
+    flight.blocked += after(0.5)
+    assert flight.blocked == 2.25
+    now[0] += 0.125  # the boundary goes on after the commit's record: owed
+    laps.close(None, counted=True)
+    now[0] += 9.0
+    laps.open(now[0])  # the next save's start, 0.375 s
+    now[0] += 0.375
+    assert laps.start() == 0.5
+    now[0] += 0.25  # a boundary the loop's stall does not count: no save's either
+    laps.close(None, counted=False)
+    laps.open(now[0])
+    assert laps.start() == 0.0
