@@ -2,8 +2,9 @@
 
 A storage folder (`run.storage`) holds run directories and sweep folders side by side. Each
 folder directly inside it that is a run or a sweep is one row; a folder nested deeper is
-not searched. A row is read as `pyrecover status RUN` reads the run (status.read, without
-asking SLURM), so its state is in the same words; a folder that cannot be read, or whose
+not searched. A row is read as `pyrecover status RUN` reads the run (status.read), so its
+state is in the same words; SLURM is asked once for all rows (`jobs`, squeue's lines of this
+user's live jobs), not once per run; a folder that cannot be read, or whose
 run cannot be (a permission, a damaged sweep record), is a row that says why, never the
 end of the list. Nothing here writes.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 from pyrecover import status as run_status
 from pyrecover.rundir import RunDir
+from pyrecover.slurm import query
 from pyrecover.sweep import record
 
 UNREADABLE = "unreadable"
@@ -36,7 +38,9 @@ class Row:
     checkpoint_step: int | None = None
     checkpoint_age_s: float | None = None
     job_id: str | None = None
-    """A run's newest SLURM job, a sweep's newest job array."""
+    """A run's newest SLURM job (one queued to run it again too), a sweep's newest job array."""
+    slurm_state: str | None = None
+    """That job's state in SLURM's queue (PENDING, RUNNING, ...); None where it has left it."""
     goodput: float | None = None
     trials: int | None = None
     hint: str | None = None
@@ -48,20 +52,21 @@ class Row:
         return asdict(self)
 
 
-def rows(folder: str | Path, now: float | None = None) -> list[Row]:
+def rows(folder: str | Path, now: float | None = None, jobs: str | None = None) -> list[Row]:
     """rows lists the runs and sweeps directly inside `folder`, most recently active first
-    (an empty list: none there). `now` is the time checkpoint ages are measured to."""
+    (an empty list: none there). `now` is the time checkpoint ages are measured to; `jobs`
+    the user's live jobs (query.my_jobs; None: SLURM not asked)."""
     now = time.time() if now is None else now
     found = []
     for child in sorted(Path(folder).iterdir()):
         if child.is_dir():
-            row = _row(child, now)
+            row = _row(child, now, jobs)
             if row is not None:
                 found.append(row)
     return sorted(found, key=lambda r: (-r.active, r.name))
 
 
-def _row(path: Path, now: float) -> Row | None:
+def _row(path: Path, now: float, jobs: str | None = None) -> Row | None:
     """_row is the row of one folder of the storage, or None where it holds no run."""
     try:
         os.listdir(path)
@@ -70,21 +75,31 @@ def _row(path: Path, now: float) -> Row | None:
                    active=_active([path]))
     run = RunDir(path)
     if run.is_sweep() and not run.config.is_file():
-        return _sweep_row(path)
+        return _sweep_row(path, query.parse_states(jobs or ""))
     if not run.is_run():
         return None
     files = [path, run.config, run.events, run.metrics, run.checkpoints]
     try:
-        s = run_status.read(path, now=now)
+        s = run_status.read(path, now=now, **_asked(jobs))
     except (OSError, ValueError) as exc:  # StatusError: a checkpoints file, not a folder
         return Row(path.name, "run", str(path), _unreadable(path, exc), active=_active(files))
     ckpt = s.last_checkpoint or {}
     return Row(path.name, "run", str(path), s.state, step=s.step, max_steps=s.max_steps,
                checkpoint_step=ckpt.get("step"), checkpoint_age_s=ckpt.get("age_s"),
-               job_id=s.job_id, goodput=s.goodput, active=_active(files))
+               job_id=s.job_id, slurm_state=s.slurm_state, goodput=s.goodput,
+               active=_active(files))
 
 
-def _sweep_row(path: Path) -> Row:
+def _asked(jobs: str | None) -> dict[str, Any]:
+    """_asked is what status.read asks SLURM, answered from `jobs` (no SLURM command each):
+    a job's state where it is in the queue, and the jobs queued to run a job script."""
+    if jobs is None:
+        return {}
+    states = query.parse_states(jobs)
+    return {"squeue": states.get, "queued": lambda script: query.parse_queued(jobs, script)}
+
+
+def _sweep_row(path: Path, states: dict[str, str]) -> Row:
     """_sweep_row: a sweep's name, its number of trials and the command that shows them."""
     files = [path, path / record.RECORD, path / record.JOBS]
     hint = f"pyrecover sweep status {path}"
@@ -97,8 +112,10 @@ def _sweep_row(path: Path) -> Row:
     for trial in trials:
         run = RunDir(path / str(trial["dir"]))
         files += [run.root, run.events, run.metrics]
+    live = sorted({state for job, state in states.items()
+                   if array and job.partition("_")[0] == str(array)})
     return Row(path.name, "sweep", str(path), "sweep", job_id=array, trials=len(trials),
-               hint=hint, active=_active(files))
+               slurm_state=",".join(live) or None, hint=hint, active=_active(files))
 
 
 def _unreadable(path: Path, exc: BaseException) -> str:

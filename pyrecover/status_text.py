@@ -190,7 +190,7 @@ def _silent(hang: dict[str, Any]) -> str:
 def render_rows(rows: list[Row]) -> str:
     """render_rows is `status STORAGE`'s table: one aligned line per run or sweep (Row,
     status_list.py), the state last, where its words may run long."""
-    table = [("NAME", "STEP", "CHECKPOINT", "JOB", "GOODPUT", "STATE")]
+    table = [("NAME", "STEP", "CHECKPOINT", "JOB", "SLURM", "GOODPUT", "STATE")]
     for r in rows:
         run = r.kind == "run" and not r.state.startswith(UNREADABLE)
         step = "-" if not run else f"{r.step}/{r.max_steps}" if r.max_steps else f"{r.step}"
@@ -199,7 +199,8 @@ def render_rows(rows: list[Row]) -> str:
         goodput = "-" if r.goodput is None else f"{r.goodput:.1%}"
         state = (f"sweep of {r.trials} trial{'s' * (r.trials != 1)}: {r.hint}"
                  if r.state == "sweep" else r.state)
-        table.append((r.name, step, ckpt, r.job_id or "-", goodput, state))
+        table.append((r.name, step, ckpt, r.job_id or "-", r.slurm_state or "-", goodput,
+                      state))
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]) - 1)]
     return "\n".join("  ".join([*(line[i].ljust(w) for i, w in enumerate(widths)), line[-1]])
                      for line in table)

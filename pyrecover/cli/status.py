@@ -52,8 +52,8 @@ def status(
 
     A storage folder (run.storage) that holds runs: one line per run or sweep directly inside
     it, the most recently active first: its step of max_steps, last checkpoint and its age,
-    SLURM job, goodput and state (in the words above; SLURM is not asked: the run's own status
-    shows its job's SLURM state). A sweep is listed with its number of trials (`pyrecover
+    SLURM job and its state in the queue (one squeue for all), goodput and state (in the words
+    above). A sweep is listed with its number of trials (`pyrecover
     sweep status DIR` shows them); a folder that cannot be read says why in its row. Folders
     nested deeper than one level are not searched.
 
@@ -120,6 +120,16 @@ def _runs_inside(folder: Path) -> list[Path]:
     return []
 
 
+def _launched(run_dir: Path) -> bool:
+    """_launched tells whether `run_dir` has a job script (False where it cannot be read)."""
+    from pyrecover.rundir import RunDir
+
+    try:
+        return RunDir(run_dir).job_script.is_file()
+    except OSError:
+        return False
+
+
 def _listed(folder: Path, as_json: bool) -> bool:
     """_listed shows the runs and sweeps inside `folder` where it is a storage folder (no run
     or sweep itself); False where it is not one, or holds none (the one-line error follows:
@@ -128,6 +138,7 @@ def _listed(folder: Path, as_json: bool) -> bool:
 
     from pyrecover import status_list, status_text
     from pyrecover.rundir import RunDir
+    from pyrecover.slurm.query import my_jobs, slow_note
 
     run = RunDir(folder)
     if not folder.is_dir() or run.is_run() or run.is_sweep():
@@ -135,6 +146,12 @@ def _listed(folder: Path, as_json: bool) -> bool:
     found = status_list.rows(folder)
     if not found:
         return False
+    if any(row.job_id or _launched(Path(row.path)) for row in found):
+        # SLURM asked once for all, only where a run was launched (its job may not have started)
+        with slow_note("squeue"):
+            jobs = my_jobs()
+        if jobs is not None:
+            found = status_list.rows(folder, jobs=jobs)
     typer.echo(json.dumps([row.to_dict() for row in found], indent=1) if as_json
                else status_text.render_rows(found))
     return True

@@ -249,14 +249,25 @@ def queued_jobs(script: str | Path, ending: bool = False) -> list[tuple[str, str
     run's own jobs, also those that never started and so left no event in the run directory.
     COMPLETING jobs are left out (they are ending) unless `ending`: one being requeued is
     COMPLETING too, and runs again. None when squeue does not answer."""
+    text = my_jobs()
+    return None if text is None else parse_queued(text, script, ending)
+
+
+def my_jobs() -> str | None:
+    """my_jobs is this user's live jobs as `squeue -h --me -o %i|%T|%o` prints them (id,
+    state, batch script), one per line; None when squeue does not answer."""
     try:
         out = subprocess.run(["squeue", "-h", "--me", "-o", "%i|%T|%o"], capture_output=True,
                              text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if out.returncode != 0:
-        return None
-    return parse_queued(out.stdout, script, ending)
+    return out.stdout if out.returncode == 0 else None
+
+
+def parse_states(text: str) -> dict[str, str]:
+    """parse_states maps each job of `squeue -o %i|%T|%o` lines (my_jobs) to its state."""
+    return {parts[0]: parts[1] for parts in (line.strip().split("|", 2)
+                                             for line in text.splitlines()) if len(parts) == 3}
 
 
 def parse_queued(text: str, script: str | Path, ending: bool = False) -> list[tuple[str, str]]:

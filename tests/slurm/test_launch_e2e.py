@@ -162,6 +162,14 @@ def test_a_run_with_a_job_in_the_queue_is_not_launched_again_until_it_is_cancell
     said = status(local_slurm, run_dir)
     assert (said["state"], said["job_id"], said["slurm_state"], said["slurm_reason"]) == (
         "not started", str(job_id), "PENDING", "JobHeldUser")  # why it waits, as squeue says
+    listed = subprocess.run([sys.executable, "-m", "pyrecover", "status", str(storage)],
+                            env=launch_env(local_slurm), capture_output=True, text=True,
+                            timeout=60)  # the storage folder: its runs, SLURM asked once
+    assert listed.returncode == 0, listed.stderr
+    header, row = listed.stdout.splitlines()
+    assert header.split()[3:5] == ["JOB", "SLURM"], header
+    assert row.split()[:5] == ["queued", f"0/{said['max_steps']}", "none", str(job_id),
+                              "PENDING"], row
 
     again = launch(local_slurm, tmp_path, *args, "--time", "0:07:00")
     assert again.returncode == 2, again.stderr

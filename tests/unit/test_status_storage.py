@@ -51,7 +51,8 @@ def test_status_of_a_storage_folder_lists_its_runs_and_sweeps_newest_first(two_r
     done = pyrecover("status", str(storage))
     assert done.returncode == 0, done.stderr
     header, *rows = done.stdout.splitlines()
-    assert header.split() == ["NAME", "STEP", "CHECKPOINT", "JOB", "GOODPUT", "STATE"], header
+    assert header.split() == ["NAME", "STEP", "CHECKPOINT", "JOB", "SLURM", "GOODPUT",
+                              "STATE"], header
     assert [row.split()[0] for row in rows] == ["c-sweep", "a-newer", "b-older"], done.stdout
     newer = rows[1].split()
     assert newer[1:4] == ["3/3", "step", "3"] and newer[-1] == "finished", rows[1]
@@ -155,3 +156,23 @@ def test_clearing_bad_nodes_of_a_storage_folder_names_a_run_to_clear_instead(two
     assert done.stderr == (f"error: --clear-bad-nodes forgets one run's excluded nodes; "
                            f"{storage} is a storage folder: name a run in it, e.g. pyrecover "
                            f"status {storage / 'a-newer'} --clear-bad-nodes\n"), done.stderr
+
+
+def test_slurm_is_asked_once_for_every_row_and_a_sweep_shows_its_arrays_states(two_runs,
+                                                                            tmp_path):
+    """The rows' SLURM states come from one squeue answer (query.my_jobs' lines): a run's job
+    where it is queued, a sweep's array where any of its tasks is; `-` where none is."""
+    from pyrecover import status_list
+    from pyrecover.status_text import render_rows
+
+    storage = storage_with(two_runs, tmp_path)
+    sweep = add_sweep(storage, "c-sweep", 3)
+    record.add_job(sweep, 812)
+    squeue = (f"812_0|RUNNING|{sweep}/sweep.sbatch\n812_[1-2]|PENDING|{sweep}/sweep.sbatch\n"
+              "99|RUNNING|/elsewhere/job.sbatch\n")
+    rows = {r.name: r for r in status_list.rows(storage, jobs=squeue)}
+    assert (rows["c-sweep"].job_id, rows["c-sweep"].slurm_state) == ("812", "PENDING,RUNNING")
+    assert [rows[n].slurm_state for n in ("a-newer", "b-older")] == [None, None]
+    table = {line.split()[0]: line.split() for line in render_rows(list(rows.values()))
+             .splitlines()[1:]}
+    assert table["c-sweep"][3:5] == ["812", "PENDING,RUNNING"]
