@@ -317,14 +317,14 @@ class CheckpointManager:
         else:
             self._discard(pending, error)
             return ""
-        seconds = time.perf_counter() - flight.started
-        self.last_save_seconds = seconds
         self.retention.after_commit(pending.step)  # the newest `keep` at or below it stay
         flight.blocked += self._laps.lap()  # to here: its fsyncs, its manifest, retention
+        seconds = time.perf_counter() - flight.started  # its start to here, as `blocked`
+        self.last_save_seconds = seconds
         size = sum(f["size"] for f in pending.files.values())
         self.run.event("checkpoint", step=pending.step, mode=self.mode_name, path=str(folder),
                        bytes=size, seconds=round(seconds, 4), blocked=round(flight.blocked, 4))
-        log.info("checkpoint step %d committed: %s (%.1f MB, loop blocked %.3fs, %.2fs in all)",
+        log.info("checkpoint step %d committed: %s (%.1f MB, loop blocked %.3fs, %.3fs in all)",
                  pending.step, folder, size / 1e6, flight.blocked, seconds)
         return ""
 
