@@ -12,6 +12,7 @@ end of the list. Nothing here writes.
 from __future__ import annotations
 
 import os
+import shlex
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -102,7 +103,7 @@ def _asked(jobs: str | None) -> dict[str, Any]:
 def _sweep_row(path: Path, states: dict[str, str]) -> Row:
     """_sweep_row: a sweep's name, its number of trials and the command that shows them."""
     files = [path, path / record.RECORD, path / record.JOBS]
-    hint = f"pyrecover sweep status {path}"
+    hint = f"pyrecover sweep status {shlex.quote(str(path))}"
     try:
         trials = record.read(path).trials
         array = record.last_job(path)

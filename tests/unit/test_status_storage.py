@@ -176,3 +176,16 @@ def test_slurm_is_asked_once_for_every_row_and_a_sweep_shows_its_arrays_states(t
     table = {line.split()[0]: line.split() for line in render_rows(list(rows.values()))
              .splitlines()[1:]}
     assert table["c-sweep"][3:5] == ["812", "PENDING,RUNNING"]
+
+
+def test_a_sweeps_command_names_its_folder_as_a_shell_reads_it(tmp_path):
+    """The command a sweep's row shows is copied into a shell: a storage path with a space
+    (or `;`, `$(...)`) in it is quoted there, as `sweep launch` says `follow it: ...`."""
+    import shlex
+
+    storage = tmp_path / "my runs; $(x)"
+    sweep = add_sweep(storage, "sweep-a", 2)
+    done = pyrecover("status", str(storage), "--json")
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)
+    assert shlex.split(row["hint"]) == ["pyrecover", "sweep", "status", str(sweep)], row
