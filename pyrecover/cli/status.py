@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shlex
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -88,7 +89,7 @@ def _status(run_dir: Path, as_json: bool, clear_bad_nodes: bool) -> None:
         if inside:
             raise user_error(f"--clear-bad-nodes forgets one run's excluded nodes; {run_dir} "
                              "is a storage folder: name a run in it, e.g. pyrecover status "
-                             f"{inside[0]} --clear-bad-nodes")
+                             f"{shlex.quote(str(inside[0]))} --clear-bad-nodes")
         status_mod.read(run_dir)  # refuses what is not a run directory, before changing it
         cleared = clear(RunDir(run_dir))
         typer.echo(f"cleared {len(cleared)} excluded node(s)" +

@@ -189,3 +189,17 @@ def test_a_sweeps_command_names_its_folder_as_a_shell_reads_it(tmp_path):
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(done.stdout)
     assert shlex.split(row["hint"]) == ["pyrecover", "sweep", "status", str(sweep)], row
+
+
+def test_the_run_clearing_bad_nodes_is_told_to_name_is_quoted_as_a_shell_reads_it(tmp_path):
+    """--clear-bad-nodes on a storage folder suggests a command for a run in it: a path with a
+    space, `;` or `$(...)` is quoted there, so the command copied runs as shown."""
+    import shlex
+
+    run = tmp_path / "my runs; $(x)" / "a run"
+    run.mkdir(parents=True)
+    (run / "run.yaml").write_text("run:\n  exp_name: a run\n")
+    done = pyrecover("status", str(run.parent), "--clear-bad-nodes")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    suggested = done.stderr.rstrip("\n").split("e.g. ", 1)[1]
+    assert shlex.split(suggested) == ["pyrecover", "status", str(run), "--clear-bad-nodes"]
