@@ -71,6 +71,7 @@ def _row(path: Path, now: float, jobs: str | None = None) -> Row | None:
     """_row is the row of one folder of the storage, or None where it holds no run."""
     try:
         os.listdir(path)
+        os.stat(os.path.join(path, "."))  # its files can be looked up (r-- lists, no more)
     except OSError as exc:
         return Row(path.name, "unknown", str(path), _unreadable(path, exc),
                    active=_active([path]))

@@ -203,3 +203,20 @@ def test_the_run_clearing_bad_nodes_is_told_to_name_is_quoted_as_a_shell_reads_i
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     suggested = done.stderr.rstrip("\n").split("e.g. ", 1)[1]
     assert shlex.split(suggested) == ["pyrecover", "status", str(run), "--clear-bad-nodes"]
+
+
+def test_a_child_that_can_be_listed_but_not_entered_is_a_row_saying_why(two_runs, tmp_path):
+    """A folder with read but no search permission (r--: its names list, its files cannot be
+    looked up) is one row that says so; it once ended the whole list with `permission denied:
+    .../sweep.yaml` (exit 2), naming a file that is not there."""
+    storage = storage_with(two_runs, tmp_path)
+    listed_only = storage / "b-older"
+    listed_only.chmod(0o444)
+    try:
+        done = pyrecover("status", str(storage), "--json", file_permissions=True)
+    finally:
+        listed_only.chmod(0o755)
+    assert done.returncode == 0, done.stderr
+    rows = {r["name"]: r for r in json.loads(done.stdout)}
+    assert rows["a-newer"]["state"] == "finished", rows
+    assert rows["b-older"]["state"] == "unreadable: permission denied", rows["b-older"]
