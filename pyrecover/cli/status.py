@@ -116,8 +116,13 @@ def _runs_inside(folder: Path) -> list[Path]:
     run = RunDir(folder)
     if not folder.is_dir() or run.is_run() or run.is_sweep():
         return []
+    def is_run(path: Path) -> bool:
+        with contextlib.suppress(OSError):  # a folder it cannot enter: not named, the rest are
+            return path.is_dir() and RunDir(path).is_run()
+        return False
+
     with contextlib.suppress(OSError):
-        return sorted(p for p in folder.iterdir() if p.is_dir() and RunDir(p).is_run())
+        return sorted(p for p in folder.iterdir() if is_run(p))
     return []
 
 

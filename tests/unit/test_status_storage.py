@@ -220,3 +220,19 @@ def test_a_child_that_can_be_listed_but_not_entered_is_a_row_saying_why(two_runs
     rows = {r["name"]: r for r in json.loads(done.stdout)}
     assert rows["a-newer"]["state"] == "finished", rows
     assert rows["b-older"]["state"] == "unreadable: permission denied", rows["b-older"]
+
+
+def test_clearing_bad_nodes_of_a_storage_folder_names_a_run_beside_one_it_cannot_enter(
+        two_runs, tmp_path):
+    """A child folder it cannot enter (r--) once hid every run from the suggestion: the error
+    said the storage folder was no run directory at all."""
+    storage = storage_with(two_runs, tmp_path)
+    (storage / "a-newer").chmod(0o444)
+    try:
+        done = pyrecover("status", str(storage), "--clear-bad-nodes", file_permissions=True)
+    finally:
+        (storage / "a-newer").chmod(0o755)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert done.stderr == (f"error: --clear-bad-nodes forgets one run's excluded nodes; "
+                           f"{storage} is a storage folder: name a run in it, e.g. pyrecover "
+                           f"status {storage / 'b-older'} --clear-bad-nodes\n"), done.stderr
