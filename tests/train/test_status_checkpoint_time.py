@@ -58,13 +58,15 @@ def test_the_saves_own_blocked_figures_add_up_to_the_trainer_s_checkpoint_stall(
     boundary's buffers: on the tiny run 0.117 s over 4 vanilla saves against the trainer's
     0.170 s, 0.104 s against 0.204 s for dcp. Every second the loop waited is a save's."""
     done = pyrecover("train", *tiny_args(tmp_path, corpus, "run", "train.max_steps=12",
-                                         "checkpoint.interval=3", f"checkpoint.mode={mode}"))
+                                         "checkpoint.interval=1", f"checkpoint.mode={mode}"))
     assert done.returncode == 0, done.stderr
     saves = events(tmp_path / "run", "checkpoint")
-    assert [e["step"] for e in saves] == [3, 6, 9, 12]
+    assert [e["step"] for e in saves] == list(range(1, 13))
     (finish,) = events(tmp_path / "run", "finish")
-    # (each rounded to 0.1 ms; the last commit's boundary goes on a moment after its record)
-    assert sum(e["blocked"] for e in saves) == pytest.approx(
-        finish["checkpoint_stall_total"], abs=0.002)
+    # The last commit's boundary goes on a moment after its record (writing it, its log
+    # line), in the trainer's count and no save's: a few ms, more when the machine is busy.
+    # A save every step makes a commit left out cost 12 times its fsyncs and manifest.
+    blocked = sum(e["blocked"] for e in saves)
+    assert 0 <= finish["checkpoint_stall_total"] - blocked < 0.03, (blocked, finish)
     if mode == "vanilla":  # a synchronous save: the loop waited for all of it
         assert all(e["blocked"] >= e["seconds"] for e in saves), saves
