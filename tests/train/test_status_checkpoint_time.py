@@ -44,8 +44,8 @@ def test_status_s_checkpoint_stall_is_the_ledger_s_and_its_write_time_is_named_a
     assert f"loop blocked {stall:.1f}s" in line and f"{write:.1f}s writing" in line, line
     (row,) = [line for line in text.splitlines() if line.startswith("  checkpoint stall ")]
     assert f"{stall:.1f}s" in row  # the ledger's row says the same
-    # Every second the trainer counted: the newest metrics row (step 12's, written before
-    # step 12's save) plus the later saves' `blocked` left out that save's commit.
+    # Every second the trainer counted: the ledger takes its count at the finish, where the
+    # newest metrics row (step 12's, written before step 12's save) left out that save.
     (finish,) = events(tmp_path / "run", "finish")
     assert stall == pytest.approx(finish["checkpoint_stall_total"], abs=0.002)
 
