@@ -27,6 +27,7 @@ from pyrecover.runlock import RunLocked, live_holder
 
 KILL_AFTER_STEPS = 30  # steps past the first checkpoint: work the kill throws away
 DEMO_RUN = "local-demo"  # <workdir>/local-demo, replaced at every demo
+CORPUS_MAX_BYTES = 5_000_000  # the README's `data prepare ... --max-mb 5` builds the same file
 
 
 def say(text: str) -> None:
@@ -49,7 +50,8 @@ def run(workdir: Path, nproc: int) -> int:
     if not corpus.is_file():
         stdlib = sysconfig.get_paths()["stdlib"]
         say(f"building the corpus from the standard library's .py files in {stdlib}")
-        print(datasource.prepare(stdlib, corpus, (".py",), max_bytes=5_000_000).summary(corpus))
+        done = datasource.prepare(stdlib, corpus, (".py",), max_bytes=CORPUS_MAX_BYTES)
+        print(done.summary(corpus))
     if run_dir.root.exists():
         say(f"removing the previous demo run {run_dir.root}")
         shutil.rmtree(run_dir.root)

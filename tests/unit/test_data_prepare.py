@@ -117,3 +117,22 @@ def test_an_ending_alone_is_one_line_that_asks_for_a_name(tmp_path, name):
         f"error: out/{name} is a file ending alone (a hidden file); name the corpus, e.g. "
         "out/corpus.parquet"]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_readme_s_corpus_lines_build_the_demo_s_corpus_and_say_to_skip_it_after_the_demo():
+    """The local-cluster walk-through built runs/stdlib.parquet with --max-mb 2: typed after
+    `make demo` (the quick start's first command) it was refused as an existing file (exit 2),
+    and typed before it, the demo trained on 2 MB where the README says 5."""
+    import re
+    from pathlib import Path
+
+    from pyrecover.cli.demo import CORPUS_MAX_BYTES
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    lines = [line for line in readme.splitlines()
+             if "data prepare" in line and "runs/stdlib.parquet" in line]
+    assert lines
+    for line in lines:
+        limit = re.search(r"--max-mb (\S+)", line)
+        assert limit and float(limit.group(1)) * 1e6 == CORPUS_MAX_BYTES, line
+        assert "skip where `make demo` ran" in line, line
