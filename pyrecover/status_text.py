@@ -34,13 +34,24 @@ def _slurm_part(s: Status) -> str:
     return f"; SLURM{job}" if s.job_id and job else ""
 
 
+def _of_max_steps(s: Status) -> str:
+    """_of_max_steps is the progress line's limit; one below the step (a start whose config
+    lowered it, recorded in run.yaml) read `step 100 of 30`, as if the count had gone wrong."""
+    if not s.max_steps:
+        return ""
+    if s.step > s.max_steps:
+        return (f", past train.max_steps={s.max_steps} (run.yaml): a start ends at once; "
+                "--set train.max_steps=N to train on")
+    return f" of {s.max_steps}"
+
+
 def render(s: Status) -> str:
     """render is the human view of a Status, a few aligned lines."""
     ck = s.last_checkpoint
     lines = [
         f"run         {s.run_dir} ({s.exp_name})",
         f"state       {s.state}" + _slurm_part(s),
-        f"progress    step {s.step}" + (f" of {s.max_steps}" if s.max_steps else ""),
+        f"progress    step {s.step}" + _of_max_steps(s),
         f"starts      {s.starts}" + (": restarts " + ", ".join(
             f"{n} x {cause}" for cause, n in sorted(s.restarts_by_cause.items()))
             if s.restarts_by_cause else ""),

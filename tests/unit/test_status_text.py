@@ -65,3 +65,15 @@ def test_a_run_that_saved_nothing_says_so_on_its_saves_line(tmp_path):
     (line,) = [x for x in text.splitlines() if x.startswith("saves ")]
     assert line.startswith("saves       loop blocked 0.3s (the checkpoint stall below")
     assert "; 3.0s writing (each save's start to commit" in line
+
+
+def test_a_run_past_its_recorded_max_steps_says_a_start_ends_at_once_not_step_100_of_30(tmp_path):
+    """A finished run at step 100 launched again with tiny.yaml (max_steps 30, now in run.yaml)
+    read `progress    step 100 of 30`, as if the count had gone wrong."""
+    run, saved = _run_with_a_checkpoint(tmp_path, 10)
+    s = dataclasses.replace(status.read(run.root, now=saved), step=100, max_steps=30)
+    (line,) = [x for x in status_text.render(s).splitlines() if x.startswith("progress")]
+    assert line == ("progress    step 100, past train.max_steps=30 (run.yaml): a start ends at "
+                    "once; --set train.max_steps=N to train on")
+    s = dataclasses.replace(s, step=30)
+    assert "progress    step 30 of 30" in status_text.render(s)
