@@ -222,21 +222,41 @@ def _cancel(run_dir: Path) -> None:
         raise status_mod.StatusError(f"job {job} of {run_dir} is not queued or running ("
                                      f"{state or 'SLURM does not list it'}); nothing to cancel")
 
-    def taken(queued: str, said_state: str) -> tuple[bool, str]:
+    def taken(queued: str, said_state: str, requeue_off: bool) -> tuple[bool, str]:
         # recorded once taken: status reads it as the run's end (a job cancelled in start-up)
-        RunDir(run_dir).event("cancel", job_id=queued, slurm_state=said_state)
+        RunDir(run_dir).event("cancel", job_id=queued, slurm_state=said_state,
+                              requeue_off=requeue_off)
         return said_state != "PENDING", f"cancelled job {queued} ({said_state}): " + (
             "it was waiting in the queue and will not start" if said_state == "PENDING" else
             "it saves a checkpoint at its next step and is not requeued; `pyrecover status` "
             "shows when it has ended")
 
+    ending = _cancelled_before(RunDir(run_dir), jobs)
+    for queued in ending:
+        typer.echo(f"job {queued} is already ending: `pyrecover cancel` cancelled it for good "
+                   "before (it saves a checkpoint and is not requeued); `pyrecover status` "
+                   "shows when it has ended", err=True)
     _exit_with([_cancel_one(queued, "job", partial(taken, queued, said_state))
-                for queued, said_state in jobs])  # every one, whichever scancel refuses
+                for queued, said_state in jobs if queued not in ending])  # every one,
+    # whichever scancel refuses
 
 
-def _cancel_one(job: str, what: str, taken: Callable[[], tuple[bool, str]]) -> int:
+def _cancelled_before(run, jobs: list[tuple[str, str]]) -> set[str]:
+    """_cancelled_before is those of `jobs` that are COMPLETING after a `pyrecover cancel`
+    that made them non-requeueable: the stop's save runs while SLURM lists the job as
+    COMPLETING, and a second cancel then read scontrol's "Job has already finished" as a job
+    that may requeue itself (an error, exit 1) though the first had turned requeueing off."""
+    from pyrecover.rundir import read_jsonl
+
+    done = {str(e.get("job_id")) for e in read_jsonl(run.events)
+            if e.get("event") == "cancel" and e.get("requeue_off") is True}
+    return {job for job, state in jobs if state == "COMPLETING" and job in done}
+
+
+def _cancel_one(job: str, what: str, taken: Callable[[bool], tuple[bool, str]]) -> int:
     """_cancel_one ends `job` (a `what`: job, job array) for good and says how that went.
-    `taken()` runs once scancel took it: it records the cancel and returns whether a task of
+    `taken(requeue_off)` runs once scancel took it (`requeue_off`: scontrol made it
+    non-requeueable): it records the cancel and returns whether a task of
     the job runs (whose job script would requeue it) and the line that says it is cancelled.
     Returns the exit code it asks for: 2 where scancel refused the job, 1 where a running one
     stays requeueable (a fault of SLURM's, not the user's mistake), else 0."""
@@ -246,7 +266,7 @@ def _cancel_one(job: str, what: str, taken: Callable[[], tuple[bool, str]]) -> i
     if done.refused:
         typer.echo(f"error: could not cancel {what} {job}: {one_line(done.refused)}", err=True)
         return EXIT_USER_ERROR
-    running, said = taken()
+    running, said = taken(done.requeueable is None)
     if done.requeueable and running:
         typer.echo(requeue_kept(job, done.requeueable), err=True)
         return 1
@@ -308,7 +328,8 @@ def _cancel_sweep(sweep_dir: Path) -> None:
     _exit_with(codes)
 
 
-def _array_taken(sweep_dir: Path, array: str, live: dict[int, str]) -> tuple[bool, str]:
+def _array_taken(sweep_dir: Path, array: str, live: dict[int, str],
+                 requeue_off: bool) -> tuple[bool, str]:
     """_array_taken records the cancel in each trial whose task of `array` was live (as a
     run's cancel does); whether one of them runs, and the line that says the array is
     cancelled (_cancel_one's `taken`)."""
@@ -317,7 +338,7 @@ def _array_taken(sweep_dir: Path, array: str, live: dict[int, str]) -> tuple[boo
 
     for index, state in sorted(live.items()):  # recorded once taken, as a run's cancel
         RunDir(Path(sweep_dir) / trial_name(index)).event(
-            "cancel", job_id=f"{array}_{index}", slurm_state=state)
+            "cancel", job_id=f"{array}_{index}", slurm_state=state, requeue_off=requeue_off)
     running = [f"{trial_name(i)} ({s})" for i, s in sorted(live.items()) if s != "PENDING"]
     waiting = [trial_name(i) for i, s in sorted(live.items()) if s == "PENDING"]
     parts = []

@@ -284,3 +284,39 @@ def test_slurm_going_away_between_squeue_and_scancel_is_a_fault_exit_1_in_one_li
                                   "cancelled (scancel: error: Kill job error on job id "
                                   f"{job}: Unable to contact slurm controller"), done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+SAVER = ("#!/bin/bash\n"  # a trainer's stop: on SIGTERM it saves (until `release` appears)
+         'trap \'until [ -e "$RELEASE" ]; do sleep 0.1; done; exit 75\' TERM\n'
+         "sleep 300 &\nwait\n")
+
+
+def test_cancel_typed_again_while_the_first_one_s_save_runs_is_no_error(
+        local_slurm, jobs, tmp_path):
+    """The stop's save runs while SLURM lists the job COMPLETING, and scontrol then answers
+    "Job has already finished": a second `pyrecover cancel` took that for a job that may
+    requeue itself (error, exit 1), though the first had made it non-requeueable."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    script = run_dir / "job.sbatch"
+    script.write_text(SAVER)
+    env = {**local_slurm.client_env(), "RELEASE": str(tmp_path / "release")}
+    out = subprocess.run(["sbatch", "--parsable", "--requeue", "-o", str(tmp_path / "job.out"),
+                          str(script)], env=env, capture_output=True, text=True, check=True)
+    job_id = int(out.stdout.strip().split(";")[0])
+    jobs.append(job_id)
+    local_slurm.wait_job(job_id, states=("RUNNING",), timeout=60)
+    (run_dir / "events.jsonl").write_text(
+        f'{{"event": "start", "time": 1.0, "step": 0, "job_id": "{job_id}"}}\n')
+    first = cancel(run_dir, env)
+    assert first.returncode == 0, first.stderr
+    while local_slurm.run("squeue", "-h", "-j", str(job_id), "-o", "%T").stdout.strip() != (
+            "COMPLETING"):  # the save runs
+        pass
+    again = cancel(run_dir, env)
+    (tmp_path / "release").touch()
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.splitlines() == [
+        f"job {job_id} is already ending: `pyrecover cancel` cancelled it for good before (it "
+        "saves a checkpoint and is not requeued); `pyrecover status` shows when it has ended"]
+    assert local_slurm.wait_job(job_id, timeout=60) == "CANCELLED"
