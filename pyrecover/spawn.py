@@ -119,7 +119,8 @@ def spawn_local(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
 
     def name(i: int, p: subprocess.Popen) -> None:
         rank = parent.node_rank * nproc + i
-        if p.returncode not in NO_CAUSE:  # a rank that found a peer gone only says so
+        # a rank that found a peer gone only says so; one a Ctrl-C quit (130) is the Ctrl-C
+        if p.returncode not in NO_CAUSE and not (said_ctrl_c and p.returncode in CTRL_C_CODES):
             print(f"pyrecover: rank {rank} (pid {p.pid}) {ended(p.returncode)}",
                   file=sys.stderr, flush=True)
         if p.returncode < 0 and -p.returncode not in forwarded:  # not a stop handed on
@@ -341,6 +342,8 @@ class Relay:
 
 # A rank that found another one gone (1), or stopped cleanly (75), names no cause of its own.
 NO_CAUSE = (1, 75)
+# How a worker a Ctrl-C quit at once ends (a trainer's exit 130, or Python's default action).
+CTRL_C_CODES = (128 + signal.SIGINT, -signal.SIGINT)
 
 
 def cause(failures: list[int]) -> int:
