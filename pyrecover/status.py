@@ -7,7 +7,6 @@ Nothing here writes.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -16,6 +15,7 @@ from typing import Any
 
 from pyrecover import ledger as ledger_mod
 from pyrecover import phases
+from pyrecover import status_files as files
 from pyrecover.badnodes import read_bad_nodes
 from pyrecover.health import Failure
 from pyrecover.records import well_formed
@@ -117,11 +117,11 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
         state = "starting up or killed" if holder is None else (
             f"{STARTING} ({holder})" if holder else KILLED)
     if last_error is None and (state.startswith("ended:") or state.startswith(TRAINERLESS)):
-        last_error = _logged_error(run)  # failed before it could record an event
+        last_error = files.logged_error(run)  # failed before it could record an event
     write_s = sum(float(e.get("seconds", 0)) for e in events if e.get("event") == "checkpoint")
     restore_s = sum(float(e.get("restore_seconds", 0)) for e in events
                     if e.get("event") == "resume")
-    last_ckpt, invalid = _last_checkpoint(run, now)
+    last_ckpt, invalid = files.last_checkpoint(run, now)
     slurm_state = squeue(job_id) if (squeue and job_id) else None
     ended = slurm_state not in LIVE_STATES  # the last job that started it, or none did
     waiting = [q for q in (queued(run.job_script) or []) if q[0] != job_id] if (
@@ -134,7 +134,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
         job_id, slurm_state = waiting[0]
     slurm_reason = reason(job_id) if reason and job_id and slurm_state == "PENDING" else None
     book = ledger_mod.ledger(events, metrics, _job_times(events, sacct) if sacct else [])
-    exp_name, max_steps = _recorded(run)
+    exp_name, max_steps = files.recorded(run)
     return Status(
         run_dir=str(run.root), exp_name=exp_name, state=state,
         slurm_state=slurm_state, slurm_reason=slurm_reason, job_id=job_id,
@@ -158,7 +158,7 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
         ledger=book.to_dict(),
         skipped_records=skipped_events + skipped_metrics + garbled[0],
         excluded_nodes=read_bad_nodes(run),
-        persisted_snapshots=_persisted_snapshots(run),
+        persisted_snapshots=files.persisted_snapshots(run),
         failed_checkpoints=_failed_since_commit(events),
         profile=next(({k: v for k, v in e.items() if k not in ("event", "host")}
                       for e in reversed(events) if e.get("event") == "profile"), None),
@@ -327,74 +327,8 @@ def _error_of(e: dict[str, Any]) -> Any:
     return e.get("error")
 
 
-def _logged_error(run: RunDir) -> str | None:
-    """_logged_error is the last `error: ...` line of the newest job log, if any.
-
-    A trainer that fails before its run directory is set up (say, a missing data file)
-    exits 2 with that line on stderr but writes no event."""
-    logs = sorted(run.logs.glob("*.out"), key=lambda p: p.stat().st_mtime) \
-        if run.logs.is_dir() else []
-    for log in reversed(logs):
-        try:
-            lines = log.read_text(errors="replace").splitlines()
-        except OSError:
-            continue
-        found = next((line.removeprefix("error: ").strip() for line in reversed(lines)
-                      if line.startswith("error: ")), None)
-        if found:
-            return found[:300]
-    return None
-
-
-def _recorded(run: RunDir) -> tuple[str, int | None]:
-    """_recorded is run.yaml's (run.exp_name, train.max_steps); a run.yaml that does not read
-    (damaged, hand-edited) gives the folder's name and no max_steps: status only reads, it
-    never fails."""
-    from pyrecover.config import ConfigError, read_yaml
-
-    try:
-        recorded = read_yaml(run.config)
-    except ConfigError:
-        recorded = {}
-    name = run.root.name
-    with contextlib.suppress(AttributeError, KeyError, TypeError):
-        name = str(recorded["run"]["exp_name"]) or name
-    try:
-        return name, int(recorded["train"]["max_steps"])
-    except (KeyError, TypeError, ValueError):
-        return name, None
-
-
 def _failed_since_commit(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """_failed_since_commit: the `checkpoint_failed` records after the newest `checkpoint`."""
     committed = max((i for i, e in enumerate(events) if e.get("event") == "checkpoint"),
                     default=-1)
     return [e for e in events[committed + 1:] if e.get("event") == "checkpoint_failed"]
-
-
-def _persisted_snapshots(run: RunDir) -> list[int]:
-    """_persisted_snapshots: the steps of the `.snap-step-N` folders in checkpoints/, newest
-    first."""
-    from pyrecover.checkpoint.store import SNAPSHOT_GLOB
-
-    try:
-        names = [p.name.rpartition("-")[2] for p in run.checkpoints.glob(SNAPSHOT_GLOB)]
-    except OSError:
-        return []
-    return sorted((int(n) for n in names if n.isdigit()), reverse=True)
-
-
-def _last_checkpoint(run: RunDir, now: float
-                     ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """_last_checkpoint is the newest valid checkpoint (sizes checked) and the invalid step
-    folders newer than it, each with its problem."""
-    from pyrecover.checkpoint import store
-
-    invalid = []
-    for step, folder, ckpt, problem in store.scan(run.checkpoints, checksums=False):
-        if ckpt is not None:  # stamped by the saving node's clock, maybe ahead: never < 0
-            age = max(0.0, now - float(ckpt.manifest.get("time", now)))
-            return ({"step": step, "mode": ckpt.mode, "bytes": ckpt.size, "path": str(folder),
-                     "age_s": round(age, 1)}, invalid)
-        invalid.append({"step": step, "path": str(folder), "problem": problem})
-    return None, invalid
