@@ -132,6 +132,8 @@ def read(path: str | Path, squeue=None, now: float | None = None, sacct=None,
             waiting.append((task, task_state))
     if waiting:  # launched again, not started yet: the job in the queue
         job_id, slurm_state = waiting[0]
+        if not state.startswith(GOES_ON):  # it had ended: the new job trains on
+            state = f"{LAUNCHED_AGAIN} (before: {state})"
     slurm_reason = reason(job_id) if reason and job_id and slurm_state == "PENDING" else None
     book = ledger_mod.ledger(events, metrics, _job_times(events, sacct) if sacct else [])
     exp_name, max_steps = files.recorded(run)
@@ -259,6 +261,8 @@ RUNNING_OR_KILLED = "running or killed"  # (where the lock cannot tell which: no
 
 KILLED = "killed (no end recorded)"
 STARTING = "starting up"  # a first start that has not recorded its start yet (the lock tells)
+LAUNCHED_AGAIN = "launched again"  # a run that had ended (finished, cancelled...) with a new job
+GOES_ON = ("stopped", "not started", "running", STARTING, RUNNING_OR_KILLED)  # a job resumes it
 
 
 def _state(events: list[dict[str, Any]]) -> str:

@@ -38,7 +38,9 @@ def status(
     killed (no end recorded, and the lock is free and was last held by a process on this host
     that is gone, or the job script requeued or restarted it), or "running or killed" (the
     lock's last holder was on another host, whose lock may be invisible here, or the storage has
-    no locks to ask). Starts: one per process start, and one per start of the job that ended
+    no locks to ask); and "launched again (before: ...)" where a run that had ended (finished,
+    cancelled, crashed...) has a new job queued or starting, to train on. Starts: one per
+    process start, and one per start of the job that ended
     before its trainer recorded anything; each one after the first is a restart, by why the one
     before ended (stop and its signal, time limit, cancelled by `pyrecover cancel`, crash,
     hang, health check failed, error, ended during start-up, failed before the trainer started,

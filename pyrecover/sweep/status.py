@@ -68,8 +68,8 @@ def read(sweep_dir: str | Path, slurm: Callable[[str], dict[str, str]] | None = 
     # ARRAYID_TASKID: one task's SLURM_JOB_ID may be the whole array's id
     states = slurm(array) if slurm and array else {}
     trials = [_trial(root / t["dir"], int(t["index"]), t["params"] if t["params"] is not None
-                     else _recorded(root / t["dir"], keys), rec,
-                     states.get(f"{array}_{t['index']}"))
+                     else _recorded(root / t["dir"], keys), rec, f"{array}_{t['index']}",
+                     states)
               for t in rec.trials]
     sign = 1.0 if rec.goal == "minimize" else -1.0
     # Those with a last value first (best first), then the diverged ones, then the rest.
@@ -90,8 +90,12 @@ def _recorded(path: Path, keys: list[str]) -> dict[str, Any] | str | None:
 
 
 def _trial(path: Path, index: int, params: dict[str, Any] | str | None, rec: record.Record,
-           slurm_state: str | None) -> Trial:
+           task: str, states: dict[str, str]) -> Trial:
+    """_trial reads one trial; `task` is its task's name in the sweep's newest array, whose
+    tasks' SLURM states are `states`: a trial that had ended and whose task of a newer array
+    waits reads `launched again`, as a run does (status.read)."""
     run = RunDir(path)
+    slurm_state = states.get(task)
     if isinstance(params, str):  # _recorded's problem
         return Trial(index, str(path), {}, params, slurm_state, 0, None, 0, None, None)
     if params is None:  # bayes: wandb hands the values out at the trial's first start
@@ -108,7 +112,7 @@ def _trial(path: Path, index: int, params: dict[str, Any] | str | None, rec: rec
     finite = [v for v in values if math.isfinite(v)]
     if run.problem() is not None:  # written at launch; gone only if someone removed it
         return Trial(index, str(path), params, "missing", slurm_state, 0, None, 0, None, None)
-    s = run_status.read(path)
+    s = run_status.read(path, squeue=states.get, task=task) if states else run_status.read(path)
     best = (min(finite) if rec.goal == "minimize" else max(finite)) if finite else None
     # NaN gradients under finite losses end a trial too (train.max_bad_steps): its last loss
     # (say 7e9) is no result, and ranked by tokens_per_s it could have been named best.

@@ -394,3 +394,31 @@ def test_a_job_cancelled_while_it_started_up_is_cancelled_not_killed(tmp_path):
                     **other}]
         _write(run, shifted, [])
         assert status.read(run.root, now=30.0).state != "cancelled"
+
+
+@pytest.mark.parametrize("ending, before", [
+    ({"event": "finish", "step": 2}, "finished"),
+    ({"event": "cancel", "job_id": "41"}, "cancelled"),
+])
+def test_a_run_that_had_ended_and_is_launched_again_says_so_not_how_it_ended(
+        tmp_path, ending, before):
+    """A finished run launched again with a higher train.max_steps read `finished; SLURM job
+    57: PENDING` while it waited: the new job trains on, the run has not ended."""
+    run = RunDir(tmp_path / "exp")
+    run.create()
+    started = {"event": "start", "time": 1.0, "step": 0, "job_id": "41"}
+    _write(run, [started, {**ending, "time": 2.0}], [])
+    alone = status.read(run.root, now=5.0, squeue=lambda name: None,
+                        queued=lambda script: [])
+    assert alone.state.startswith(before)
+    again = status.read(run.root, now=5.0, squeue=lambda name: None,
+                        queued=lambda script: [("57", "PENDING")])
+    assert (again.state, again.job_id, again.slurm_state) == (
+        f"launched again (before: {alone.state})", "57", "PENDING")
+    stopped = RunDir(tmp_path / "stopped")
+    stopped.create()
+    _write(stopped, [started, {"event": "stop", "time": 2.0, "step": 1, "reason": "SIGUSR2"}],
+           [])
+    waits = status.read(stopped.root, now=5.0, squeue=lambda name: None,
+                        queued=lambda script: [("57", "PENDING")])
+    assert waits.state.startswith("stopped")  # its new job resumes it: that word stays

@@ -151,3 +151,25 @@ def test_a_trial_named_from_inside_its_own_folder_is_found_in_its_array(tmp_path
     assert record.trial_task(tmp_path / "trial-3") == "4242_3"
     monkeypatch.chdir(tmp_path / "trial-3")
     assert record.trial_task(".") == "4242_3"
+
+
+def test_a_finished_trial_whose_task_of_a_newer_array_waits_reads_launched_again(tmp_path):
+    """The sweep launched again (a higher train.max_steps): its finished trials read
+    `finished (PENDING)`, though their new tasks will train on."""
+    sweep = sweep_of({"method": "grid", "parameters": {"train.lr": {"values": [1, 2]}}})
+    record.write(tmp_path, record.make(sweep, trials.choose(sweep)))
+    for index, (job, end) in enumerate([("800_0", "finish"), ("812_1", "stop")]):
+        run = RunDir(tmp_path / trials.trial_name(index))
+        run.create()
+        run.config.write_text(config_mod.dump(config_mod.load(TINY)))
+        run.event("start", step=0, job_id=job)
+        run.metric(step=1, loss=3.0)
+        run.event(end, step=1, job_id=job, reason="SIGUSR2")
+    record.add_job(tmp_path, 812)
+    states = {"812_0": "PENDING", "812_1": "PENDING"}  # 812_1: requeued after its stop
+    s = sweep_status.read(tmp_path, slurm=lambda array: states if array == "812" else {})
+    by_index = {t.index: t for t in s.trials}
+    assert (by_index[0].state, by_index[0].slurm_state) == (
+        "launched again (before: finished)", "PENDING")
+    assert by_index[1].state.startswith("stopped"), by_index[1].state
+    assert sweep_status.read(tmp_path).trials[0].state == "finished"  # SLURM not asked
