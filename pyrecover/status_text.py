@@ -204,7 +204,9 @@ def render_rows(rows: list[Row]) -> str:
     table = [("NAME", "STEP", "CHECKPOINT", "JOB", "SLURM", "GOODPUT", "STATE")]
     for r in rows:
         run = r.kind == "run" and not r.state.startswith(UNREADABLE)
-        step = "-" if not run else f"{r.step}/{r.max_steps}" if r.max_steps else f"{r.step}"
+        step = "-" if not run else f"{r.step}" + (
+            "" if not r.max_steps else f"/{r.max_steps}" if (r.step or 0) <= r.max_steps
+            else f" (past max_steps {r.max_steps})")  # `100/30` read as a miscount
         ckpt = "-" if not run else "none" if r.checkpoint_step is None else (
             f"step {r.checkpoint_step} ({human_age(r.checkpoint_age_s)} old)")
         goodput = "-" if r.goodput is None else f"{r.goodput:.1%}"

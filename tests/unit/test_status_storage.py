@@ -236,3 +236,14 @@ def test_clearing_bad_nodes_of_a_storage_folder_names_a_run_beside_one_it_cannot
     assert done.stderr == (f"error: --clear-bad-nodes forgets one run's excluded nodes; "
                            f"{storage} is a storage folder: name a run in it, e.g. pyrecover "
                            f"status {storage / 'b-older'} --clear-bad-nodes\n"), done.stderr
+
+
+def test_a_run_past_its_recorded_max_steps_is_not_listed_as_a_fraction():
+    from pyrecover.status_list import Row
+    from pyrecover.status_text import render_rows
+
+    rows = [Row("past", "run", "runs/past", "finished", step=100, max_steps=30),
+            Row("mid", "run", "runs/mid", "stopped (will resume)", step=12, max_steps=30)]
+    text = render_rows(rows).splitlines()
+    assert "100 (past max_steps 30)" in text[1] and "100/30" not in text[1], text[1]
+    assert text[2].split()[:2] == ["mid", "12/30"], text[2]
