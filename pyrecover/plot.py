@@ -258,13 +258,18 @@ def _draw(title: str, losses: list[Series], speed: list[Series], found: list[Mar
         top.plot(ser.steps, ser.losses, color=_rgb(LOSS), linewidth=1.5, zorder=3,
                  marker="o" if len(ser.steps) == 1 else None, label="loss" if i == 0 else None)
     shown: set[str] = set()
+    # A resume at the step of the stop (or crash) it followed, none lost, is dashed over it:
+    # drawn whole, it hid that the run had stopped there at all.
+    ended = {m.step for m in found if m.kind in MARKS and m.kind != "resume"}
     for m in found:
         if m.kind not in MARKS:
             continue
         name = NAMES.get(m.kind, m.kind)
+        over = m.kind == "resume" and m.step in ended
         for ax in (top, low):  # a requeue under the crash or stop it followed, same step
             ax.axvline(m.step, color=_rgb(MARKS[m.kind]), linewidth=2, antialiased=False,
-                       zorder=4.5 if m.kind.endswith("requeue") else 5,
+                       zorder=4.5 if m.kind.endswith("requeue") else 5.5 if over else 5,
+                       linestyle=(0, (4, 4)) if over else "-",
                        label=None if name in shown or ax is low else name)
         shown.add(name)
         if m.kind == "resume":

@@ -98,6 +98,23 @@ def test_a_requeue_the_job_script_records_in_whole_seconds_sits_at_the_step_it_f
         (10, "stop"), (10, "requeue"), (10, "resume")]
 
 
+def test_a_resume_at_the_step_of_the_stop_it_followed_leaves_the_stop_in_sight(tmp_path):
+    """A run stopped at step 10 and resumed there, nothing lost: the blue resume was drawn
+    over the orange stop, and the plot showed no stop at all."""
+    run = RunDir(tmp_path / "run")
+    run.create()
+    for step in range(1, 21):
+        run.metric(step=step, loss=5.0 - step * 0.1, tokens_per_s=1000.0,
+                   time=1000.0 + step if step <= 10 else 1030.0 + step)
+    run.event("stop", step=10, reason="SIGUSR2", time=1010.5)
+    run.event("resume", step=10, steps_lost=0, time=1030.0)
+    out = tmp_path / "run.png"
+    layout = plot.write(run.root, out, width=800, height=400)
+    pixels = read_png(out).load()
+    seen = {pixels[layout.x(10), y] for y in range(layout.top + 1, layout.bottom)}
+    assert {plot.STOP, plot.RESUME} <= seen, seen
+
+
 def test_a_crash_stays_red_under_the_requeue_that_followed_it(tmp_path):
     """The job script's requeue after a crash lands on the crash's step; drawn after it, in
     orange, it hid the red line: a sweep trial killed at step 6 read as stopped there."""
