@@ -6,6 +6,7 @@ imported only when a plot is drawn. The top panel is the loss with the run's mar
 - checkpoint: a green tick along the bottom and a faint dotted line;
 - resume: blue, at the step the run resumed from, labelled with the steps it had to redo,
   which are shaded (the lost work); a start over from step 0 after logged steps is one too;
+  dashed where a stop or crash shares its step, which shows through;
 - crash, error, hang, and the job script's requeue or restart after a failure (a task
   SIGKILLed records no event of its own): red, at the last step logged before the event;
 - stop / signal, and a requeue after a clean stop: orange.
