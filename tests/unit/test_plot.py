@@ -98,39 +98,43 @@ def test_a_requeue_the_job_script_records_in_whole_seconds_sits_at_the_step_it_f
         (10, "stop"), (10, "requeue"), (10, "resume")]
 
 
-def test_a_resume_at_the_step_of_the_stop_it_followed_leaves_the_stop_in_sight(tmp_path):
-    """A run stopped at step 10 and resumed there, nothing lost: the blue resume was drawn
-    over the orange stop, and the plot showed no stop at all."""
+def run_stopped_at(tmp_path: Path, steps: int, last: int) -> RunDir:
+    """run_stopped_at is a run whose metrics go to `steps`, with a pause of half a minute
+    after step `last` (where the test records how the first start ended)."""
     run = RunDir(tmp_path / "run")
     run.create()
-    for step in range(1, 21):
+    for step in range(1, steps + 1):
         run.metric(step=step, loss=5.0 - step * 0.1, tokens_per_s=1000.0,
-                   time=1000.0 + step if step <= 10 else 1030.0 + step)
-    run.event("stop", step=10, reason="SIGUSR2", time=1010.5)
-    run.event("resume", step=10, steps_lost=0, time=1030.0)
+                   time=1000.0 + step if step <= last else 1030.0 + step)
+    return run
+
+
+def colors_at(run: RunDir, step: int, tmp_path: Path) -> set[tuple[int, int, int]]:
+    """colors_at: the colors of the plot's column at `step`, inside the loss panel."""
     out = tmp_path / "run.png"
     layout = plot.write(run.root, out, width=800, height=400)
     pixels = read_png(out).load()
-    seen = {pixels[layout.x(10), y] for y in range(layout.top + 1, layout.bottom)}
+    return {pixels[layout.x(step), y] for y in range(layout.top + 1, layout.bottom)}
+
+
+def test_a_resume_at_the_step_of_the_stop_it_followed_leaves_the_stop_in_sight(tmp_path):
+    """A run stopped at step 10 and resumed there, nothing lost: the blue resume was drawn
+    over the orange stop, and the plot showed no stop at all."""
+    run = run_stopped_at(tmp_path, 20, 10)
+    run.event("stop", step=10, reason="SIGUSR2", time=1010.5)
+    run.event("resume", step=10, steps_lost=0, time=1030.0)
+    seen = colors_at(run, 10, tmp_path)
     assert {plot.STOP, plot.RESUME} <= seen, seen
 
 
 def test_a_crash_stays_red_under_the_requeue_that_followed_it(tmp_path):
     """The job script's requeue after a crash lands on the crash's step; drawn after it, in
     orange, it hid the red line: a sweep trial killed at step 6 read as stopped there."""
-    run = RunDir(tmp_path / "run")
-    run.create()
-    for step in range(1, 13):
-        run.metric(step=step, loss=5.0 - step * 0.1, tokens_per_s=1000.0,
-                   time=1000.0 + step if step <= 6 else 1030.0 + step)
+    run = run_stopped_at(tmp_path, 12, 6)
     run.event("crash", rank=1, error="RuntimeError: Connection reset by peer", time=1006.2)
     run.event("requeue", job_id="7", exit_code=137, reason="crash", time=1006)
     run.event("resume", step=4, steps_lost=2, time=1030.0)
-    out = tmp_path / "run.png"
-    layout = plot.write(run.root, out, width=800, height=400)
-    pixels = read_png(out).load()
-    assert {pixels[layout.x(6), y] for y in range(layout.top + 1, layout.bottom)} == \
-        {plot.CRASH}
+    assert colors_at(run, 6, tmp_path) == {plot.CRASH}
 
 
 def test_a_task_killed_with_no_event_of_its_own_is_red_from_the_job_script_s_requeue(
