@@ -7,11 +7,14 @@ import shlex
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from pyrecover.cli.errors import EXIT_USER_ERROR, PathText, run_folder, user_error
+
+if TYPE_CHECKING:
+    from pyrecover.rundir import RunDir
 
 
 def status(
@@ -56,8 +59,8 @@ def status(
     A storage folder (run.storage) that holds runs: one line per run or sweep directly inside
     it, the most recently active first: its step of max_steps, last checkpoint and its age,
     SLURM job and its state in the queue (one squeue for all), goodput and state (in the words
-    above). A sweep is listed with its number of trials (`pyrecover
-    sweep status DIR` shows them); a folder that cannot be read says why in its row. Folders
+    above). A sweep is listed with its number of trials (`pyrecover sweep status DIR` shows
+    them); a folder that cannot be read says why in its row. Folders
     nested deeper than one level are not searched.
 
     \b
@@ -110,19 +113,26 @@ def _status(run_dir: Path, as_json: bool, clear_bad_nodes: bool) -> None:
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else status_text.render(report))
 
 
-def _runs_inside(folder: Path) -> list[Path]:
-    """_runs_inside are the run directories directly inside `folder` where it is a storage
-    folder (none where it is a run or sweep itself)."""
+def _storage_folder(folder: Path) -> bool:
+    """_storage_folder tells whether `folder` may hold runs: a folder, no run or sweep itself."""
     from pyrecover.rundir import RunDir
 
     run = RunDir(folder)
-    if not folder.is_dir() or run.is_run() or run.is_sweep():
-        return []
+    return folder.is_dir() and not run.is_run() and not run.is_sweep()
+
+
+def _runs_inside(folder: Path) -> list[Path]:
+    """_runs_inside are the run directories directly inside `folder` where it is a storage
+    folder; one it cannot enter is left out, the rest are named."""
+    from pyrecover.rundir import RunDir
+
     def is_run(path: Path) -> bool:
-        with contextlib.suppress(OSError):  # a folder it cannot enter: not named, the rest are
+        with contextlib.suppress(OSError):
             return path.is_dir() and RunDir(path).is_run()
         return False
 
+    if not _storage_folder(folder):
+        return []
     with contextlib.suppress(OSError):
         return sorted(p for p in folder.iterdir() if is_run(p))
     return []
@@ -145,11 +155,9 @@ def _listed(folder: Path, as_json: bool) -> bool:
     import json
 
     from pyrecover import status_list, status_text
-    from pyrecover.rundir import RunDir
     from pyrecover.slurm.query import my_jobs, slow_note
 
-    run = RunDir(folder)
-    if not folder.is_dir() or run.is_run() or run.is_sweep():
+    if not _storage_folder(folder):
         return False
     found = status_list.rows(folder)
     if not found:
@@ -238,12 +246,12 @@ def _cancel(run_dir: Path) -> None:
         typer.echo(f"job {queued} is already ending: `pyrecover cancel` cancelled it for good "
                    "before (it saves a checkpoint and is not requeued); `pyrecover status` "
                    "shows when it has ended", err=True)
+    # every one not already ending, whichever scancel refuses
     _exit_with([_cancel_one(queued, "job", partial(taken, queued, said_state))
-                for queued, said_state in jobs if queued not in ending])  # every one,
-    # whichever scancel refuses
+                for queued, said_state in jobs if queued not in ending])
 
 
-def _cancelled_before(run, jobs: list[tuple[str, str]]) -> set[str]:
+def _cancelled_before(run: RunDir, jobs: list[tuple[str, str]]) -> set[str]:
     """_cancelled_before is those of `jobs` that are COMPLETING after a `pyrecover cancel`
     that made them non-requeueable: the stop's save runs while SLURM lists the job as
     COMPLETING, and a second cancel then read scontrol's "Job has already finished" as a job
